@@ -1,0 +1,266 @@
+"""The DFlash drafter (v1) in MLX: a few Qwen3-style layers fed by the target's hidden states.
+
+Module and parameter names mirror the published checkpoints exactly (reference 1.8), so a z-lab
+drafter directory loads strictly. The drafter owns no embedding table and no output head: `bind`
+borrows the target's. Its input is a block `[anchor, MASK, ..., MASK]`; the target features of the
+committed context enter every layer as extra keys and values ("KV injection", reference 1.2), and
+only those context keys/values are cached, so a rejected draft needs no rollback here.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DFlashConfig, parse_config
+from .errors import DFlashError
+
+# Keys some early uploads carried; the drafter uses the target's embedding and head instead.
+BORROWED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class Borrowed:
+    embed: Callable  # token ids -> embeddings (the target's table, mask row included)
+    head: Callable  # hidden -> logits (the target's head, tied or not, quantized or not)
+    embed_scale: float
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        dim, hd = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = hd**-0.5
+        self.is_causal = config.layer_is_causal(layer_idx)
+        self.window = config.layer_window(layer_idx)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+
+    def _heads(self, x, n, norm=None):
+        B, L, _ = x.shape
+        x = x.reshape(B, L, n, -1)
+        if norm is not None:
+            x = norm(x)
+        return x.transpose(0, 2, 1, 3)
+
+    def __call__(self, x, h_ctx, rope, cache: KVCache):
+        """x: normed block [B, L, H]; h_ctx: new context rows [B, S, H] at positions cache.offset.."""
+        L, S = x.shape[1], h_ctx.shape[1]
+        q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
+        k_blk = self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm)
+        v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
+        k_ctx = self._heads(self.k_proj(h_ctx), self.n_kv_heads, self.k_norm)
+        v_ctx = self._heads(self.v_proj(h_ctx), self.n_kv_heads)
+
+        # Absolute positions: context rows continue the cache, the block follows the context.
+        block_start = cache.offset + S
+        q = rope(q, offset=block_start)
+        k_blk = rope(k_blk, offset=block_start)
+        k_ctx = rope(k_ctx, offset=cache.offset)
+        k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)  # only context is ever cached
+        keys = mx.concatenate([k_ctx, k_blk], axis=2)
+        values = mx.concatenate([v_ctx, v_blk], axis=2)
+
+        mask = self._mask(L, k_ctx.shape[2])
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1))
+
+    def _mask(self, L: int, ctx_len: int):
+        """Block rows see all context (or the window) and their block: all of it, or causally."""
+        if not self.is_causal and self.window is None:
+            return None
+        query = ctx_len + mx.arange(L)[:, None]
+        key = mx.arange(ctx_len + L)[None]
+        visible = mx.ones((L, ctx_len + L), dtype=mx.bool_)
+        if self.is_causal:
+            visible = visible & (key <= query)
+        if self.window is not None:
+            visible = visible & (query - key < self.window) & (key - query < self.window)
+        return visible
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, h, h_ctx, rope, cache):
+        h = h + self.self_attn(self.input_layernorm(h), h_ctx, rope, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Its own RoPE, from its own config (not the target's), NeoX layout.
+        self._rope = initialize_rope(
+            config.head_dim,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        # Borrowed from the target by bind(). A plain object, so the target's modules never join the
+        # drafter's module tree (saving, quantizing or training the drafter leaves them alone).
+        self._borrowed: Optional[Borrowed] = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def is_bound(self) -> bool:
+        return self._borrowed is not None
+
+    def bind(self, target) -> "DFlashDraftModel":
+        """Borrow the target's embedding and output head, after checking the pair fits."""
+        target.check_drafter(self.config)
+        # The raw table times input_embedding_scale, as the PyTorch reference trains it (reference 1.6).
+        scale = self.config.input_embedding_scale
+        self._borrowed = Borrowed(target.embed_tokens, target.output_head, scale)
+        return self
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.layers]
+
+    def hidden(self, block_ids: mx.array, context: mx.array, cache: list) -> mx.array:
+        """Final-norm hidden rows of the block. block_ids [B, L]; context [B, S, n_tgt*H], new rows only."""
+        if self._borrowed is None:
+            raise DFlashError("the drafter is not bound to a target: call drafter.bind(target) first")
+        h = self._borrowed.embed(block_ids) * self._borrowed.embed_scale
+        h_ctx = self.hidden_norm(self.fc(context))  # once per call, shared by every layer
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, h_ctx, self._rope, c)
+        return self.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        out = self._borrowed.head(hidden) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def __call__(self, block_ids: mx.array, context: mx.array, cache: list) -> mx.array:
+        """Draft logits for block rows 1..L-1 (row j proposes the token at block position j)."""
+        return self.logits(self.hidden(block_ids, context, cache)[:, 1:])
+
+
+def _read_weights(path: Path) -> dict:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise DFlashError(
+                f"{path} holds only pickle weights (*.bin/*.pt), which are never loaded because they can "
+                "run code; convert them to safetensors first"
+            )
+        raise DFlashError(f"no *.safetensors weights in {path}")
+    weights = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def drafter_from_dir(path: Path) -> DFlashDraftModel:
+    """Build a drafter from a local directory (config.json + safetensors), strictly.
+
+    Code shipped beside a checkpoint (the `dflash.py` of published repos) is never imported.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise DFlashError(f"{path} has no config.json: point --drafter at a DFlash drafter directory")
+    config = parse_config(json.loads(config_file.read_text()), where=str(config_file))
+    model = DFlashDraftModel(config)
+    weights = _read_weights(path)
+    for key in BORROWED_KEYS:
+        weights.pop(key, None)
+    quantization = config.raw.get("quantization")
+    if quantization:
+        _quantize_like_checkpoint(model, quantization, weights)
+    load_strict(model, weights, where=str(path))
+    model.eval()
+    return model
+
+
+def _quantize_like_checkpoint(model: nn.Module, quantization: dict, weights: dict):
+    """Rebuild quantized modules exactly where the checkpoint has quantized weights."""
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=lambda p, m: f"{p}.scales" in weights,
+    )
+
+
+def load_strict(model: nn.Module, weights: dict, where: str):
+    """Load weights; any missing or unexpected key is an error that names it."""
+    from mlx.utils import tree_flatten
+
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {_some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_some(unexpected)}")
+        raise DFlashError(f"drafter weights in {where} do not match its config: " + "; ".join(parts))
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise DFlashError(
+                f"drafter weight {name} in {where} has shape {tuple(value.shape)}, "
+                f"the config implies {tuple(expected[name].shape)}"
+            )
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+
+
+def _some(keys: list, n: int = 4) -> str:
+    shown = ", ".join(keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def init_drafter(config: DFlashConfig, seed: Optional[int] = None) -> DFlashDraftModel:
+    """A freshly initialised drafter (random weights), e.g. as the start of training."""
+    if seed is not None:
+        mx.random.seed(seed)
+    model = DFlashDraftModel(config)
+    mx.eval(model.parameters())
+    return model

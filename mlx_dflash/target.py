@@ -1,0 +1,175 @@
+"""The target adapter: an mlx-lm model seen the way the decoder needs it.
+
+It runs the model's own forward and returns every row's logits together with the outputs of the
+decoder layers the drafter listens to (reference 1.3), and rolls the KV cache back after a partial
+acceptance. Capturing works by composition: for the length of one forward call, the chosen entries of
+the model instance's layer list are wrapped by recorders and then put back. No mlx-lm class is patched.
+"""
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
+
+from .config import DFlashConfig
+from .errors import DFlashError
+
+
+class _Recorder:
+    """Stands in for one decoder layer during a forward call and keeps its output."""
+
+    def __init__(self, layer, sink: dict, index: int):
+        self._layer, self._sink, self._index = layer, sink, index
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._sink[self._index] = out[0] if isinstance(out, tuple) else out
+        return out
+
+    def __getattr__(self, name):  # the model may read layer attributes (e.g. use_sliding)
+        return getattr(self._layer, name)
+
+
+def _find_inner(model):
+    """The module holding `embed_tokens` and `layers` (mlx-lm nests it as model.model or language_model)."""
+    for candidate in (model, getattr(model, "model", None), getattr(model, "language_model", None)):
+        if candidate is None:
+            continue
+        if hasattr(candidate, "embed_tokens") and hasattr(candidate, "layers"):
+            return candidate
+        inner = getattr(candidate, "model", None)
+        if inner is not None and hasattr(inner, "embed_tokens") and hasattr(inner, "layers"):
+            return inner
+    raise DFlashError(
+        f"cannot find the embedding table and decoder layers of {type(model).__module__}.{type(model).__name__}; "
+        "the target must be an mlx-lm language model"
+    )
+
+
+class Target:
+    """An mlx-lm model with hidden-state capture and cache rollback."""
+
+    def __init__(self, model: nn.Module, layer_ids=()):
+        self.model = model
+        self._inner = _find_inner(model)
+        self.layer_ids = tuple(layer_ids)
+        self._check_rollback()
+
+    # What the drafter borrows.
+    @property
+    def embed_tokens(self):
+        return self._inner.embed_tokens
+
+    @property
+    def output_head(self):
+        head = getattr(self.model, "lm_head", None)
+        if head is None:
+            head = getattr(getattr(self.model, "language_model", None), "lm_head", None)
+        return head if head is not None else self._inner.embed_tokens.as_linear
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._inner.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        emb = self._inner.embed_tokens
+        return getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        emb = self._inner.embed_tokens
+        return getattr(emb, "dims", None) or emb.weight.shape[1]
+
+    def check_drafter(self, config: DFlashConfig):
+        """Refuse a drafter that was not made for this target, naming both values."""
+        if config.hidden_size != self.hidden_size:
+            raise DFlashError(
+                f"drafter hidden_size {config.hidden_size} != target hidden size {self.hidden_size}: "
+                "this drafter was trained for a different target model"
+            )
+        if config.vocab_size != self.vocab_size:
+            raise DFlashError(
+                f"drafter vocab_size {config.vocab_size} != target vocabulary {self.vocab_size}: "
+                "this drafter was trained for a different target model"
+            )
+        if not 0 <= config.mask_token_id < self.vocab_size:
+            raise DFlashError(
+                f"drafter mask_token_id {config.mask_token_id} is outside the target embedding table "
+                f"(0..{self.vocab_size - 1})"
+            )
+        bad = [i for i in config.target_layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise DFlashError(
+                f"drafter target_layer_ids {list(config.target_layer_ids)} reach layer {bad[0]}, but the "
+                f"target has {self.num_layers} layers (0..{self.num_layers - 1})"
+            )
+        self.layer_ids = tuple(config.target_layer_ids)
+
+    # Caches.
+    def make_cache(self) -> list:
+        """The model's own cache, with sliding-window rings replaced by plain KV caches.
+
+        A ring buffer cannot give back positions it has overwritten, and mlx-lm passes the window to
+        the attention mask for sliding layers, so a plain cache gives the same outputs and stays
+        trimmable (at the cost of keeping the whole context).
+        """
+        cache = make_prompt_cache(self.model)
+        return [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
+
+    def _check_rollback(self):
+        cache = self.make_cache()
+        stuck = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+        if stuck:
+            kind = getattr(self.model, "model_type", type(self.model).__name__)
+            raise DFlashError(
+                f"target '{kind}' keeps state that cannot be rolled back ({', '.join(stuck)}, e.g. recurrent "
+                "layers); DFlash needs a target whose KV caches can be trimmed"
+            )
+
+    @staticmethod
+    def trim(cache: list, n: int):
+        """Forget the last n positions (rejected drafts)."""
+        if n > 0:
+            trim_prompt_cache(cache, n)
+
+    # Forward passes.
+    @contextmanager
+    def _recording(self):
+        layers = self._inner.layers
+        sink, originals = {}, {i: layers[i] for i in self.layer_ids}
+        try:
+            for i, layer in originals.items():
+                layers[i] = _Recorder(layer, sink, i)
+            yield sink
+        finally:
+            for i, layer in originals.items():
+                layers[i] = layer
+
+    def forward(self, ids: mx.array, cache: list):
+        """Run ids [1, L] through the model. Returns (logits [1, L, V], features [1, L, n*H]).
+
+        Features are the captured layer outputs concatenated in `layer_ids` order, the order the
+        drafter's `fc` expects.
+        """
+        with self._recording() as sink:
+            logits = self.model(ids, cache=cache)
+        features = mx.concatenate([sink[i] for i in self.layer_ids], axis=-1) if self.layer_ids else None
+        return logits, features
+
+    def prefill(self, prompt: mx.array, cache: list, step: int = 2048):
+        """Process the prompt [P] in chunks. Returns (last-row logits [V], features [1, P, n*H]).
+
+        The last token runs on its own, as mlx-lm's generate does: the output head is computed for one
+        row only, and the cache holds exactly what plain mlx-lm decoding would hold.
+        """
+        features = []
+        head, last = prompt[:-1], prompt[-1:]
+        for i in range(0, head.size, step):
+            _, f = self.forward(head[None, i : i + step], cache)
+            mx.eval(f, [c.state for c in cache])  # logits stay unevaluated: the head never runs here
+            features.append(f)
+        logits, f = self.forward(last[None], cache)
+        features.append(f)
+        return logits[0, -1], mx.concatenate(features, axis=1)
