@@ -1,0 +1,260 @@
+"""Custom Metal kernels: a one-pass quantized matmul for 6..16 rows (DFlash verification).
+
+MLX's quantized matmul streams the weights once for <= 5 rows, 2-4 times for 6..16 rows (qmv_wide) or
+switches to a 32-row tile (qmm_t). ``metal_kernels/wide_qmm.metal`` reads them once for 6..16 rows.
+
+* ``wide_quantized_matmul`` runs that kernel (Metal only).
+* ``WideQuantizedLinear`` wraps an ``nn.QuantizedLinear`` (same parameter arrays, same parameter tree)
+  and sends 6..16-row inputs to the kernel when Metal is available; everything else, and every input on
+  CPU/CUDA, goes through ``mx.quantized_matmul`` exactly as ``nn.QuantizedLinear`` does.
+* ``install_wide_kernels(model)`` swaps those modules into one model instance.
+* ``metal_source(kernel, **call)`` returns the exact Metal source MLX would compile for a call, also on
+  Linux (used by the CPU emulator in ``tests/metal_emulator``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.resources
+import os
+import re
+import sys
+import tempfile
+import threading
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+MIN_ROWS = 6
+MAX_ROWS = 16
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+_SIMD = 32
+_THREADS = 64  # threads per threadgroup (must match NSG * SIMD in wide_qmm.metal)
+_FEATURES_PER_TG = 16  # output features per threadgroup (FPT in wide_qmm.metal)
+
+
+def metal_available() -> bool:
+    """True only when MLX has a usable Metal device."""
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # pragma: no cover - builds without the metal module
+        return False
+
+
+def read_metal_file(name: str) -> tuple[str, str]:
+    """Return (header, body) of ``metal_kernels/<name>``, split at the ``//@@`` markers."""
+    text = importlib.resources.files("mlx_dflash.metal_kernels").joinpath(name).read_text()
+    parts = re.split(r"^//@@ (header|body)[^\n]*\n", text, flags=re.M)
+    sections = dict(zip(parts[1::2], parts[2::2]))
+    if "body" not in sections:
+        raise ValueError(f"{name}: missing '//@@ body' marker")
+    return sections.get("header", ""), sections["body"]
+
+
+@functools.lru_cache(maxsize=None)
+def wide_qmm_kernel():
+    """The ``mx.fast.metal_kernel`` object (one for all variants; MLX JIT-caches each template set)."""
+    header, body = read_metal_file("wide_qmm.metal")
+    return mx.fast.metal_kernel(
+        name="dflash_wide_qmm",
+        input_names=["x", "w", "scales", "biases", "K", "N"],
+        output_names=["y"],
+        source=body,
+        header=header,
+        ensure_row_contiguous=True,
+    )
+
+
+def check_wide_supported(x_shape, w, scales, biases, group_size: int, bits: int, dtype) -> str | None:
+    """Why the wide kernel cannot take this call (None when it can)."""
+    if bits not in SUPPORTED_BITS:
+        return f"bits={bits} not in {SUPPORTED_BITS}"
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        return f"group_size={group_size} not in {SUPPORTED_GROUP_SIZES}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} not supported"
+    if biases is None:
+        return "only affine quantization (with biases) is supported"
+    if len(x_shape) < 1 or w.ndim != 2 or scales.ndim != 2 or w.dtype != mx.uint32:
+        return "expected x (..., K), w (N, K*bits/32) uint32, scales/biases (N, K/group_size)"
+    k = x_shape[-1]
+    n = w.shape[0]
+    if k % group_size or w.shape[1] * 32 != k * bits:
+        return f"K={k} does not match w {w.shape} / group_size {group_size}"
+    if scales.shape != (n, k // group_size) or biases.shape != scales.shape:
+        return "scales/biases shape mismatch"
+    if scales.dtype not in SUPPORTED_DTYPES or biases.dtype != scales.dtype:
+        return "scales/biases dtype not supported"
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    if not MIN_ROWS <= m <= MAX_ROWS:
+        return f"rows={m} outside {MIN_ROWS}..{MAX_ROWS}"
+    return None
+
+
+def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int) -> tuple[Any, dict]:
+    """The kernel object and the keyword arguments of its call for ``x (M, K)``; shared by the Metal
+    path and the emulator so both run exactly the same launch."""
+    reason = check_wide_supported(x.shape, w, scales, biases, group_size, bits, x.dtype)
+    if reason is None and x.ndim != 2:
+        reason = f"x must be 2-D (M, K), got shape {x.shape}"
+    if reason is not None:
+        raise ValueError(f"wide_quantized_matmul: {reason}")
+    m, k = x.shape[0], x.shape[1]
+    n = w.shape[0]
+    tgs = (n + _FEATURES_PER_TG - 1) // _FEATURES_PER_TG
+    call = dict(
+        inputs=[x, w, scales, biases, k, n],
+        template=[("T", x.dtype), ("R", m), ("GS", group_size), ("BITS", bits)],
+        grid=(_THREADS * tgs, 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )
+    return wide_qmm_kernel(), call
+
+
+def wide_quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
+    """``x @ dequantize(w).T`` for 6..16 rows (product of x's leading dims) with one pass over w.
+
+    Metal only; raises RuntimeError elsewhere (use ``mx.quantized_matmul`` there)."""
+    if not metal_available():
+        raise RuntimeError("wide_quantized_matmul needs Metal; use mx.quantized_matmul")
+    lead = x.shape[:-1]
+    kernel, call = wide_qmm_call(x.reshape(-1, x.shape[-1]), w, scales, biases, group_size, bits)
+    (y,) = kernel(**call)
+    return y.reshape(*lead, w.shape[0])
+
+
+class WideQuantizedLinear(nn.Module):
+    """Drop-in for an ``nn.QuantizedLinear``: same parameter arrays (shared, not copied) under the same
+    names, same config; 6..16-row inputs use the wide kernel when Metal is available."""
+
+    def __init__(self, ql: nn.QuantizedLinear):
+        super().__init__()
+        if not isinstance(ql, nn.QuantizedLinear):
+            raise TypeError(f"expected nn.QuantizedLinear, got {type(ql).__name__}")
+        self.group_size = ql.group_size
+        self.bits = ql.bits
+        self.mode = ql.mode
+        for key, value in ql.items():  # weight, scales, [biases], [bias]: the same mx.array objects
+            self[key] = value
+        self._no_grad = set(ql._no_grad)  # QuantizedLinear keeps its quantized arrays frozen
+        self._training = ql._training
+        object.__setattr__(self, "_wrapped", ql)
+
+    def unwrap(self) -> nn.QuantizedLinear:
+        """The original module, updated with this module's current parameters."""
+        ql = self._wrapped
+        ql.update(dict(self.items()))
+        return ql
+
+    def unfreeze(self, *args, **kwargs):
+        super().unfreeze(*args, **kwargs)
+        self.freeze(recurse=False)  # as nn.QuantizedLinear: quantized arrays stay frozen
+        return self
+
+    _extra_repr = nn.QuantizedLinear._extra_repr
+
+    def _use_wide(self, x) -> bool:
+        rows = 1
+        for d in x.shape[:-1]:
+            rows *= d
+        if not MIN_ROWS <= rows <= MAX_ROWS or self.mode != "affine" or not metal_available():
+            return False  # decode (1 row) and long prefills return here
+        reason = check_wide_supported(
+            x.shape, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, x.dtype
+        )
+        return reason is None
+
+    def __call__(self, x):
+        if not self._use_wide(x):
+            return nn.QuantizedLinear.__call__(self, x)
+        y = wide_quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def _wide_capable(ql: nn.QuantizedLinear) -> bool:
+    return (
+        ql.mode == "affine"
+        and ql.bits in SUPPORTED_BITS
+        and ql.group_size in SUPPORTED_GROUP_SIZES
+        and ql.get("biases") is not None
+    )
+
+
+def install_wide_kernels(model: nn.Module) -> int:
+    """Replace the kernel-capable ``nn.QuantizedLinear`` modules of this model instance by
+    ``WideQuantizedLinear`` wrappers; returns how many were replaced (0 without Metal)."""
+    if not metal_available():
+        return 0
+    swaps = [
+        (name, WideQuantizedLinear(module))
+        for name, module in model.named_modules()
+        if type(module) is nn.QuantizedLinear and _wide_capable(module) and name
+    ]
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact generated source (works without Metal): MLX prints the source of a metal_kernel call made while
+# an export is being traced (verbose=True) instead of raising "No Metal back-end".
+
+_capture_lock = threading.Lock()
+_SOURCE_RE = re.compile(r"Generated source code for `[^`]*`:\n```\n(.*?)\n```", re.S)
+
+
+def metal_source(kernel, **call) -> str:
+    """The exact Metal source (header + signature + body + instantiation) MLX generates for
+    ``kernel(**call)``; MLX's own utils.h prelude, prepended at compile time, is not part of it."""
+    arrays = [a for a in call["inputs"] if isinstance(a, mx.array)]
+
+    def traced(*xs):
+        it = iter(xs)
+        inputs = [next(it) if isinstance(a, mx.array) else a for a in call["inputs"]]
+        return kernel(**{**call, "inputs": inputs, "verbose": True})
+
+    libc = ctypes.CDLL(None)
+    with _capture_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
+        sys.stdout.flush()
+        libc.fflush(None)
+        saved = os.dup(1)
+        try:
+            os.dup2(tmp.fileno(), 1)
+            mx.export_function(lambda _: None, traced, *arrays)
+            libc.fflush(None)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode()
+    found = _SOURCE_RE.findall(text)
+    if not found:
+        raise RuntimeError("MLX printed no kernel source (did the metal_kernel API change?)")
+    return found[-1]
+
+
+__all__ = [
+    "MAX_ROWS",
+    "MIN_ROWS",
+    "WideQuantizedLinear",
+    "check_wide_supported",
+    "install_wide_kernels",
+    "metal_available",
+    "metal_source",
+    "read_metal_file",
+    "wide_qmm_call",
+    "wide_qmm_kernel",
+    "wide_quantized_matmul",
+]

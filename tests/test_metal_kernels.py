@@ -1,0 +1,290 @@
+"""The wide (6..16-row) quantized matmul kernel, run through the CPU Metal emulator, and its Python side.
+
+Tolerances (oracle = mx.quantized_matmul in float32 on the same dtype-rounded x/scales/biases): the kernel
+accumulates in float32, so the only differences are summation order (atol = 2e-5 * max|ref|) and the final
+rounding to the output dtype (rtol: float32 1e-6, float16 2^-11, bfloat16 2^-8: half an ulp).
+"""
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source  # noqa: E402
+
+from mlx_dflash import kernels  # noqa: E402
+
+RTOL = {mx.float32: 1e-6, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
+
+
+def make_case(m, k, n, group_size, bits, dtype, scale_dtype=None, seed=0):
+    key = mx.random.key(seed * 1000 + m * 31 + n)
+    kw, kx = mx.random.split(key)
+    w = mx.random.normal((n, k), key=kw)
+    wq, s, b = mx.quantize(w, group_size, bits)
+    sd = scale_dtype or dtype
+    x = mx.random.normal((m, k), key=kx).astype(dtype)
+    return x, wq, s.astype(sd), b.astype(sd)
+
+
+def oracle(x, wq, s, b, group_size, bits):
+    f = mx.float32
+    return mx.quantized_matmul(x.astype(f), wq, s.astype(f), b.astype(f), transpose=True,
+                               group_size=group_size, bits=bits)
+
+
+def assert_close(y, ref, dtype):
+    assert y.dtype == dtype
+    y = np.array(y.astype(mx.float32))
+    ref = np.array(ref)
+    assert y.shape == ref.shape
+    assert np.isfinite(y).all(), "non-finite outputs"
+    bound = RTOL[dtype] * np.abs(ref) + 2e-5 * np.abs(ref).max()
+    err = np.abs(y - ref)
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+
+
+def emulate(x, wq, s, b, group_size, bits, **kw):
+    kernel, call = kernels.wide_qmm_call(x, wq, s, b, group_size, bits)
+    return run_kernel(kernel, **call, **kw)
+
+
+# Every M with one config (ragged N = 37, K = 192: one full and one partial 128-wide x tile) ...
+FULL_M = [(m, 192, 37, 64, 4, "bf16") for m in range(kernels.MIN_ROWS, kernels.MAX_ROWS + 1)]
+# ... and every bits x group size x dtype for three M, ragged N = 45, K = 3 groups (partial tiles for
+# group sizes 32 and 64).
+GRID = [
+    (m, 3 * gs, 45, gs, bits, dt)
+    for m in (6, 11, 16)
+    for bits in (4, 8)
+    for gs in (32, 64, 128)
+    for dt in ("f16", "bf16", "f32")
+]
+# Edge shapes: N smaller than one threadgroup, N a multiple of the threadgroup width, several tiles.
+EDGES = [(9, 64, 5, 32, 8, "f32"), (12, 256, 64, 64, 4, "f16"), (6, 512, 16, 128, 4, "bf16")]
+CASES = FULL_M + GRID + EDGES
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt():
+    """Compile every variant up front, two g++ processes at a time (builds are cached by hash)."""
+    sources = []
+    for m, k, n, gs, bits, dt in CASES:
+        x, wq, s, b = make_case(m, k, n, gs, bits, DTYPES[dt])
+        kernel, call = kernels.wide_qmm_call(x, wq, s, b, gs, bits)
+        sources.append(kernels.metal_source(kernel, **call))
+    build_many(sorted(set(sources)), jobs=2)
+
+
+def test_grid_covers_every_supported_config():
+    assert {c[0] for c in CASES} == set(range(6, 17))
+    assert {c[4] for c in CASES} == {4, 8}
+    assert {c[3] for c in CASES} == {32, 64, 128}
+    assert {c[5] for c in CASES} == set(DTYPES)
+    assert any(c[2] % 8 for c in CASES) and any(c[1] % 128 for c in CASES)
+
+
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", CASES, ids=lambda v: str(v))
+def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt):
+    dtype = DTYPES[dt]
+    x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
+    launch = emulate(x, wq, s, b, gs, bits)
+    assert_close(launch.outputs[0], oracle(x, wq, s, b, gs, bits), dtype)
+    # One pass over W: every threadgroup stages K / 128 tiles (2 barriers each), all 64 threads live.
+    tgs = -(-n // 16)
+    assert launch.stats["threadgroups"] == tgs
+    assert launch.stats["barriers"] == tgs * 2 * -(-k // 128)
+
+
+def test_reverse_schedule_and_mixed_scale_dtype():
+    """Threads run in the opposite order (other read/write interleavings) and float32 activations
+    with bfloat16 scales/biases (their dtype only changes the generated signature)."""
+    x, wq, s, b = make_case(11, 256, 40, 64, 4, mx.float32, scale_dtype=mx.bfloat16)
+    launch = emulate(x, wq, s, b, 64, 4, reverse=True)
+    assert_close(launch.outputs[0], oracle(x, wq, s, b, 64, 4), mx.float32)
+
+
+def test_planted_missing_barriers_are_caught():
+    """The real kernel with either barrier removed gives poison (NaN) or wrong outputs in the emulator."""
+    header, body = kernels.read_metal_file("wide_qmm.metal")
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    assert body.count(barrier) == 2
+    first = body.index(barrier)
+    second = body.index(barrier, first + 1)
+    no_raw = body[:first] + body[first + len(barrier):]  # read x tile before it is staged
+    no_war = body[:second] + body[second + len(barrier):]  # restage while others still read
+    x, wq, s, b = make_case(8, 256, 32, 64, 4, mx.float32)
+    ref = np.array(oracle(x, wq, s, b, 64, 4))
+    _, call = kernels.wide_qmm_call(x, wq, s, b, 64, 4)
+    outs = []
+    for i, src in enumerate((no_raw, no_war)):
+        k = mx.fast.metal_kernel(name=f"planted_{i}", input_names=["x", "w", "scales", "biases", "K", "N"],
+                                 output_names=["y"], source=src, header=header)
+        outs.append(np.array(run_kernel(k, **call).outputs[0]))
+    assert np.isnan(outs[0]).any()
+    assert not np.allclose(outs[1], ref, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("old,new", [
+    ("wrow[j] = min(feat0 + j, N - 1);", "wrow[j] = feat0 + j;"),  # ragged N: loads past the last row
+    ("if (f < N) {", "if (true) {"),  # ragged N: stores past the last feature
+    ("if (k < K) {", "if (k < K + BK) {"),  # K tail: weights/scales past the end of the last row
+])
+def test_planted_bounds_bugs_are_caught(old, new):
+    header, body = kernels.read_metal_file("wide_qmm.metal")
+    assert body.count(old) == 1
+    kernel = mx.fast.metal_kernel(name="planted_bounds", input_names=["x", "w", "scales", "biases", "K", "N"],
+                                  output_names=["y"], source=body.replace(old, new), header=header)
+    x, wq, s, b = make_case(6, 96, 45, 32, 4, mx.float32)
+    _, call = kernels.wide_qmm_call(x, wq, s, b, 32, 4)
+    with pytest.raises(OutOfBoundsError):
+        run_kernel(kernel, **call)
+
+
+def test_generated_signature():
+    """What MLX generates for the kernel: buffer order, scalar params in `constant` space, attributes,
+    and one template instantiation per (T, R, GS, BITS)."""
+    x, wq, s, b = make_case(16, 128, 24, 32, 8, mx.float16)
+    kernel, call = kernels.wide_qmm_call(x, wq, s, b, 32, 8)
+    src = kernels.metal_source(kernel, **call)
+    for line in ("const device float16_t* x [[buffer(0)]]", "const device uint32_t* w [[buffer(1)]]",
+                 "const constant int32_t& K [[buffer(4)]]", "const constant int32_t& N [[buffer(5)]]",
+                 "device float16_t* y [[buffer(6)]]", "uint3 threadgroup_position_in_grid"):
+        assert line in src
+    assert "<float16_t, 16, 32, 8>" in src
+    assert call["grid"] == (64 * 2, 1, 1) and call["threadgroup"] == (64, 1, 1)
+
+
+def test_wide_qmm_call_rejects_unsupported():
+    x, wq, s, b = make_case(6, 128, 16, 64, 4, mx.float32)
+    for bad in (dict(x=x[:5]), dict(x=mx.concatenate([x, x, x])), dict(x=x[None]), dict(biases=None)):
+        args = dict(x=x, w=wq, scales=s, biases=b, group_size=64, bits=4) | bad
+        with pytest.raises(ValueError):
+            kernels.wide_qmm_call(**args)
+    with pytest.raises(ValueError):
+        kernels.wide_qmm_call(x, wq, s, b, 64, 2)
+    with pytest.raises(RuntimeError):  # no Metal here
+        kernels.wide_quantized_matmul(x, wq, s, b, 64, 4)
+
+
+def test_emulator_source_roundtrip_is_exact():
+    """run_source on the printed text equals run_kernel (the emulator runs exactly that text)."""
+    x, wq, s, b = make_case(6, 64, 16, 32, 8, mx.float32)
+    kernel, call = kernels.wide_qmm_call(x, wq, s, b, 32, 8)
+    src = kernels.metal_source(kernel, **call)
+    a = run_source(src, call["inputs"], call["output_shapes"], call["output_dtypes"], call["grid"],
+                   call["threadgroup"]).outputs[0]
+    assert mx.array_equal(a, run_kernel(kernel, **call).outputs[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# WideQuantizedLinear / install_wide_kernels
+
+
+def test_metal_available_is_false_here():
+    assert kernels.metal_available() is False
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_wide_linear_equals_quantized_linear_on_cpu(bias, monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "wide_quantized_matmul", lambda *a, **k: calls.append(a))
+    mx.random.seed(3)
+    ql = nn.QuantizedLinear(128, 48, bias=bias, group_size=64, bits=4)
+    if bias:
+        ql.bias = mx.random.normal((48,))
+    wl = kernels.WideQuantizedLinear(ql)
+    for shape in [(1, 128), (6, 128), (1, 16, 128), (2, 4, 128), (20, 128)]:
+        x = mx.random.normal(shape)
+        assert mx.array_equal(wl(x), ql(x))
+    assert calls == []  # CPU: always mx.quantized_matmul
+    assert wl["weight"] is ql["weight"] and wl["scales"] is ql["scales"] and wl["biases"] is ql["biases"]
+    assert tree_flatten(wl.parameters()) == tree_flatten(ql.parameters())
+    assert [k for k, _ in tree_flatten(wl.trainable_parameters())] == \
+        [k for k, _ in tree_flatten(ql.trainable_parameters())]
+    assert wl.unwrap() is ql
+
+
+def test_wide_linear_routing_with_metal_forced(monkeypatch):
+    calls = []
+
+    def fake(x, w, scales, biases, group_size, bits):
+        calls.append(int(np.prod(x.shape[:-1])))
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
+    ql = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=8)
+    wl = kernels.WideQuantizedLinear(ql)
+    for m in [1, 5, 6, 8, 16, 17, 32]:
+        x = mx.random.normal((1, m, 64))
+        assert mx.array_equal(wl(x), ql(x))
+    assert calls == [6, 8, 16]
+    q2 = kernels.WideQuantizedLinear(nn.QuantizedLinear(64, 32, group_size=64, bits=2))
+    q2(mx.random.normal((8, 64)))  # 2-bit: not a kernel config, stays on mx.quantized_matmul
+    assert calls == [6, 8, 16]
+
+
+def _tiny_llama():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                           tie_word_embeddings=False)
+    mx.random.seed(5)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_install_refuses_without_metal():
+    model = _tiny_llama()
+    before = [(name, m) for name, m in model.named_modules()]
+    assert kernels.install_wide_kernels(model) == 0
+    after = [(name, m) for name, m in model.named_modules()]
+    assert len(before) == len(after)
+    assert all(a[0] == b[0] and a[1] is b[1] for a, b in zip(before, after))
+
+
+def test_install_replaces_quantized_linears(monkeypatch):
+    model = _tiny_llama()
+    tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    expected = model(tokens)
+    qnames = [n for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert len(qnames) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + lm_head
+    params_before = tree_flatten(model.parameters())
+    trainable_before = [k for k, _ in tree_flatten(model.trainable_parameters())]
+
+    calls = []
+
+    def fake(x, w, scales, biases, group_size, bits):
+        calls.append(x.shape)
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
+    assert kernels.install_wide_kernels(model) == len(qnames)
+    mods = dict(model.named_modules())
+    assert all(type(mods[n]) is kernels.WideQuantizedLinear for n in qnames)
+    assert not any(type(m) is nn.QuantizedLinear for m in mods.values())
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding  # only linears are swapped
+    params_after = tree_flatten(model.parameters())
+    assert [k for k, _ in params_after] == [k for k, _ in params_before]
+    assert all(a is b for (_, a), (_, b) in zip(params_after, params_before))
+    assert [k for k, _ in tree_flatten(model.trainable_parameters())] == trainable_before
+    reference = _tiny_llama()
+    for m in (model, reference):
+        m.unfreeze()
+    assert [k for k, _ in tree_flatten(model.trainable_parameters())] == \
+        [k for k, _ in tree_flatten(reference.trainable_parameters())]
+    assert mx.array_equal(model(tokens), expected)
+    assert len(calls) == len(qnames)  # 8 rows: every linear went to the wide path
+    assert kernels.install_wide_kernels(model) == 0  # already wrapped
