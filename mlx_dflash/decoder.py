@@ -156,6 +156,7 @@ def stream_generate(
             drafter.block_size,
             block_size,
             quantized=has_quantized_layers(target.model) or has_quantized_layers(drafter),
+            wide_kernels=target.wide_kernels,
             force_width=force_width,
         )
     ids = encode_prompt(tokenizer, prompt, chat_template) if isinstance(prompt, str) else list(prompt)

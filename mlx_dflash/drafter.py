@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .config import DFlashConfig, parse_config
+from .config import DFlashConfig, build_target_layer_ids, parse_config
 from .errors import DFlashError
 
 # Keys some early uploads carried; the drafter uses the target's embedding and head instead.
@@ -255,6 +255,45 @@ def load_strict(model: nn.Module, weights: dict, where: str):
 def _some(keys: list, n: int = 4) -> str:
     shown = ", ".join(keys[:n])
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def drafter_config_for(
+    target,
+    num_layers: int = 1,
+    block_size: int = 16,
+    num_target_features: Optional[int] = None,
+    mask_token_id: Optional[int] = None,
+) -> DFlashConfig:
+    """A drafter config sized for `target` (a Target): its width, heads and vocabulary, its RoPE base.
+
+    num_target_features: how many target layers feed the drafter (default: one per draft layer, as
+    published); they are spread evenly by the published rule. mask_token_id defaults to the last row
+    of the embedding table.
+    """
+    args = target.model.args
+    heads = args.num_attention_heads
+    taps = num_target_features or num_layers
+    cfg = dict(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        hidden_size=target.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(args, "num_key_value_heads", None) or heads,
+        head_dim=getattr(args, "head_dim", None) or target.hidden_size // heads,
+        intermediate_size=args.intermediate_size,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=getattr(args, "rms_norm_eps", 1e-6),
+        rope_theta=getattr(args, "rope_theta", 10000.0),
+        max_position_embeddings=getattr(args, "max_position_embeddings", None) or 32768,
+        num_target_layers=target.num_layers,
+        dflash_config=dict(
+            block_size=block_size,
+            target_layer_ids=build_target_layer_ids(target.num_layers, taps),
+            mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        ),
+    )
+    return parse_config(cfg, where="drafter_config_for")
 
 
 def init_drafter(config: DFlashConfig, seed: Optional[int] = None) -> DFlashDraftModel:

@@ -53,8 +53,13 @@ def load_drafter(path_or_repo: str) -> DFlashDraftModel:
     return drafter_from_dir(resolve(path_or_repo, "drafter"))
 
 
-def load_pair(target_path: str, drafter_path: str):
-    """(Target, drafter bound to it, tokenizer), with the pair checked for compatibility."""
+def load_pair(target_path: str, drafter_path: str, wide_kernels: bool = True):
+    """(Target, drafter bound to it, tokenizer), with the pair checked for compatibility.
+
+    wide_kernels: on Metal, verify 6..16 rows of a quantized target with our one-pass kernel.
+    """
     target, tokenizer = load_target(target_path)
+    if wide_kernels:
+        target.install_wide_kernels()
     drafter = load_drafter(drafter_path).bind(target)
     return target, drafter, tokenizer

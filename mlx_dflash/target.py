@@ -54,7 +54,16 @@ class Target:
         self.model = model
         self._inner = _find_inner(model)
         self.layer_ids = tuple(layer_ids)
+        self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
         self._check_rollback()
+
+    def install_wide_kernels(self) -> int:
+        """Route 6..16-row quantized matmuls to our Metal kernel. Returns the layers switched (0 off Metal)."""
+        from .kernels import install_wide_kernels
+
+        count = install_wide_kernels(self.model)
+        self.wide_kernels = self.wide_kernels or count > 0
+        return count
 
     # What the drafter borrows.
     @property

@@ -1,0 +1,527 @@
+"""The width benchmark: what a verify of `width` rows costs, and where that cost jumps (the "cliff").
+
+On Metal, MLX's quantized matmul streams the weights once for <= 5 rows and 2-4 times (or through a
+32-row tile) for 6..16, and its attention switches to a padded tile kernel at q_len 9
+(`../shared/research/mlx-kernels.md` sections 2-3). On the CPU both are linear in rows (section 7).
+
+`run_widths_bench` measures, at widths 1..16 (median of repeated, warmed runs, interleaved in a random
+order so drift and contention spread over all widths):
+* `mx.quantized_matmul` on every distinct (K, N) of the model's quantized (or to-be-quantized) linear
+  layers, or on a synthetic shape list; plus their layer-count weighted sum per width (derived);
+* the full target verify, `Target.forward` of `width` tokens on a cache already holding a prefix of
+  `short_cache` and `long_cache` positions (random keys/values of the model's shapes and dtype: the
+  cost does not depend on their values; the offset is checked before every timed call);
+* MLX's kernels ("mlx") and, where they can run (Metal), ours ("dflash": `install_wide_kernels`).
+It writes `widths.json`, `cost_table.json` (for the decoder, see `load_cost_table`) and `widths.png`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import struct
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from .errors import DFlashError
+from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
+                      WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
+
+WIDTHS = tuple(range(1, 17))
+CLIFF_K = 3.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
+CLIFF_FLOOR = 0.05  # ... where "usual" is at least CLIFF_FLOOR x the cost of the previous width
+SCHEMA = "mlx-dflash/bench-widths/1"
+WIDE_OK = {("affine", b, g, d) for b in SUPPORTED_BITS for g in SUPPORTED_GROUP_SIZES for d in SUPPORTED_DTYPES}
+CLIFF_RULE = (
+    "t(w) = median seconds at width w; marginal m(w) = (t(w) - t(p)) / (w - p) for the previous measured "
+    "width p; base(w) = max(0, median of m over the earlier widths that are not jumps, at least 3 of them, "
+    f"so the first candidate is the 5th width); scale(w) = max(base(w), {CLIFF_FLOOR} * t(p)). w is a jump "
+    f"if m(w) > {CLIFF_K} * scale(w) and the step persists: the next one or two measured widths q (at least "
+    "one must exist, so the last width is never a jump) each have t(q) - t(p) - base(w) * (q - p) >= half of "
+    "t(w) - t(p) - base(w) * (w - p) (a one-width spike is noise, not a cliff). The cliff is the first jump; "
+    "none means the curve has no jump (on the CPU it is linear: see linear_fit)."
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cliff rule.
+
+def _check_curve(widths, seconds) -> tuple[list[int], list[float]]:
+    w, t = [int(x) for x in widths], [float(s) for s in seconds]
+    if len(w) != len(t) or any(b <= a for a, b in zip(w, w[1:])) or any(not math.isfinite(s) for s in t):
+        raise ValueError("widths must be strictly increasing and match finite seconds one to one")
+    return w, t
+
+
+def find_jumps(widths, seconds, k: float = CLIFF_K, floor: float = CLIFF_FLOOR) -> list[int]:
+    """Every width where the marginal cost jumps, by the rule in CLIFF_RULE."""
+    w, t = _check_curve(widths, seconds)
+    m = [None] + [(t[i] - t[i - 1]) / (w[i] - w[i - 1]) for i in range(1, len(w))]
+    jumps: list[int] = []
+    for i in range(3, len(w) - 1):
+        prior = [m[j] for j in range(1, i) if w[j] not in jumps]
+        if len(prior) < 3:
+            continue
+        base = max(0.0, float(np.median(prior)))
+        if m[i] <= k * max(base, floor * t[i - 1]):
+            continue
+        above = lambda j: t[j] - t[i - 1] - base * (w[j] - w[i - 1])  # noqa: E731
+        if all(above(j) >= above(i) / 2 for j in range(i + 1, min(i + 3, len(w)))):
+            jumps.append(w[i])
+    return jumps
+
+
+def cliff_width(widths, seconds) -> int | None:
+    """The first width whose marginal cost jumps (CLIFF_RULE), or None for a curve without one."""
+    jumps = find_jumps(widths, seconds)
+    return jumps[0] if jumps else None
+
+
+def linear_fit(widths, seconds) -> dict:
+    """Least squares t = intercept + per_row * w, with R^2."""
+    w, t = (np.asarray(a, dtype=np.float64) for a in _check_curve(widths, seconds))
+    per_row, intercept = np.polyfit(w, t, 1) if len(w) > 1 else (0.0, float(t[0]))
+    resid = t - (intercept + per_row * w)
+    ss = float(((t - t.mean()) ** 2).sum())
+    return {"seconds_per_row": float(per_row), "intercept_seconds": float(intercept),
+            "r2": 1.0 - float((resid ** 2).sum()) / ss if ss > 0 else 1.0}
+
+
+def verdict(widths, seconds) -> dict:
+    """cliff_width, jumps, linear_fit and one sentence saying what the curve is."""
+    jumps, fit = find_jumps(widths, seconds), linear_fit(widths, seconds)
+    w, t = list(widths), list(seconds)
+    if jumps:
+        i = w.index(jumps[0])
+        text = (f"cliff at width {jumps[0]}: {t[i - 1] * 1e3:.3g} -> {t[i] * 1e3:.3g} ms"
+                + (f" (further jumps at {', '.join(map(str, jumps[1:]))})" if jumps[1:] else ""))
+    elif fit["r2"] >= 0.95:
+        text = (f"no cliff: linear, {fit['seconds_per_row'] * 1e3:.3g} ms per extra row "
+                f"(R^2 {fit['r2']:.3f})")
+    else:
+        text = f"no cliff detected (not linear either: R^2 {fit['r2']:.3f}; noisy?)"
+    return {"cliff_width": jumps[0] if jumps else None, "jumps": jumps, "linear_fit": fit, "verdict": text}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cost table (what the decoder loads).
+
+def load_cost_table(path) -> dict[int, float]:
+    """{width: verify seconds} from a cost_table.json; DFlashError naming the problem otherwise."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
+    if not isinstance(data, dict) or "widths" not in data or "verify_seconds" not in data:
+        raise DFlashError(f"cost table {path} needs an object with 'widths' and 'verify_seconds' lists")
+    widths, seconds = data["widths"], data["verify_seconds"]
+    if not isinstance(widths, list) or not isinstance(seconds, list) or len(widths) != len(seconds) or not widths:
+        raise DFlashError(f"cost table {path}: 'widths' and 'verify_seconds' must be non-empty lists of equal length")
+    if any(type(w) is not int or w < 1 for w in widths) or len(set(widths)) != len(widths):
+        raise DFlashError(f"cost table {path}: 'widths' must be distinct integers >= 1, got {widths}")
+    if any(type(s) not in (int, float) or not math.isfinite(s) or s <= 0 for s in seconds):
+        raise DFlashError(f"cost table {path}: 'verify_seconds' must be positive finite numbers, got {seconds}")
+    return {w: float(s) for w, s in sorted(zip(widths, seconds))}
+
+
+# ---------------------------------------------------------------------------------------------------
+# What is measured.
+
+def machine_info() -> dict:
+    """Platform, device and chip (Metal: mx.device_info(); CPU: /proc/cpuinfo model name)."""
+    info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "device": str(mx.default_device()), "metal": metal_available()}
+    try:
+        dev = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        info["device_info"] = {k: v for k, v in dev.items() if isinstance(v, (str, int, float, bool))}
+        info["chip"] = dev.get("device_name") or dev.get("architecture")
+    except Exception:  # pragma: no cover - an MLX without device_info for this backend
+        pass
+    if not info["metal"] and os.path.exists("/proc/cpuinfo"):
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+        info["chip"] = names[0] if names else info.get("chip")
+    info["chip"] = info.get("chip") or platform.processor() or platform.machine()
+    return info
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    import mlx_lm
+
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version(),
+            "mlx_dflash": importlib.metadata.version("mlx-dflash")}
+
+
+def model_shapes(model: nn.Module, group_size: int = 64, bits: int = 4) -> list[dict]:
+    """Distinct (K, N) of the model's quantized or to-be-quantized linear layers (a tied output head
+    counts as a layer of its embedding), with their counts and group_size/bits/mode."""
+    found: dict[tuple, dict] = {}
+
+    def add(name, k, n, gs, b, mode):
+        entry = found.setdefault((k, n, gs, b, mode), {"K": k, "N": n, "group_size": gs, "bits": b,
+                                                       "mode": mode, "count": 0, "layers": []})
+        entry["count"] += 1
+        entry["layers"].append(name)
+
+    tied = all(getattr(m, "lm_head", None) is None for m in (model, getattr(model, "language_model", None)))
+    for name, m in model.named_modules():
+        head = tied and name.endswith("embed_tokens")
+        label = name + (".as_linear" if head else "")
+        if isinstance(m, (nn.QuantizedLinear, WideQuantizedLinear)) or (head and isinstance(m, nn.QuantizedEmbedding)):
+            add(label, m["weight"].shape[1] * 32 // m.bits, m["weight"].shape[0], m.group_size, m.bits, m.mode)
+        elif isinstance(m, nn.Linear) or (head and isinstance(m, nn.Embedding)):
+            add(label, m.weight.shape[1], m.weight.shape[0], group_size, bits, "affine")
+    return sorted(found.values(), key=lambda e: (e["K"] * e["N"], e["K"]))
+
+
+def filled_cache(target, length: int, seed: int = 0) -> list:
+    """target.make_cache() holding `length` positions of random keys/values (the model's head shapes
+    and dtype, found by a one-token probe)."""
+    cache = target.make_cache()
+    if length <= 0:
+        return cache
+    probe = target.make_cache()
+    mx.eval(target.forward(mx.array([[0]]), probe)[0])
+    key = mx.random.key(seed)
+    for c, p in zip(cache, probe):
+        if getattr(p, "keys", None) is None or not hasattr(c, "update_and_fetch"):
+            raise DFlashError(f"cannot pre-fill a {type(c).__name__} cache for the long-context benchmark")
+        key, k1, k2 = mx.random.split(key, 3)
+        kshape, vshape = p.keys.shape, p.values.shape
+        c.update_and_fetch(mx.random.normal((1, kshape[1], length, kshape[3]), key=k1).astype(p.keys.dtype),
+                           mx.random.normal((1, vshape[1], length, vshape[3]), key=k2).astype(p.values.dtype))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _set_wide(model, on: bool, state: dict) -> None:
+    """Install (or take out again) our wide kernels on this model instance."""
+    if state.get("on", False) == on:
+        return
+    if on:
+        install_wide_kernels(model)
+    else:
+        swaps = [(n, m.unwrap()) for n, m in model.named_modules() if isinstance(m, WideQuantizedLinear)]
+        if swaps:
+            model.update_modules(tree_unflatten(swaps))
+    state["on"] = on
+
+
+def _qmm_case(shape: dict, dtype, wide: bool, widths, seed: int):
+    k, n, gs, bits, mode = shape["K"], shape["N"], shape["group_size"], shape["bits"], shape["mode"]
+    rng = mx.random.key(seed)
+    q = mx.quantize((0.02 * mx.random.normal((n, k), key=rng)).astype(dtype), group_size=gs, bits=bits, mode=mode)
+    wq, s, b = q[0], q[1], (q[2] if len(q) > 2 else None)
+    xs = {w: mx.random.normal((w, k), key=mx.random.split(rng, w + 1)[w]).astype(dtype) for w in widths}
+    mx.eval(wq, s, b, list(xs.values()))
+
+    def measure(w):
+        x = xs[w]
+        start = time.perf_counter()
+        if wide and MIN_ROWS <= w <= MAX_ROWS:
+            mx.eval(wide_quantized_matmul(x, wq, s, b, gs, bits))
+        else:
+            mx.eval(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits, mode=mode))
+        return time.perf_counter() - start
+    return measure
+
+
+def _verify_case(target, cache, length: int, wide: bool, state: dict, widths, offsets: set, seed: int):
+    rng = np.random.default_rng(seed)
+    ids = {w: mx.array(rng.integers(0, target.vocab_size, size=(1, w)), dtype=mx.int32) for w in widths}
+
+    def measure(w):
+        _set_wide(target.model, wide, state)
+        offsets.add(cache[0].offset)
+        if cache[0].offset != length:
+            raise RuntimeError(f"cache holds {cache[0].offset} positions, expected {length}")
+        start = time.perf_counter()
+        mx.eval(target.forward(ids[w], cache)[0])
+        seconds = time.perf_counter() - start
+        target.trim(cache, w)
+        return seconds
+    return measure
+
+
+def sweep(cases: dict, widths, repeats: int, warmup: int, seed: int = 0, log=None) -> dict:
+    """{case: {width: [seconds per repeat]}}: `warmup` untimed rounds, then `repeats` rounds, each
+    over every (case, width) pair in a fresh random order."""
+    order = [(c, w) for c in cases for w in widths]
+    rng = random.Random(seed)
+    for _ in range(warmup):
+        for c, w in order:
+            cases[c](w)
+    times = {c: {w: [] for w in widths} for c in cases}
+    for r in range(repeats):
+        rng.shuffle(order)
+        t0 = time.perf_counter()
+        for c, w in order:
+            times[c][w].append(cases[c](w))
+        if log:
+            log(f"  repeat {r + 1}/{repeats}: {time.perf_counter() - t0:.1f} s")
+    return times
+
+
+def _series(name: str, widths, per_width: dict, **extra) -> dict:
+    seconds = [per_width[w] for w in widths]
+    med = [float(np.median(s)) for s in seconds]
+    return {"name": name, **extra, "widths": list(widths), "seconds": seconds, "median_seconds": med,
+            "min_seconds": [min(s) for s in seconds], **verdict(widths, med)}
+
+
+def _dtype_of(target) -> mx.Dtype:
+    emb = target.embed_tokens
+    return emb["scales"].dtype if "scales" in emb else emb.weight.dtype
+
+
+def _parse_shape(s) -> tuple[int, int]:
+    if isinstance(s, str):
+        try:
+            k, n = (int(v) for v in s.lower().split("x"))
+        except ValueError:
+            raise DFlashError(f"bad shape {s!r}: write KxN, e.g. 4096x14336") from None
+        return k, n
+    return int(s[0]), int(s[1])
+
+
+def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, quick: bool = False, widths=WIDTHS,
+                     short_cache: int = 128, long_cache: int = 4096, repeats: int | None = None,
+                     warmup: int | None = None, quantize_bits: int | None = 4, group_size: int = 64,
+                     dtype: str | None = None, seed: int = 0, note: str = "", log=print) -> dict:
+    """Run the sweep, write widths.json, cost_table.json and widths.png into out_dir, return the results.
+
+    model_path: mlx-lm directory or repo id, or a model instance (None: synthetic `shapes` only, no
+    verify forward).
+    shapes: [(K, N) or "KxN"] to time instead of the model's own layer shapes.
+    quick: 3 repeats, 1 warm-up round (unless given). quantize_bits: quantize a non-quantized model in
+    memory (mlx.nn.quantize, group_size) before measuring; None keeps it as it is.
+    """
+    from .load import load_target
+    from .policy import has_quantized_layers
+    from .target import Target
+
+    repeats = repeats or (3 if quick else 5)
+    warmup = warmup if warmup is not None else (1 if quick else 2)
+    widths = sorted({int(w) for w in widths})
+    if not widths or widths[0] < 1:
+        raise DFlashError("widths must be integers >= 1")
+    if model_path is None and not shapes:
+        raise DFlashError("give a model or a list of shapes (KxN) to measure")
+    log = log or (lambda *_: None)
+    mx.random.seed(seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"model": (None if model_path is None else type(model_path).__module__ if
+                          isinstance(model_path, nn.Module) else str(model_path)), "quick": quick, "widths": widths,
+                "repeats": repeats, "warmup": warmup, "short_cache": short_cache, "long_cache": long_cache,
+                "quantize_bits": quantize_bits, "group_size": group_size, "seed": seed, "note": note}
+    target = None
+    if model_path is not None:
+        target = Target(model_path) if isinstance(model_path, nn.Module) else load_target(str(model_path))[0]
+        if quantize_bits and not has_quantized_layers(target.model):
+            nn.quantize(target.model, group_size=group_size, bits=quantize_bits)
+            settings["quantized_in_memory"] = True
+        settings["model_quantized"] = has_quantized_layers(target.model)
+    act = getattr(mx, dtype) if dtype else (_dtype_of(target) if target else
+                                            (mx.float16 if metal_available() else mx.float32))
+    settings["dtype"] = str(act).replace("mlx.core.", "")
+    if shapes:
+        shape_list = [{"K": k, "N": n, "group_size": group_size, "bits": quantize_bits or 4, "mode": "affine",
+                       "count": 1, "layers": []} for k, n in map(_parse_shape, shapes)]
+    else:
+        shape_list = model_shapes(target.model, group_size, quantize_bits or 4)
+    impls = ["mlx", "dflash"] if metal_available() else ["mlx"]
+    series = []
+
+    # Quantized matmul per shape.
+    cases, meta = {}, {}
+    for i, sh in enumerate(shape_list):
+        for impl in impls:
+            if impl == "dflash" and (sh["mode"], sh["bits"], sh["group_size"], act) not in WIDE_OK:
+                continue
+            name = f"matmul K={sh['K']} N={sh['N']} {impl}"
+            cases[name] = _qmm_case(sh, act, impl == "dflash", widths, seed + i)
+            meta[name] = {"kind": "matmul", "impl": impl, **sh}
+    log(f"quantized matmul: {len(shape_list)} shapes x {impls}, widths {widths[0]}..{widths[-1]}, "
+        f"{repeats} repeats, {settings['dtype']}")
+    times = sweep(cases, widths, repeats, warmup, seed, log)
+    series += [_series(n, widths, times[n], **meta[n]) for n in cases]
+    for impl in impls:
+        mine = [s for s in series if s["kind"] == "matmul" and s["impl"] == impl]
+        if mine:
+            per = {w: [sum(s["count"] * s["median_seconds"][i] for s in mine)] for i, w in enumerate(widths)}
+            series.append(_series(f"matmul total {impl}", widths, per, kind="matmul_total", impl=impl,
+                                  derived="sum over shapes of count x median seconds"))
+
+    # Full verify forward.
+    if target is not None:
+        state = {"on": False}
+        wide_ok = "dflash" in impls and settings["model_quantized"]
+        cases, meta = {}, {}
+        for length in sorted({short_cache, long_cache}):
+            cache, offsets = filled_cache(target, length, seed), set()
+            for impl in (["mlx", "dflash"] if wide_ok else ["mlx"]):
+                name = f"verify cache={length} {impl}"
+                cases[name] = _verify_case(target, cache, length, impl == "dflash", state, widths, offsets, seed)
+                meta[name] = {"kind": "verify", "impl": impl, "cache_length": length, "cache_offsets": offsets}
+        log(f"verify forward: caches {sorted({short_cache, long_cache})}, {repeats} repeats")
+        times = sweep(cases, widths, repeats, warmup, seed, log)
+        _set_wide(target.model, False, state)
+        for n in cases:
+            meta[n]["cache_offsets"] = sorted(meta[n]["cache_offsets"])
+            series.append(_series(n, widths, times[n], **meta[n]))
+
+    results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": machine_info(), "versions": versions(), "settings": settings, "cliff_rule": CLIFF_RULE,
+               "series": series, "cliff": {s["name"]: s["cliff_width"] for s in series}}
+    results["cost_table"] = cost_table(results)
+    write_outputs(results, out_dir)
+    log(format_table(results))
+    return results
+
+
+def cost_table(results: dict) -> dict:
+    """The decoder's table: verify seconds per width on the short cache with the best kernels here
+    (ours where they run); without a model, the summed quantized matmuls stand in."""
+    s = results["series"]
+    pick = lambda kind: [x for x in s if x["kind"] == kind]  # noqa: E731
+    rows = pick("verify") or pick("matmul_total")
+    best = [x for x in rows if x["impl"] == "dflash"] or rows
+    short = min(x.get("cache_length", 0) for x in best)
+    main = next(x for x in best if x.get("cache_length", 0) == short)
+    m = results["machine"]
+    return {"widths": main["widths"], "verify_seconds": main["median_seconds"],
+            "source": (f"mlx-dflash bench widths: {main['name']} of {results['settings']['model'] or 'synthetic shapes'}"
+                       f", median of {results['settings']['repeats']}, {results['date']}"),
+            "machine": {"chip": m.get("chip"), "platform": m["platform"], "mlx": results["versions"]["mlx"]},
+            "impl": main["impl"], "cache_length": main.get("cache_length"), "cliff_width": main["cliff_width"],
+            "by_cache_length": {str(x["cache_length"]): x["median_seconds"] for x in best if "cache_length" in x}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output: JSON, table, PNG.
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(results: dict, out_dir: Path) -> None:
+    _write_atomic(out_dir / "widths.json", (json.dumps(results, indent=1) + "\n").encode())
+    _write_atomic(out_dir / "cost_table.json", (json.dumps(results["cost_table"], indent=1) + "\n").encode())
+    _write_atomic(out_dir / "widths.png", plot_png(results))
+
+
+def format_table(results: dict) -> str:
+    cols = [s for s in results["series"] if s["kind"] in ("verify", "matmul_total")]
+    widths = results["settings"]["widths"]
+    head = ["width"] + [s["name"].replace("matmul total", "qmm sum").replace("verify ", "") + " ms" for s in cols]
+    rows = [[str(w)] + [f"{s['median_seconds'][i] * 1e3:.2f}" for s in cols] for i, w in enumerate(widths)]
+    size = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
+    lines = ["  ".join(c.rjust(size[j]) for j, c in enumerate(r)) for r in [head] + rows]
+    m = results["machine"]
+    lines.insert(0, f"{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, "
+                    f"median of {results['settings']['repeats']}")
+    lines += [f"{s['name']}: {s['verdict']}" for s in cols]
+    return "\n".join(lines)
+
+
+# 3x5 pixel font: a character, then its 5 rows as octal digits (4 = left pixel, 1 = right pixel).
+_FONT_SRC = ("075557126227271747371317455711574717674757771122875757975717A25755B65656C34443D65556E74647"
+             "F74644G34553H55755I72227J11152K55655L44447M57755N65555O25552P65644Q25563R65655S34216T72222"
+             "U55557V55552W55775X55255Y55222Z71247 00000.00002-00700=07070:02020(12221)42224/11244,00024")
+_FONT = {_FONT_SRC[i]: [int(c, 8) for c in _FONT_SRC[i + 1:i + 6]] for i in range(0, len(_FONT_SRC), 6)}
+_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+
+
+def _text(img, x: int, y: int, s: str, color, scale: int = 2) -> None:
+    for ch in s.upper():
+        for r, bits in enumerate(_FONT.get(ch, [0] * 5)):
+            for c in range(3):
+                if bits & (4 >> c):
+                    img[y + r * scale:y + (r + 1) * scale, x + c * scale:x + (c + 1) * scale] = color
+        x += 4 * scale
+
+
+def _line(img, x0, y0, x1, y1, color, thick: int = 1, dash: int = 0) -> None:
+    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
+    for i, (x, y) in enumerate(zip(np.linspace(x0, x1, n), np.linspace(y0, y1, n))):
+        if dash and (i // dash) % 2:
+            continue
+        xi, yi = int(round(x)), int(round(y))
+        img[max(yi - thick // 2, 0):yi + thick - thick // 2, max(xi - thick // 2, 0):xi + thick - thick // 2] = color
+
+
+def png_bytes(img: np.ndarray) -> bytes:
+    """An RGB uint8 image (H, W, 3) as PNG file bytes."""
+    h, w, _ = img.shape
+    raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def plot_png(results: dict, size=(760, 460)) -> bytes:
+    """Median ms per width of the verify and summed-matmul series; a dashed line before each cliff."""
+    cols = [s for s in results["series"] if s["kind"] in ("verify", "matmul_total")][:len(_COLORS)]
+    W, H = size
+    L, R, T, B = 70, 20, 40, 50
+    img = np.full((H, W, 3), 255, np.uint8)
+    widths = results["settings"]["widths"]
+    top = max(max(s["median_seconds"]) for s in cols) * 1e3
+    step = next(m * 10 ** e for e in range(-4, 8) for m in (1, 2, 5) if top / (m * 10 ** e) <= 6)
+    ymax = step * math.ceil(top / step)
+    px = lambda w: L + (w - widths[0]) / max(widths[-1] - widths[0], 1) * (W - L - R)  # noqa: E731
+    py = lambda ms: H - B - ms / ymax * (H - T - B)  # noqa: E731
+    for k in range(int(round(ymax / step)) + 1):
+        y = py(k * step)
+        _line(img, L, y, W - R, y, (225, 225, 225))
+        label = f"{k * step:.4g}"
+        _text(img, L - 8 - 8 * len(label), int(y) - 5, label, (0, 0, 0))
+    for w in widths:
+        _line(img, px(w), H - B, px(w), H - B + 4, (0, 0, 0))
+        _text(img, int(px(w)) - 4 * len(str(w)), H - B + 8, str(w), (0, 0, 0))
+    _line(img, L, T, L, H - B, (0, 0, 0))
+    _line(img, L, H - B, W - R, H - B, (0, 0, 0))
+    _text(img, W // 2 - 60, H - 18, "WIDTH (ROWS)", (0, 0, 0))
+    _text(img, 4, 4, f"MS PER VERIFY / SUM OF MATMULS - {results['machine'].get('chip') or ''}"[:80], (0, 0, 0))
+    for j, s in enumerate(cols):
+        color = _COLORS[j]
+        pts = [(px(w), py(t * 1e3)) for w, t in zip(s["widths"], s["median_seconds"])]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            _line(img, x0, y0, x1, y1, color, thick=2)
+        for x, y in pts:
+            img[int(y) - 2:int(y) + 3, int(x) - 2:int(x) + 3] = color
+        if s["cliff_width"] is not None:
+            i = s["widths"].index(s["cliff_width"])
+            xc = (pts[i][0] + pts[i - 1][0]) / 2
+            _line(img, xc, T, xc, H - B, color, thick=1, dash=4)
+        label = s["name"].replace("matmul total", "qmm sum") + (
+            f": CLIFF AT {s['cliff_width']}" if s["cliff_width"] else ": NO CLIFF")
+        img[T + 6 + 16 * j:T + 14 + 16 * j, L + 10:L + 22] = color
+        _text(img, L + 28, T + 5 + 16 * j, label, color)
+    return png_bytes(img)
