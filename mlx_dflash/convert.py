@@ -324,8 +324,8 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
     allowed = set(inspect.signature(mlx_lm_convert).parameters) - _OWN_ARGS
     unknown = sorted(set(mlx_lm_options) - allowed)
     if unknown:
-        raise DFlashError(f"unknown mlx-lm conversion option(s) {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(allowed))}")
+        raise DFlashError(f"unsupported mlx-lm conversion option(s) {', '.join(unknown)}; "
+                          f"supported: {', '.join(sorted(allowed))}")
     revision = mlx_lm_options.pop("revision", None)
     q_args = dict(quantize=quantize, q_bits=q_bits if quantize else None,
                   q_group_size=q_group_size if quantize else None)

@@ -55,9 +55,15 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(0, 2, 1, 3)
 
-    def __call__(self, x, h_ctx, rope, cache: KVCache):
-        """x: normed block [B, L, H]; h_ctx: new context rows [B, S, H] at positions cache.offset.."""
-        L, S = x.shape[1], h_ctx.shape[1]
+    def __call__(self, x, h_ctx, rope, cache: KVCache, block_start=None):
+        """x: normed block [B, L, H]; h_ctx: new context rows [1 or B, S, H] at positions cache.offset..
+
+        block_start: absolute position of block row 0, by default right after the context. Training
+        passes an array [B], one anchor per batch row, and the whole context at once; each block then
+        sees only the context strictly before its anchor.
+        """
+        B, L, _ = x.shape
+        S = h_ctx.shape[1]
         q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
         k_blk = self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm)
         v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
@@ -65,30 +71,46 @@ class Attention(nn.Module):
         v_ctx = self._heads(self.v_proj(h_ctx), self.n_kv_heads)
 
         # Absolute positions: context rows continue the cache, the block follows the context.
-        block_start = cache.offset + S
+        if block_start is None:
+            block_start = cache.offset + S
         q = rope(q, offset=block_start)
         k_blk = rope(k_blk, offset=block_start)
         k_ctx = rope(k_ctx, offset=cache.offset)
         k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)  # only context is ever cached
+        if k_ctx.shape[0] != B:
+            k_ctx = mx.broadcast_to(k_ctx, (B, *k_ctx.shape[1:]))
+            v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
         keys = mx.concatenate([k_ctx, k_blk], axis=2)
         values = mx.concatenate([v_ctx, v_blk], axis=2)
 
-        mask = self._mask(L, k_ctx.shape[2])
+        mask = self._mask(L, k_ctx.shape[2], block_start)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def _mask(self, L: int, ctx_len: int):
-        """Block rows see all context (or the window) and their block: all of it, or causally."""
-        if not self.is_causal and self.window is None:
-            return None
-        query = ctx_len + mx.arange(L)[:, None]
-        key = mx.arange(ctx_len + L)[None]
-        visible = mx.ones((L, ctx_len + L), dtype=mx.bool_)
+    def _mask(self, L: int, ctx_len: int, block_start):
+        """Who each block row sees (reference 1.5), from absolute positions.
+
+        Context (cached from position 0): rows before the block start, within the window if any.
+        Block: every row of its own block, or only earlier ones in causal layers.
+        """
+        per_row_start = isinstance(block_start, mx.array)
+        if not (self.is_causal or self.window or per_row_start):
+            return None  # inference, full attention: everything is visible
+        start = block_start.reshape(-1, 1, 1, 1) if per_row_start else mx.array(block_start)
+        query = start + mx.arange(L)[:, None]  # [.., L, 1]
+        ctx_pos = mx.arange(ctx_len)[None]
+        blk_pos = start + mx.arange(L)[None]  # [.., 1, L]
+        ctx_visible = ctx_pos < start
+        blk_visible = mx.ones((L, L), dtype=mx.bool_)
         if self.is_causal:
-            visible = visible & (key <= query)
-        if self.window is not None:
-            visible = visible & (query - key < self.window) & (key - query < self.window)
-        return visible
+            blk_visible = blk_pos <= query
+        if self.window:
+            ctx_visible = ctx_visible & (query - ctx_pos < self.window)
+            blk_visible = blk_visible & (mx.abs(query - blk_pos) < self.window)
+        shape = (*query.shape[:-1], ctx_len)
+        ctx_visible = mx.broadcast_to(ctx_visible, shape)
+        blk_visible = mx.broadcast_to(blk_visible, (*query.shape[:-1], L))
+        return mx.concatenate([ctx_visible, blk_visible], axis=-1)
 
 
 class MLP(nn.Module):
@@ -110,8 +132,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, h, h_ctx, rope, cache):
-        h = h + self.self_attn(self.input_layernorm(h), h_ctx, rope, cache)
+    def __call__(self, h, h_ctx, rope, cache, block_start=None):
+        h = h + self.self_attn(self.input_layernorm(h), h_ctx, rope, cache, block_start)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -158,14 +180,15 @@ class DFlashDraftModel(nn.Module):
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
-    def hidden(self, block_ids: mx.array, context: mx.array, cache: list) -> mx.array:
-        """Final-norm hidden rows of the block. block_ids [B, L]; context [B, S, n_tgt*H], new rows only."""
+    def hidden(self, block_ids: mx.array, context: mx.array, cache: list, block_start=None) -> mx.array:
+        """Final-norm hidden rows of the block. block_ids [B, L]; context [1 or B, S, n_tgt*H], new rows
+        only. block_start: see Attention (training gives one anchor position per batch row)."""
         if self._borrowed is None:
             raise DFlashError("the drafter is not bound to a target: call drafter.bind(target) first")
         h = self._borrowed.embed(block_ids) * self._borrowed.embed_scale
         h_ctx = self.hidden_norm(self.fc(context))  # once per call, shared by every layer
         for layer, c in zip(self.layers, cache):
-            h = layer(h, h_ctx, self._rope, c)
+            h = layer(h, h_ctx, self._rope, c, block_start)
         return self.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:
