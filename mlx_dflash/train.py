@@ -1,0 +1,213 @@
+"""Training a DFlash drafter for a frozen target (reference 5, the published objective).
+
+For each training sequence (a prompt and the target's own response) the target runs once and its
+chosen layers give the context features. Random anchor positions in the response each start a block
+`[anchor, MASK x (B-1)]`; every block is one batch row that sees the context strictly before its anchor
+and its own block (bidirectionally, or causally in causal layers), never another block. Block row k
+learns the token at anchor + k with cross-entropy weighted exp(-(k-1)/gamma). Only the drafter trains:
+it borrows the target's embedding and head, which stay outside its parameter tree.
+"""
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .config import config_to_dict
+from .drafter import DFlashDraftModel, drafter_from_dir
+from .errors import DFlashError
+
+# Published decay of the per-position loss weight (reference 5).
+PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    anchors: int = 32  # blocks per training sequence
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: Optional[float] = None  # default: published value for the block size
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    eval_sequences: int = 32
+    seed: int = 0
+
+
+def position_weights(block_size: int, gamma: Optional[float] = None) -> mx.array:
+    """w_k = exp(-(k-1)/gamma) for block rows k = 1..B-1."""
+    gamma = gamma or PUBLISHED_GAMMA.get(block_size, max(1.0, block_size / 2.3))
+    return mx.exp(-mx.arange(block_size - 1) / gamma)
+
+
+def make_blocks(ids: np.ndarray, response_start: int, n_anchors: int, block_size: int, mask_id: int, rng):
+    """Anchors sampled from the response, and each block's ids, labels and label validity.
+
+    Returns block_ids [A, B], anchors [A], labels [A, B-1], valid [A, B-1] (label inside the sequence).
+    """
+    last = len(ids) - 2  # an anchor needs at least one token after it
+    candidates = np.arange(response_start, last + 1)
+    if len(candidates) == 0:
+        raise DFlashError("a training sequence has no response tokens to anchor on")
+    anchors = np.sort(rng.choice(candidates, size=min(n_anchors, len(candidates)), replace=False))
+    offsets = anchors[:, None] + np.arange(1, block_size)[None]
+    valid = offsets < len(ids)
+    labels = ids[np.minimum(offsets, len(ids) - 1)]
+    block_ids = np.full((len(anchors), block_size), mask_id, dtype=np.int32)
+    block_ids[:, 0] = ids[anchors]
+    return mx.array(block_ids), mx.array(anchors), mx.array(labels), mx.array(valid)
+
+
+def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
+    """Draft logits [A, B-1, V] for blocks at `anchors`, all against one sequence's features [1, T, F]."""
+    hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)
+    return drafter.logits(hidden[:, 1:])
+
+
+def draft_loss(drafter, features, block_ids, anchors, labels, valid, weights):
+    logits = block_logits(drafter, features, block_ids, anchors)
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    w = weights[None] * valid
+    loss = (ce * w).sum() / w.sum()
+    correct = (mx.argmax(logits, axis=-1) == labels) & valid
+    return loss, (correct.sum(axis=0), valid.sum(axis=0))
+
+
+def acceptance(drafter, target, sequences, block_size, rng, anchors=64):
+    """Teacher-forced mean acceptance length (bonus included) and per-position acceptance rates.
+
+    The responses are the target's greedy output, so at each anchor the target would accept exactly the
+    leading drafts that equal the response: this is what decoding would see at that position.
+    """
+    lengths, reached = [], np.zeros(block_size - 1)
+    for ids, start in sequences:
+        ids = np.array(ids)
+        _, features = target.forward(mx.array(ids)[None], None)
+        block_ids, anchor_pos, labels, valid = make_blocks(ids, start, anchors, block_size, drafter.mask_token_id, rng)
+        drafts = mx.argmax(block_logits(drafter, features, block_ids, anchor_pos), axis=-1)
+        ok = np.array((drafts == labels) & valid)
+        run = np.cumprod(ok, axis=1)  # 1 while every draft so far was right
+        lengths.extend(run.sum(axis=1) + 1)
+        reached += run.sum(axis=0)
+    return float(np.mean(lengths)), reached / len(lengths)
+
+
+def save_checkpoint(drafter: DFlashDraftModel, out_dir: Path, *, state: dict, optimizer=None, dtype=None):
+    """Write config.json + model.safetensors (+ trainer state) to a temporary dir, then swap it in."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = dict(tree_flatten(drafter.parameters()))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config_to_dict(drafter.config), indent=2) + "\n")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+    if optimizer is not None:
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def schedule(cfg: TrainConfig):
+    warmup = max(1, int(cfg.steps * cfg.warmup_ratio))
+    return optim.join_schedules(
+        [optim.linear_schedule(1e-7, cfg.learning_rate, warmup),
+         optim.cosine_decay(cfg.learning_rate, max(1, cfg.steps - warmup), cfg.learning_rate * 0.05)],
+        [warmup],
+    )
+
+
+def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, out_dir, cfg: TrainConfig,
+          resume: bool = False, log=print) -> dict:
+    """Train `drafter` (bound to `target`) on (ids, response_start) sequences; checkpoints go to out_dir."""
+    out_dir = Path(out_dir)
+    if not sequences:
+        raise DFlashError("no training sequences (every sample needs a response of 2+ tokens)")
+    B = drafter.block_size
+    weights = position_weights(B, cfg.gamma)
+    optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
+    state = {"step": 0, "history": []}
+    if resume and (out_dir / "trainer_state.json").exists():
+        state = json.loads((out_dir / "trainer_state.json").read_text())
+        drafter.load_weights(str(out_dir / "model.safetensors"))
+        optimizer.init(drafter.trainable_parameters())
+        saved = mx.load(str(out_dir / "optimizer.safetensors"))
+        optimizer.state = tree_unflatten(list(saved.items()))
+        log(f"resuming from step {state['step']} in {out_dir}")
+    state["train_config"] = asdict(cfg)
+
+    loss_and_grad = nn.value_and_grad(drafter, draft_loss)
+    rng = np.random.default_rng(cfg.seed + state["step"])
+    eval_rng_seed = cfg.seed + 12345
+    ema, tic, rows = None, time.perf_counter(), 0
+    hits, counts = np.zeros(B - 1), np.zeros(B - 1)
+    for step in range(state["step"], cfg.steps):
+        ids, start = sequences[rng.integers(len(sequences))]
+        ids = np.array(ids)
+        _, features = target.forward(mx.array(ids)[None], None)
+        features = mx.stop_gradient(features)
+        block_ids, anchors, labels, valid = make_blocks(ids, start, cfg.anchors, B, drafter.mask_token_id, rng)
+        (loss, (correct, seen)), grads = loss_and_grad(drafter, features, block_ids, anchors, labels, valid, weights)
+        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        optimizer.update(drafter, grads)
+        mx.eval(drafter.parameters(), optimizer.state, loss, correct, seen)
+
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        hits += np.array(correct)
+        counts += np.array(seen)
+        rows += int(np.array(seen).sum())
+        done = step + 1
+        if done % 10 == 0 or done == cfg.steps:
+            rate = rows / (time.perf_counter() - tic)
+            acc = " ".join(f"{a:.2f}" for a in (hits / np.maximum(counts, 1))[:4])
+            bar = "#" * int(30 * done / cfg.steps)
+            log(f"[{bar:<30}] {done}/{cfg.steps} loss {ema:.3f} acc@1-4 {acc} {rate:.0f} rows/s "
+                f"lr {optimizer.learning_rate.item():.2e}")
+            hits[:], counts[:], rows, tic = 0, 0, 0, time.perf_counter()
+        if held_out and (done % cfg.eval_every == 0 or done == cfg.steps):
+            tau, per_position = acceptance(drafter, target, held_out, B, np.random.default_rng(eval_rng_seed))
+            state["history"].append({"step": done, "loss": ema, "tau": tau, "per_position": per_position.tolist()})
+            log(f"step {done}: held-out tau {tau:.2f} (block {B}), P(reach k) "
+                + " ".join(f"{p:.2f}" for p in per_position[:8]))
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            state["step"] = done
+            save_checkpoint(drafter, out_dir, state=state, optimizer=optimizer)
+    return state
+
+
+def export(checkpoint_dir, out_dir, dtype=mx.bfloat16):
+    """The published checkpoint layout (config.json + model.safetensors) without trainer files."""
+    drafter = drafter_from_dir(checkpoint_dir)
+    state = json.loads((Path(checkpoint_dir) / "trainer_state.json").read_text())
+    save_checkpoint(drafter, Path(out_dir), state=state, dtype=dtype)
+    (Path(out_dir) / "trainer_state.json").unlink()
+    return Path(out_dir)
+
+
+def pick_mask_token(tokenizer, vocab_size: int) -> int:
+    """A reserved, rarely seen token for the MASK slots: the last added special token that is not
+    BOS/EOS/PAD and not used by the chat template (NeMo's advice: never pad or eos), else the last id."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    taken = set(getattr(tokenizer, "eos_token_ids", ())) | {hf.bos_token_id, hf.pad_token_id, hf.eos_token_id}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    for token_id, token in sorted(getattr(hf, "added_tokens_decoder", {}).items(), reverse=True):
+        if token_id not in taken and token.content not in template and token_id < vocab_size:
+            return token_id
+    return vocab_size - 1
