@@ -5,7 +5,7 @@ On Metal, MLX's quantized matmul streams the weights once for <= 5 rows and 2-4 
 (`../shared/research/mlx-kernels.md` sections 2-3). On the CPU both are linear in rows (section 7).
 
 `run_widths_bench` measures, at widths 1..16 (median of repeated, warmed runs, interleaved in a random
-order so drift and contention spread over all widths):
+order so drift and contention spread over all widths; wall and process CPU time are both recorded):
 * `mx.quantized_matmul` on every distinct (K, N) of the model's quantized (or to-be-quantized) linear
   layers, or on a synthetic shape list; plus their layer-count weighted sum per width (derived);
 * the full target verify, `Target.forward` of `width` tokens on a cache already holding a prefix of
@@ -39,7 +39,7 @@ from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPP
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 
 WIDTHS = tuple(range(1, 17))
-CLIFF_K = 3.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
+CLIFF_K = 4.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
 CLIFF_FLOOR = 0.05  # ... where "usual" is at least CLIFF_FLOOR x the cost of the previous width
 SCHEMA = "mlx-dflash/bench-widths/1"
 WIDE_OK = {("affine", b, g, d) for b in SUPPORTED_BITS for g in SUPPORTED_GROUP_SIZES for d in SUPPORTED_DTYPES}
@@ -222,6 +222,13 @@ def _set_wide(model, on: bool, state: dict) -> None:
     state["on"] = on
 
 
+def _timed(fn) -> tuple[float, float]:
+    """(wall, process CPU) seconds of evaluating fn()."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    mx.eval(fn())
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def _qmm_case(shape: dict, dtype, wide: bool, widths, seed: int):
     k, n, gs, bits, mode = shape["K"], shape["N"], shape["group_size"], shape["bits"], shape["mode"]
     rng = mx.random.key(seed)
@@ -232,12 +239,9 @@ def _qmm_case(shape: dict, dtype, wide: bool, widths, seed: int):
 
     def measure(w):
         x = xs[w]
-        start = time.perf_counter()
         if wide and MIN_ROWS <= w <= MAX_ROWS:
-            mx.eval(wide_quantized_matmul(x, wq, s, b, gs, bits))
-        else:
-            mx.eval(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits, mode=mode))
-        return time.perf_counter() - start
+            return _timed(lambda: wide_quantized_matmul(x, wq, s, b, gs, bits))
+        return _timed(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits, mode=mode))
     return measure
 
 
@@ -250,17 +254,15 @@ def _verify_case(target, cache, length: int, wide: bool, state: dict, widths, of
         offsets.add(cache[0].offset)
         if cache[0].offset != length:
             raise RuntimeError(f"cache holds {cache[0].offset} positions, expected {length}")
-        start = time.perf_counter()
-        mx.eval(target.forward(ids[w], cache)[0])
-        seconds = time.perf_counter() - start
+        seconds = _timed(lambda: target.forward(ids[w], cache)[0])
         target.trim(cache, w)
         return seconds
     return measure
 
 
 def sweep(cases: dict, widths, repeats: int, warmup: int, seed: int = 0, log=None) -> dict:
-    """{case: {width: [seconds per repeat]}}: `warmup` untimed rounds, then `repeats` rounds, each
-    over every (case, width) pair in a fresh random order."""
+    """{case: {width: [(wall, cpu) seconds per repeat]}}: `warmup` untimed rounds, then `repeats`
+    rounds, each over every (case, width) pair in a fresh random order."""
     order = [(c, w) for c in cases for w in widths]
     rng = random.Random(seed)
     for _ in range(warmup):
@@ -277,11 +279,14 @@ def sweep(cases: dict, widths, repeats: int, warmup: int, seed: int = 0, log=Non
     return times
 
 
-def _series(name: str, widths, per_width: dict, **extra) -> dict:
-    seconds = [per_width[w] for w in widths]
-    med = [float(np.median(s)) for s in seconds]
-    return {"name": name, **extra, "widths": list(widths), "seconds": seconds, "median_seconds": med,
-            "min_seconds": [min(s) for s in seconds], **verdict(widths, med)}
+def _series(name: str, widths, per_width: dict, clock: str, **extra) -> dict:
+    """One curve: all repeats of both clocks, and median/min/verdict of the chosen one."""
+    wall = [[r[0] for r in per_width[w]] for w in widths]
+    cpu = [[r[1] for r in per_width[w]] for w in widths]
+    chosen = wall if clock == "wall" else cpu
+    med = [float(np.median(s)) for s in chosen]
+    return {"name": name, **extra, "clock": clock, "widths": list(widths), "median_seconds": med,
+            "min_seconds": [min(s) for s in chosen], "wall_seconds": wall, "cpu_seconds": cpu, **verdict(widths, med)}
 
 
 def _dtype_of(target) -> mx.Dtype:
@@ -290,19 +295,17 @@ def _dtype_of(target) -> mx.Dtype:
 
 
 def _parse_shape(s) -> tuple[int, int]:
-    if isinstance(s, str):
-        try:
-            k, n = (int(v) for v in s.lower().split("x"))
-        except ValueError:
-            raise DFlashError(f"bad shape {s!r}: write KxN, e.g. 4096x14336") from None
-        return k, n
-    return int(s[0]), int(s[1])
+    try:
+        k, n = (int(v) for v in (s.lower().split("x") if isinstance(s, str) else s))
+    except (ValueError, TypeError):
+        raise DFlashError(f"bad shape {s!r}: write KxN, e.g. 4096x14336") from None
+    return k, n
 
 
 def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, quick: bool = False, widths=WIDTHS,
                      short_cache: int = 128, long_cache: int = 4096, repeats: int | None = None,
                      warmup: int | None = None, quantize_bits: int | None = 4, group_size: int = 64,
-                     dtype: str | None = None, seed: int = 0, note: str = "", log=print) -> dict:
+                     dtype: str | None = None, clock: str = "auto", seed: int = 0, note: str = "", log=print) -> dict:
     """Run the sweep, write widths.json, cost_table.json and widths.png into out_dir, return the results.
 
     model_path: mlx-lm directory or repo id, or a model instance (None: synthetic `shapes` only, no
@@ -310,6 +313,10 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
     shapes: [(K, N) or "KxN"] to time instead of the model's own layer shapes.
     quick: 3 repeats, 1 warm-up round (unless given). quantize_bits: quantize a non-quantized model in
     memory (mlx.nn.quantize, group_size) before measuring; None keeps it as it is.
+    clock: which time the medians, cliffs and cost table use: "wall", or "cpu" (process CPU time: on a
+    shared CPU machine it leaves out other processes' time slices, which make wall-clock medians of
+    long calls jump); "auto" = wall on Metal (the GPU's work is not CPU time), cpu on the CPU backend.
+    Both are always recorded.
     """
     from .load import load_target
     from .policy import has_quantized_layers
@@ -320,8 +327,13 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
     widths = sorted({int(w) for w in widths})
     if not widths or widths[0] < 1:
         raise DFlashError("widths must be integers >= 1")
+    clock = clock if clock != "auto" else ("wall" if metal_available() else "cpu")
+    if clock not in ("wall", "cpu"):
+        raise DFlashError(f"clock must be auto, wall or cpu, not {clock!r}")
     if model_path is None and not shapes:
         raise DFlashError("give a model or a list of shapes (KxN) to measure")
+    if dtype not in (None, "float16", "bfloat16", "float32"):
+        raise DFlashError(f"dtype must be float16, bfloat16 or float32, not {dtype!r}")
     log = log or (lambda *_: None)
     mx.random.seed(seed)
     out_dir = Path(out_dir)
@@ -329,7 +341,8 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
     settings = {"model": (None if model_path is None else type(model_path).__module__ if
                           isinstance(model_path, nn.Module) else str(model_path)), "quick": quick, "widths": widths,
                 "repeats": repeats, "warmup": warmup, "short_cache": short_cache, "long_cache": long_cache,
-                "quantize_bits": quantize_bits, "group_size": group_size, "seed": seed, "note": note}
+                "quantize_bits": quantize_bits, "group_size": group_size, "clock": clock, "seed": seed,
+                "note": note}
     target = None
     if model_path is not None:
         target = Target(model_path) if isinstance(model_path, nn.Module) else load_target(str(model_path))[0]
@@ -360,13 +373,13 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
     log(f"quantized matmul: {len(shape_list)} shapes x {impls}, widths {widths[0]}..{widths[-1]}, "
         f"{repeats} repeats, {settings['dtype']}")
     times = sweep(cases, widths, repeats, warmup, seed, log)
-    series += [_series(n, widths, times[n], **meta[n]) for n in cases]
+    series += [_series(n, widths, times[n], clock, **meta[n]) for n in cases]
     for impl in impls:
         mine = [s for s in series if s["kind"] == "matmul" and s["impl"] == impl]
         if mine:
-            per = {w: [sum(s["count"] * s["median_seconds"][i] for s in mine)] for i, w in enumerate(widths)}
-            series.append(_series(f"matmul total {impl}", widths, per, kind="matmul_total", impl=impl,
-                                  derived="sum over shapes of count x median seconds"))
+            per = {w: [(sum(s["count"] * s["median_seconds"][i] for s in mine),) * 2] for i, w in enumerate(widths)}
+            series.append(_series(f"matmul total {impl}", widths, per, clock, kind="matmul_total", impl=impl,
+                                  derived="sum over shapes of count x median seconds (no repeats of its own)"))
 
     # Full verify forward.
     if target is not None:
@@ -384,7 +397,7 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
         _set_wide(target.model, False, state)
         for n in cases:
             meta[n]["cache_offsets"] = sorted(meta[n]["cache_offsets"])
-            series.append(_series(n, widths, times[n], **meta[n]))
+            series.append(_series(n, widths, times[n], clock, **meta[n]))
 
     results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": machine_info(), "versions": versions(), "settings": settings, "cliff_rule": CLIFF_RULE,
@@ -407,9 +420,10 @@ def cost_table(results: dict) -> dict:
     m = results["machine"]
     return {"widths": main["widths"], "verify_seconds": main["median_seconds"],
             "source": (f"mlx-dflash bench widths: {main['name']} of {results['settings']['model'] or 'synthetic shapes'}"
-                       f", median of {results['settings']['repeats']}, {results['date']}"),
+                       f", median {main['clock']} time of {results['settings']['repeats']}, {results['date']}"),
             "machine": {"chip": m.get("chip"), "platform": m["platform"], "mlx": results["versions"]["mlx"]},
-            "impl": main["impl"], "cache_length": main.get("cache_length"), "cliff_width": main["cliff_width"],
+            "impl": main["impl"], "clock": main["clock"], "cache_length": main.get("cache_length"),
+            "cliff_width": main["cliff_width"],
             "by_cache_length": {str(x["cache_length"]): x["median_seconds"] for x in best if "cache_length" in x}}
 
 
@@ -443,7 +457,7 @@ def format_table(results: dict) -> str:
     lines = ["  ".join(c.rjust(size[j]) for j, c in enumerate(r)) for r in [head] + rows]
     m = results["machine"]
     lines.insert(0, f"{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, "
-                    f"median of {results['settings']['repeats']}")
+                    f"median {results['settings']['clock']} time of {results['settings']['repeats']} runs")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
     return "\n".join(lines)
 
@@ -508,7 +522,8 @@ def plot_png(results: dict, size=(760, 460)) -> bytes:
     _line(img, L, T, L, H - B, (0, 0, 0))
     _line(img, L, H - B, W - R, H - B, (0, 0, 0))
     _text(img, W // 2 - 60, H - 18, "WIDTH (ROWS)", (0, 0, 0))
-    _text(img, 4, 4, f"MS PER VERIFY / SUM OF MATMULS - {results['machine'].get('chip') or ''}"[:80], (0, 0, 0))
+    title = f"MS ({results['settings']['clock']} TIME) PER VERIFY / SUM OF MATMULS - {results['machine'].get('chip')}"
+    _text(img, 4, 4, title[:88], (0, 0, 0))
     for j, s in enumerate(cols):
         color = _COLORS[j]
         pts = [(px(w), py(t * 1e3)) for w, t in zip(s["widths"], s["median_seconds"])]

@@ -47,17 +47,25 @@ def speculative_rounds(
     while produced < max_tokens:
         width = policy.width(remaining=max_tokens - produced)
 
-        # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1.
-        drafts = []
+        # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; the
+        # policy may cut that on the drafter's confidence.
+        tic = time.perf_counter()
+        drafts, confidence = [], []
         if width > 1:
             block = mx.array([[anchor] + [drafter.mask_token_id] * (policy.block_size - 1)])
             hidden = drafter.hidden(block, context, draft_cache)  # consumes the pending context
             context = None
-            drafts = mx.argmax(drafter.logits(hidden[:, 1:width]), axis=-1)[0].tolist()
+            logits = drafter.logits(hidden[:, 1:width])[0]
+            drafts = mx.argmax(logits, axis=-1).tolist()
+            if policy.uses_confidence:
+                confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1).tolist()
+                drafts = drafts[: policy.cut(width, confidence) - 1]
+        draft_seconds = time.perf_counter() - tic
 
         # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
         logits, features = target.forward(mx.array([[anchor] + drafts]), cache)
         accepted, bonus = accept(drafts, logits[0], sampling)
+        policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds)
 
         # Roll back: the cache keeps anchor + accepted drafts; their features join the context.
         target.trim(cache, len(drafts) - accepted)
@@ -76,6 +84,7 @@ class GenerationStats:
     generated_tokens: int = 0
     rounds: int = 0  # verify rounds (the prefill's first token is not one)
     accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
+    widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_gb: float = 0.0
@@ -106,6 +115,7 @@ class GenerationStats:
             f"generation: {self.generated_tokens} tokens, {self.decode_tps:.1f} tokens/s, "
             f"{self.rounds} rounds, tau {self.tau:.2f} (block {self.block_size}, verify width <= {self.max_width})",
             f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
+            "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths)),
             f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",
         ]
         return "\n".join(lines)
@@ -181,6 +191,7 @@ def stream_generate(
         else:
             stats.rounds += 1
             stats.accepted_lengths[len(rnd.tokens)] += 1
+            stats.widths[rnd.drafted + 1] += 1
             stats.decode_seconds = time.perf_counter() - tic
 
         # Stop at the first stop token (not emitted) or at max_tokens; nothing past either.

@@ -12,6 +12,8 @@ section 2), so without our wide kernels the verify width is clamped to 5 unless 
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 import mlx.nn as nn
 
 from .errors import DFlashError
@@ -27,13 +29,38 @@ def has_quantized_layers(model: nn.Module) -> bool:
 
 @dataclass
 class WidthPolicy:
+    """Fixed widths, with llama.cpp's draft controls on top.
+
+    p_min: cut the draft before the first position whose top-1 draft probability is below p_min (each
+        position's own probability, not a running product); the positions before it are verified.
+    n_min: if fewer than n_min drafted tokens survive the cut, verify none (a plain target step).
+    """
+
     block_size: int  # rows the drafter drafts (anchor included)
     max_width: int  # rows the target verifies at most
     notes: list = field(default_factory=list)  # said once at start, kept in the stats
+    p_min: float = 0.0
+    n_min: int = 0
+
+    @property
+    def uses_confidence(self) -> bool:
+        return self.p_min > 0
 
     def width(self, remaining: int) -> int:
-        """Rows to verify this round, when at most `remaining` more tokens may be emitted."""
+        """Most rows to verify this round, when at most `remaining` more tokens may be emitted."""
         return max(1, min(self.max_width, self.block_size, remaining))
+
+    def cut(self, width: int, confidence: list) -> int:
+        """The width after the confidence controls; confidence[k] is the top-1 probability of draft k+1."""
+        drafts = width - 1
+        if self.p_min > 0:
+            drafts = next((k for k, c in enumerate(confidence[:drafts]) if c < self.p_min), drafts)
+        if drafts < self.n_min:
+            drafts = 0
+        return drafts + 1
+
+    def observe(self, confidence: list, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float):
+        """What a round showed (the adaptive policy learns from it; fixed widths ignore it)."""
 
 
 def make_policy(
@@ -43,6 +70,8 @@ def make_policy(
     quantized: bool = False,
     wide_kernels: bool = False,
     force_width: bool = False,
+    p_min: float = 0.0,
+    n_min: int = 0,
 ) -> WidthPolicy:
     """The fixed-width policy for a drafter and target, with the quantized-verification rule applied.
 
@@ -50,7 +79,12 @@ def make_policy(
     quantized: the target or drafter has quantized linear layers.
     wide_kernels: our 6..16-row kernels are installed (Metal only), which lifts the rule.
     force_width: verify past 5 rows on a quantized model anyway.
+    p_min, n_min: the confidence controls of WidthPolicy.
     """
+    if not 0 <= p_min < 1:
+        raise DFlashError(f"p_min must be in [0, 1), got {p_min}")
+    if not 0 <= n_min < trained_block_size:
+        raise DFlashError(f"n_min must be in 0..{trained_block_size - 1} (drafted tokens), got {n_min}")
     if block_size is None:
         block_size = trained_block_size
     if not 1 <= block_size <= trained_block_size:
@@ -58,7 +92,7 @@ def make_policy(
             f"block size {block_size} is out of range: this drafter was trained with blocks of "
             f"{trained_block_size}, so use 1..{trained_block_size}"
         )
-    policy = WidthPolicy(block_size=trained_block_size, max_width=block_size)
+    policy = WidthPolicy(block_size=trained_block_size, max_width=block_size, p_min=p_min, n_min=n_min)
     if quantized and block_size > QUANTIZED_MAX_WIDTH and not wide_kernels:
         if force_width:
             policy.notes.append(
@@ -73,3 +107,83 @@ def make_policy(
                 f"{QUANTIZED_MAX_WIDTH} (pass --force-width to override)"
             )
     return policy
+
+
+class CostAwarePolicy(WidthPolicy):
+    """`--width auto`: each round, the verify width with the most expected tokens per second.
+
+    A round verifying width w (w - 1 drafts) emits 1 + A(w) tokens in expectation, where
+    A(w) = sum_{k<w} prod_{j<=k} a_j and a_j is the chance that draft j is accepted once the drafts
+    before it were. a_j comes from the drafter's top-1 probability for position j, calibrated online:
+    the acceptance rate observed so far for drafts whose confidence fell in the same tenth of [0, 1]
+    (starting from the raw probability). The round costs the drafter's time (a running average) plus
+    verify_seconds[w], from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced
+    by running averages of the verify times this run observes.
+
+    Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
+    costs do not drift with context length within a run (the running averages follow slow drift).
+    """
+
+    BINS = 10
+    PRIOR = 4.0  # pseudo-observations of the raw probability in each bin
+    SMOOTHING = 0.2  # weight of a new timing in the running averages
+
+    def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0):
+        super().__init__(block_size, max_width, list(notes or []), p_min, n_min)
+        self.verify_seconds = interpolate_costs(verify_seconds, max(block_size, max_width))
+        self.draft_seconds = 0.0
+        self.hits = np.zeros(self.BINS)
+        self.trials = np.zeros(self.BINS)
+
+    @property
+    def uses_confidence(self) -> bool:
+        return True
+
+    def calibrated(self, confidence: float) -> float:
+        b = min(int(confidence * self.BINS), self.BINS - 1)
+        return (self.hits[b] + self.PRIOR * confidence) / (self.trials[b] + self.PRIOR)
+
+    def expected_tokens(self, confidence: list, width: int) -> float:
+        expected, survive = 1.0, 1.0
+        for c in confidence[: width - 1]:
+            survive *= self.calibrated(c)
+            expected += survive
+        return expected
+
+    def cut(self, width: int, confidence: list) -> int:
+        width = super().cut(width, confidence)  # p_min / n_min first, when given
+        rates = {
+            w: self.expected_tokens(confidence, w) / (self.draft_seconds + self.verify_seconds[w])
+            for w in range(1, width + 1)
+        }
+        return max(rates, key=rates.get)
+
+    def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds):
+        a = self.SMOOTHING
+        if drafted:
+            self.draft_seconds = draft_seconds if not self.draft_seconds else (1 - a) * self.draft_seconds + a * draft_seconds
+        w = drafted + 1
+        self.verify_seconds[w] = (1 - a) * self.verify_seconds[w] + a * verify_seconds
+        # Drafts up to the first rejection were judged; later ones say nothing.
+        for k in range(min(accepted + 1, drafted)):
+            b = min(int(confidence[k] * self.BINS), self.BINS - 1)
+            self.trials[b] += 1
+            self.hits[b] += k < accepted
+
+
+def interpolate_costs(table: dict, max_width: int) -> dict:
+    """Verify seconds for every width 1..max_width, linear between measured widths, extended at the ends."""
+    if not table:
+        raise DFlashError("the verify cost table is empty")
+    widths = sorted(table)
+    seconds = [table[w] for w in widths]
+    out = {}
+    for w in range(1, max_width + 1):
+        if len(widths) == 1:
+            out[w] = seconds[0]
+        elif w <= widths[-1]:
+            out[w] = float(np.interp(w, widths, seconds))
+        else:  # past the table: continue its last slope
+            slope = (seconds[-1] - seconds[-2]) / (widths[-1] - widths[-2])
+            out[w] = seconds[-1] + slope * (w - widths[-1])
+    return out

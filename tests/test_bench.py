@@ -1,0 +1,217 @@
+"""The width benchmark: the cliff rule, the cost table, and quick real runs on a tiny quantized model."""
+
+import json
+import struct
+import zlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from mlx_dflash.bench import (cliff_width, filled_cache, find_jumps, load_cost_table, model_shapes, png_bytes,
+                              run_widths_bench)
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.kernels import metal_available
+from mlx_dflash.target import Target
+
+W = list(range(1, 17))
+
+
+# The cliff rule on synthetic curves.
+
+def test_linear_curve_has_no_cliff():
+    assert cliff_width(W, [0.02 + 0.1 * w for w in W]) is None
+    assert cliff_width(W, [0.5 + 1e-4 * w for w in W]) is None  # nearly flat: the floor keeps it quiet
+
+
+def test_step_at_6_is_the_cliff():
+    assert cliff_width(W, [0.01 + 0.001 * w + (0.01 if w >= 6 else 0) for w in W]) == 6
+
+
+def test_metal_like_staircase_and_sdpa_step():
+    # qmv_wide: one weight pass per 5 rows -> steps at 6, 11, 16 (the last width has nothing to confirm it).
+    assert find_jumps(W, [1.0 * (1 + (w - 1) // 5) for w in W]) == [6, 11]
+    assert find_jumps(W + [17], [1.0 * (1 + (w - 1) // 5) for w in W + [17]]) == [6, 11, 16]
+    # qmv_wide 1 pass up to 5, 2 passes 6..8, then the padded attention tile from 9.
+    assert find_jumps(W, [1.0 if w < 6 else 1.6 if w < 9 else 2.5 for w in W]) == [6, 9]
+
+
+def test_noisy_linear_has_no_cliff():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        t = [0.02 + 0.1 * w + rng.uniform(-0.01, 0.01) for w in W]  # +-10% of the per-row cost
+        assert cliff_width(W, t) is None
+
+
+def test_single_spike_is_not_a_cliff():
+    t = [0.1 * w for w in W]
+    t[-1] += 1.0  # the last width cannot be confirmed
+    assert cliff_width(W, t) is None
+    t[-1] -= 1.0
+    t[7] += 1.0  # width 8 hit by contention once
+    assert cliff_width(W, t) is None
+    t[8] += 1.0  # ... and width 9: two in a row, but back on the line at 10
+    assert cliff_width(W, t) is None
+
+
+def test_curve_errors():
+    with pytest.raises(ValueError):
+        cliff_width([1, 2, 3], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        cliff_width([1, 3, 2], [1.0, 2.0, 3.0])
+
+
+# The cost table.
+
+def test_cost_table_round_trip(tmp_path):
+    path = tmp_path / "cost_table.json"
+    path.write_text(json.dumps({"widths": [1, 2, 3], "verify_seconds": [0.01, 0.02, 0.035],
+                                "source": "test", "machine": {"chip": "x"}}))
+    assert load_cost_table(path) == {1: 0.01, 2: 0.02, 3: 0.035}
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "no such file"),
+    ("{not json", "not a readable JSON"),
+    ("[1, 2]", "'widths' and 'verify_seconds'"),
+    ('{"widths": [1, 2], "verify_seconds": [0.1]}', "equal length"),
+    ('{"widths": [1, 1], "verify_seconds": [0.1, 0.2]}', "distinct integers"),
+    ('{"widths": [0, 1], "verify_seconds": [0.1, 0.2]}', "distinct integers"),
+    ('{"widths": [1.5, 2], "verify_seconds": [0.1, 0.2]}', "distinct integers"),
+    ('{"widths": [1, 2], "verify_seconds": [0.1, -0.2]}', "positive finite"),
+    ('{"widths": [1, 2], "verify_seconds": [0.1, "fast"]}', "positive finite"),
+])
+def test_cost_table_bad_files(tmp_path, content, words):
+    path = tmp_path / "cost_table.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DFlashError, match=words):
+        load_cost_table(path)
+
+
+# Real runs on a tiny quantized model.
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+                           tie_word_embeddings=True)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def check_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    w, h = struct.unpack(">II", data[16:24])
+    idat = data.index(b"IDAT")
+    raw = zlib.decompress(data[idat + 4:idat + 4 + struct.unpack(">I", data[idat - 4:idat])[0]])
+    pixels = np.frombuffer(raw, np.uint8).reshape(h, 1 + 3 * w)[:, 1:]
+    assert len(np.unique(pixels)) > 3  # something was drawn
+
+
+def test_quick_run_writes_all_files(tiny_model, tmp_path):
+    res = run_widths_bench(tiny_model, tmp_path, quick=True, widths=range(1, 9), short_cache=16, long_cache=4096,
+                           log=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cost_table.json", "widths.json", "widths.png"]
+    data = json.loads((tmp_path / "widths.json").read_text())
+    assert {"schema", "date", "machine", "versions", "settings", "cliff_rule", "series", "cliff",
+            "cost_table"} <= data.keys()
+    assert data["machine"]["chip"] and data["versions"]["mlx"] == mx.__version__ and data["versions"]["mlx_lm"]
+    kinds = {s["kind"] for s in data["series"]}
+    assert kinds == {"matmul", "matmul_total", "verify"}
+    for s in data["series"]:
+        assert s["widths"] == list(range(1, 9)) and len(s["median_seconds"]) == 8
+        if s["kind"] != "matmul_total":  # every repeat kept, both clocks
+            assert all(len(r) == 3 and min(r) > 0 for r in s["wall_seconds"] + s["cpu_seconds"])
+        assert s["clock"] == ("wall" if metal_available() else "cpu")
+        assert data["cliff"][s["name"]] == s["cliff_width"]
+    shapes = {(s["K"], s["N"]) for s in data["series"] if s["kind"] == "matmul"}
+    assert shapes == {(128, 128), (128, 64), (128, 256), (256, 128)}
+    table = json.loads((tmp_path / "cost_table.json").read_text())
+    assert {"widths", "verify_seconds", "source", "machine"} <= table.keys()
+    assert load_cost_table(tmp_path / "cost_table.json") == dict(zip(range(1, 9), table["verify_seconds"]))
+    assert table["cache_length"] == 16
+    impls = {s["impl"] for s in data["series"]}
+    assert impls == ({"mlx", "dflash"} if metal_available() else {"mlx"})
+    check_png(tmp_path / "widths.png")
+    assert res["cost_table"] == table
+
+
+def test_model_shapes_count_layers_and_tied_head(tiny_model):
+    shapes = {(s["K"], s["N"]): s["count"] for s in model_shapes(tiny_model)}
+    # q/o: 128->128 (x2 layers), k/v: 128->64, gate/up: 128->256, down: 256->128, tied head: 128->256 vocab.
+    assert shapes == {(128, 128): 4, (128, 64): 4, (128, 256): 5, (256, 128): 2}
+
+
+def test_long_cache_is_really_long(tiny_model, tmp_path):
+    cache = filled_cache(Target(tiny_model), 4096)
+    assert all(c.offset == 4096 and c.keys.shape[2] >= 4096 for c in cache)
+    res = run_widths_bench(tiny_model, tmp_path, quick=True, widths=[1, 2, 3, 4], short_cache=32, long_cache=4096,
+                           repeats=2, warmup=1, log=None)
+    verify = {s["cache_length"]: s for s in res["series"] if s["kind"] == "verify"}
+    assert sorted(verify) == [32, 4096]
+    assert verify[4096]["cache_offsets"] == [4096] and verify[32]["cache_offsets"] == [32]
+    assert res["cost_table"]["by_cache_length"]["4096"] == verify[4096]["median_seconds"]
+
+
+@pytest.mark.skipif(metal_available(), reason="the CPU has no cliff; on Metal there is one to find")
+def test_cpu_matmul_is_linear_without_cliff(tmp_path):
+    res = run_widths_bench(None, tmp_path, shapes=["1024x1024"], quick=True, repeats=5, log=None)
+    (s,) = [s for s in res["series"] if s["kind"] == "matmul"]
+    assert s["cliff_width"] is None and s["verdict"].startswith("no cliff: linear"), s["verdict"]
+    assert s["linear_fit"]["r2"] > 0.95 and s["linear_fit"]["seconds_per_row"] > 0
+    assert res["cost_table"]["cliff_width"] is None
+    check_png(tmp_path / "widths.png")
+
+
+def test_png_writer():
+    img = np.zeros((3, 2, 3), np.uint8)
+    img[1, 1] = (255, 0, 0)
+    data = png_bytes(img)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data.endswith(b"IEND\xaeB`\x82")
+    raw = zlib.decompress(data[data.index(b"IDAT") + 4:-12 - 4])
+    assert raw == b"\x00" + bytes(6) + b"\x00" + bytes(3) + b"\xff\x00\x00" + b"\x00" + bytes(6)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(model_path=None), "give a model or a list of shapes"),
+    (dict(model_path=None, shapes=["64by64"]), "bad shape"),
+    (dict(model_path=None, shapes=["64x64"], clock="gpu"), "clock must be"),
+    (dict(model_path=None, shapes=["64x64"], widths=[0, 1]), "widths must be"),
+    (dict(model_path=None, shapes=["64x64"], dtype="int8"), "dtype must be"),
+])
+def test_bad_arguments(tmp_path, kwargs, words):
+    with pytest.raises(DFlashError, match=words):
+        run_widths_bench(out_dir=tmp_path, log=None, **kwargs)
+
+
+def test_our_kernels_are_measured_where_they_run(tiny_model, tmp_path, monkeypatch):
+    """The Metal path (ours against MLX's), with a CPU stand-in for the wide kernel."""
+    import mlx_dflash.bench as bench
+    import mlx_dflash.kernels as kernels
+
+    rows = []
+
+    def stand_in(x, w, scales, biases, group_size, bits):
+        rows.append(x.size // x.shape[-1])
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+    for mod in (bench, kernels):
+        monkeypatch.setattr(mod, "metal_available", lambda: True)
+        monkeypatch.setattr(mod, "wide_quantized_matmul", stand_in)
+    res = run_widths_bench(tiny_model, tmp_path, widths=range(4, 8), short_cache=16, long_cache=64, repeats=2,
+                           warmup=0, log=None)
+    names = {s["name"] for s in res["series"]}
+    assert {"matmul total dflash", "verify cache=16 dflash", "verify cache=64 mlx"} <= names
+    assert sorted(set(rows)) == [6, 7]  # only 6..16 rows go to our kernel
+    table = res["cost_table"]
+    assert table["impl"] == "dflash" and table["clock"] == "wall" and table["cache_length"] == 16
+    assert not any(isinstance(m, kernels.WideQuantizedLinear) for _, m in tiny_model.named_modules())

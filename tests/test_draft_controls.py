@@ -1,0 +1,104 @@
+"""Draft-length controls (n-max, p-min, n-min) and the cost-aware width: exact cuts, best depths, lossless."""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+
+from conftest import PROMPTS, chat_ids, mlx_lm_greedy
+from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import CostAwarePolicy, interpolate_costs, make_policy
+from mlx_dflash.sampling import SamplingParams
+
+
+def test_p_min_cuts_before_the_first_low_confidence_position():
+    policy = make_policy(16, 8, p_min=0.5)
+    confidence = [0.9, 0.8, 0.45, 0.99, 0.99, 0.99, 0.99]
+    assert policy.cut(8, confidence) == 3  # drafts 1-2 survive; 3 is below 0.5
+    assert policy.cut(8, [0.9] * 7) == 8
+    assert policy.cut(8, [0.1] * 7) == 1
+    assert policy.cut(3, confidence) == 3  # the width bound comes first
+
+
+def test_n_min_verifies_nothing_when_too_few_drafts_survive():
+    policy = make_policy(16, 8, p_min=0.5, n_min=3)
+    assert policy.cut(8, [0.9, 0.8, 0.45, 0.9, 0.9, 0.9, 0.9]) == 1  # 2 survive < 3
+    assert policy.cut(8, [0.9, 0.8, 0.7, 0.45, 0.9, 0.9, 0.9]) == 4  # 3 survive
+    assert make_policy(16, 8, n_min=8).cut(8, [1.0] * 7) == 1  # 7 possible drafts < 8
+
+
+@pytest.mark.parametrize("kwargs", [dict(p_min=1.0), dict(p_min=-0.1), dict(n_min=16), dict(n_min=-1)])
+def test_bad_controls_are_refused(kwargs):
+    with pytest.raises(DFlashError):
+        make_policy(16, **kwargs)
+
+
+def brute_force_best(confidence, cost, draft_seconds, max_width):
+    """The analytically best width: enumerate every width, expected tokens over cost."""
+    def expected(w):
+        return 1 + sum(
+            float(mx.prod(mx.array(confidence[:k])).item()) for k in range(1, w)
+        )
+    return max(range(1, max_width + 1), key=lambda w: expected(w) / (draft_seconds + cost[w]))
+
+
+@pytest.mark.parametrize("profile, table", itertools.product(
+    ["confident", "falling", "cliff", "uncertain"], ["linear", "metal_cliff", "flat"]))
+def test_auto_width_picks_the_analytically_best_depth(profile, table):
+    confidence = {
+        "confident": [0.97] * 15,
+        "falling": [0.95 - 0.06 * k for k in range(15)],
+        "cliff": [0.99] * 4 + [0.05] * 11,
+        "uncertain": [0.3] * 15,
+    }[profile]
+    cost = {
+        "linear": {w: 0.10 + 0.01 * w for w in range(1, 17)},  # a CPU: cost grows with every row
+        "metal_cliff": {w: 0.02 if w <= 5 else 0.045 for w in range(1, 17)},  # the quantized cliff at 6
+        "flat": {w: 0.05 for w in range(1, 17)},
+    }[table]
+    policy = CostAwarePolicy(16, 16, cost)
+    policy.draft_seconds = 0.01
+    # No observations yet: calibration returns the raw probabilities.
+    want = brute_force_best(confidence, policy.verify_seconds, 0.01, 16)
+    assert policy.cut(16, confidence) == want
+
+
+def test_auto_width_calibrates_on_observed_acceptance():
+    """A drafter that claims 0.95 but is accepted a fifth of the time gets its confidence corrected."""
+    cost = {w: 0.10 + 0.01 * w for w in range(1, 17)}
+    policy = CostAwarePolicy(16, 16, cost)
+    policy.draft_seconds = 0.01
+    confidence = [0.95] * 15
+    assert policy.cut(16, confidence) > 8
+    for round_ in range(200):  # verify 4 drafts; the first is accepted one round in five
+        policy.observe(confidence, drafted=4, accepted=1 if round_ % 5 == 0 else 0,
+                       draft_seconds=0.01, verify_seconds=cost[5])
+    assert abs(policy.calibrated(0.95) - 0.2) < 0.05
+    assert policy.cut(16, confidence) <= 2
+
+
+def test_cost_tables_interpolate_and_extend():
+    full = interpolate_costs({1: 1.0, 4: 4.0, 8: 6.0}, 10)
+    assert [full[w] for w in (1, 2, 4, 6, 8, 10)] == pytest.approx([1.0, 2.0, 4.0, 5.0, 6.0, 7.0])
+    with pytest.raises(DFlashError):
+        interpolate_costs({}, 4)
+
+
+CONTROLS = {
+    "n_max_3": lambda d: make_policy(d.block_size, 4),
+    "p_min_0.3": lambda d: make_policy(d.block_size, p_min=0.3),
+    "p_min_0.9_n_min_2": lambda d: make_policy(d.block_size, p_min=0.9, n_min=2),
+    "auto": lambda d: CostAwarePolicy(d.block_size, d.block_size, {1: 0.1, 16: 0.25}),
+}
+
+
+@pytest.mark.parametrize("control", sorted(CONTROLS))
+def test_every_control_stays_lossless_on_the_real_model(smollm2, random_drafter, control):
+    target, tokenizer = smollm2
+    for prompt in PROMPTS[:3]:
+        ids = chat_ids(tokenizer, prompt)
+        want = mlx_lm_greedy(target.model, ids, 16)
+        policy = CONTROLS[control](random_drafter)
+        rounds = list(speculative_rounds(target, random_drafter, mx.array(ids), policy, SamplingParams(), 16))
+        assert [t for r in rounds for t in r.tokens] == want, (control, prompt)
