@@ -209,6 +209,21 @@ def filled_cache(target, length: int, seed: int = 0) -> list:
     return cache
 
 
+def probe_verify_costs(target, max_width: int, context: int = 256, widths=(1, 2, 4, 8, 16)) -> dict:
+    """A quick start-up estimate of {width: verify seconds} (best of 2 after a warm-up), for
+    `--width auto` when no cost table was measured. The decoder refines it from observed rounds."""
+    cache = filled_cache(target, context)
+    costs = {}
+    for w in sorted({min(w, max_width) for w in widths}):
+        ids = mx.zeros((1, w), dtype=mx.int32)
+        times = []
+        for _ in range(3):
+            times.append(_timed(lambda: target.forward(ids, cache)[0])[0])
+            target.trim(cache, w)
+        costs[w] = min(times[1:])
+    return costs
+
+
 def _set_wide(model, on: bool, state: dict) -> None:
     """Install (or take out again) our wide kernels on this model instance."""
     if state.get("on", False) == on:

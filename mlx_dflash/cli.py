@@ -62,12 +62,21 @@ def _default_drafter(drafter_path):
 @click.option("--seed", default=None, type=int)
 @click.option("--block-size", default=None, type=int, help="Verify width (default: the drafter's trained block).")
 @click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway.")
+@click.option("--n-max", default=None, type=int, help="Verify at most N drafted tokens (width N+1).")
+@click.option("--p-min", default=0.0, show_default=True, type=float,
+              help="Cut the draft before the first position whose top-1 draft probability is below P.")
+@click.option("--n-min", default=0, show_default=True, type=int,
+              help="Verify nothing (a plain target step) when fewer than N drafts survive.")
+@click.option("--width", "width_mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
+              help="auto: per round, the width with the most expected tokens per second.")
+@click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
+              help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
 def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, seed, block_size,
-             force_width, chat_template, verbose):
+             force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose):
     """Generate text with a target model and its DFlash drafter."""
-    from .decoder import stream_generate
+    from .decoder import build_policy, stream_generate
     from .load import load_pair
     from .sampling import SamplingParams
 
@@ -76,12 +85,19 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
     if model_path and not drafter_path:
         raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
                           "give --drafter for this model")
+    if n_max is not None:
+        if block_size is not None and block_size != n_max + 1:
+            raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
+        block_size = n_max + 1
+    if cost_table and width_mode != "auto":
+        raise DFlashError("--cost-table is used by --width auto; add --width auto")
     sampling = SamplingParams(temp, top_p, top_k)
     target, drafter, tokenizer = load_pair(_default_target(model_path), _default_drafter(drafter_path))
+    policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
     stats = None
     for response in stream_generate(
         target, drafter, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
-        block_size=block_size, force_width=force_width, seed=seed, chat_template=chat_template,
+        policy=policy, seed=seed, chat_template=chat_template,
     ):
         if stats is None:
             for note in response.stats.notes:
@@ -174,6 +190,41 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     run_training(target, drafter, sequences, held_out, out, cfg, resume=resume,
                  log=lambda m: click.echo(m, err=True))
     click.echo(f"wrote {out}")
+
+
+
+@main.group()
+def bench():
+    """Measurements on this machine."""
+
+
+@bench.command("widths")
+@click.option("--model", "model_path", help="Model whose layer shapes and verify forward are timed "
+              "(default: SmolLM2-135M-Instruct, unless --shape is given).")
+@click.option("--shape", "shapes", multiple=True, help="A KxN quantized matmul to time instead (repeatable).")
+@click.option("--out", "out_dir", default="bench-widths", show_default=True, type=click.Path(file_okay=False))
+@click.option("--quick", is_flag=True, help="Fewer repeats (3) and warm-up rounds (1).")
+@click.option("--repeats", default=None, type=int)
+@click.option("--warmup", default=None, type=int)
+@click.option("--max-width", default=16, show_default=True, type=int)
+@click.option("--short-cache", default=128, show_default=True, type=int)
+@click.option("--long-cache", default=4096, show_default=True, type=int)
+@click.option("--bits", default=4, show_default=True, type=int, help="Quantize in memory to this; 0: as stored.")
+@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None)
+@click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
+              help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
+def bench_widths(model_path, shapes, out_dir, quick, repeats, warmup, max_width, short_cache, long_cache, bits,
+                 group_size, dtype, clock):
+    """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
+    from .bench import run_widths_bench
+
+    if not model_path and not shapes:
+        model_path = _default_target(None)
+    run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, quick=quick, widths=range(1, max_width + 1),
+                     short_cache=short_cache, long_cache=long_cache, repeats=repeats, warmup=warmup,
+                     quantize_bits=bits or None, group_size=int(group_size), dtype=dtype, clock=clock,
+                     log=click.echo)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
-from .policy import WidthPolicy, has_quantized_layers, make_policy
+from .policy import CostAwarePolicy, WidthPolicy, has_quantized_layers, make_policy
 from .sampling import SamplingParams, accept, pick
 from .target import Target
 
@@ -129,6 +129,31 @@ class GenerationResponse:
     stats: GenerationStats  # running totals; final once finish_reason is set
 
 
+def build_policy(target, drafter, block_size=None, force_width=False, p_min=0.0, n_min=0, auto=False,
+                 cost_table=None) -> WidthPolicy:
+    """The width policy for this pair: fixed widths with the quantized rule and the draft controls, or
+    (auto) the cost-aware policy over the same allowed widths, costed by a table or a start-up probe."""
+    policy = make_policy(
+        drafter.block_size,
+        block_size,
+        quantized=has_quantized_layers(target.model) or has_quantized_layers(drafter),
+        wide_kernels=target.wide_kernels,
+        force_width=force_width,
+        p_min=p_min,
+        n_min=n_min,
+    )
+    if not auto:
+        return policy
+    from .bench import load_cost_table, probe_verify_costs
+
+    if cost_table:
+        costs, source = load_cost_table(cost_table), f"cost table {cost_table}"
+    else:
+        costs, source = probe_verify_costs(target, policy.max_width), "a start-up probe"
+    notes = policy.notes + [f"width auto: verify costs from {source}, refined as rounds run"]
+    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min)
+
+
 def encode_prompt(tokenizer, prompt: str, chat_template: Optional[bool] = None) -> list:
     """Token ids of the prompt, through the tokenizer's chat template when it has one (or when asked)."""
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -162,13 +187,7 @@ def stream_generate(
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
-        policy = make_policy(
-            drafter.block_size,
-            block_size,
-            quantized=has_quantized_layers(target.model) or has_quantized_layers(drafter),
-            wide_kernels=target.wide_kernels,
-            force_width=force_width,
-        )
+        policy = build_policy(target, drafter, block_size, force_width)
     ids = encode_prompt(tokenizer, prompt, chat_template) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
