@@ -104,6 +104,41 @@ def acceptance(drafter, target, sequences, block_size, rng, anchors=64):
     return float(np.mean(lengths)), reached / len(lengths)
 
 
+def decoding_acceptance(drafter, target, sequences, widths=(4, 8, 16)) -> dict:
+    """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
+
+    Decoding from the response start, a round anchored at position s keeps the leading drafts that equal
+    the target's next tokens, which for a greedy response are the response itself, and the next round
+    anchors at s + kept + 1. The drafter's proposals at every anchor depend only on the true prefix, so
+    one batched drafter pass per sequence gives them all; the walk is then bookkeeping. Returns, per
+    verify width, {"tau": tokens per round (bonus included), "rounds": n, "reach": [P(draft k kept)]}.
+    """
+    results = {w: {"lengths": [], "reach": np.zeros(w - 1)} for w in widths}
+    B = drafter.block_size
+    for ids, start in sequences:
+        ids = np.array(ids)
+        _, features = target.forward(mx.array(ids)[None], None)
+        anchors = np.arange(start, len(ids) - 1)
+        block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
+        block_ids[:, 0] = ids[anchors]
+        drafts = np.array(mx.argmax(block_logits(drafter, features, mx.array(block_ids), mx.array(anchors)), -1))
+        for w, r in results.items():
+            s = start
+            while s < len(ids) - 1:
+                limit = min(w - 1, len(ids) - 1 - s - 1)  # drafts that still have a true token to match
+                kept = 0
+                while kept < limit and drafts[s - start, kept] == ids[s + 1 + kept]:
+                    kept += 1
+                r["reach"][:kept] += 1
+                r["lengths"].append(kept + 1)
+                s += kept + 1
+    return {
+        w: {"tau": float(np.mean(r["lengths"])), "rounds": len(r["lengths"]),
+            "reach": (r["reach"] / max(1, len(r["lengths"]))).tolist()}
+        for w, r in results.items()
+    }
+
+
 def save_checkpoint(drafter: DFlashDraftModel, out_dir: Path, *, state: dict, optimizer=None, dtype=None):
     """Write config.json + model.safetensors (+ trainer state) to a temporary dir, then swap it in."""
     out_dir = Path(out_dir)
@@ -117,7 +152,8 @@ def save_checkpoint(drafter: DFlashDraftModel, out_dir: Path, *, state: dict, op
     (tmp / "config.json").write_text(json.dumps(config_to_dict(drafter.config), indent=2) + "\n")
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
     if optimizer is not None:
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        # .npz, not .safetensors: loaders read every *.safetensors of a drafter directory as weights.
+        mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(optimizer.state)))
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():
         os.replace(out_dir, old)
@@ -148,7 +184,7 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
         state = json.loads((out_dir / "trainer_state.json").read_text())
         drafter.load_weights(str(out_dir / "model.safetensors"))
         optimizer.init(drafter.trainable_parameters())
-        saved = mx.load(str(out_dir / "optimizer.safetensors"))
+        saved = mx.load(str(out_dir / "optimizer.npz"))
         optimizer.state = tree_unflatten(list(saved.items()))
         log(f"resuming from step {state['step']} in {out_dir}")
     state["train_config"] = asdict(cfg)
