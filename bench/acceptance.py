@@ -1,0 +1,96 @@
+"""Mean acceptance length (tau) of a drafter on held-out prompts, greedy, at several verify widths.
+
+The target answers each held-out prompt greedily (cached in a JSONL file, resumable); greedy decoding is
+then replayed exactly on those answers (`mlx_dflash.train.decoding_acceptance`): one target forward and
+one batched drafter pass per prompt instead of a full decode per width. `--check N` also decodes the first
+N prompts for real and verifies that the replay's tau equals the decoder's.
+
+    python bench/acceptance.py --drafter DIR [--num-prompts 200] [--widths 4 8 16] [--out bench/results/NAME]
+
+Default prompts: GSM8K training-split problems 7000-7472, which the default drafter never saw
+(it trains on problems 0-6999).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dflash.bench import machine_info, versions
+from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, read_samples
+from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.load import load_target
+from mlx_dflash.models import cache_dir, default_drafter_dir, ensure_smollm2
+from mlx_dflash.policy import make_policy
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.train import decoding_acceptance
+
+GSM8K = "/work/shared/data/gsm8k/train.jsonl"
+HELD_OUT_START = 7000
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", default=GSM8K)
+    p.add_argument("--first", type=int, default=HELD_OUT_START, help="index of the first held-out prompt")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--widths", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--check", type=int, default=3, help="prompts also decoded for real, to verify the replay")
+    p.add_argument("--out", default="bench/results/acceptance")
+    args = p.parse_args()
+
+    target, tokenizer = load_target(args.model or str(ensure_smollm2()))
+    drafter = drafter_from_dir(args.drafter or default_drafter_dir()).bind(target)
+    prompts = read_prompts(args.prompts)[args.first : args.first + args.num_prompts]
+    answers = cache_dir() / "data" / f"heldout-{Path(args.prompts).stem}-{args.first}-{args.max_tokens}.jsonl"
+    generate_responses(target.model, tokenizer, prompts, answers, max_tokens=args.max_tokens, batch_size=32)
+    samples = sorted(read_samples(answers), key=lambda s: s["index"])[: len(prompts)]
+    sequences = list(iter_sequences(samples))
+
+    tic = time.perf_counter()
+    drafter_acceptance = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths))
+    seconds = time.perf_counter() - tic
+
+    checks = []
+    for ids, start in sequences[: args.check]:
+        for w in args.widths:
+            policy = make_policy(drafter.block_size, w)
+            rounds = list(speculative_rounds(target, drafter, mx.array(ids[:start]), policy, SamplingParams(),
+                                             len(ids) - start))
+            decoded = [t for r in rounds for t in r.tokens]
+            replay = decoding_acceptance(drafter, target, [(ids, start)], widths=(w,))[w]
+            real_tau = float(np.mean([len(r.tokens) for r in rounds[1:]])) if len(rounds) > 1 else 0.0
+            checks.append({"width": w, "same_tokens": decoded == ids[start : start + len(decoded)],
+                           "replay_tau": replay["tau"], "decoded_tau": real_tau})
+
+    results = {
+        "machine": machine_info(), "versions": versions(), "drafter": str(args.drafter or default_drafter_dir()),
+        "prompts": f"{args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
+        "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance, "checks": checks,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "acceptance.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out / "acceptance.json")
+
+    print(f"{len(sequences)} held-out prompts ({results['prompts']}), greedy, up to {args.max_tokens} tokens")
+    print("| verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")
+    print("| --- | --- | --- | --- |")
+    for w, r in drafter_acceptance.items():
+        reach = " ".join(f"{x:.2f}" for x in r["reach"][:8])
+        print(f"| {w} | {r['tau']:.2f} | {r['rounds']} | {reach} |")
+    for c in checks:
+        print(f"check width {c['width']}: decoded == target greedy: {c['same_tokens']}, "
+              f"replay tau {c['replay_tau']:.3f} vs decoded tau {c['decoded_tau']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
