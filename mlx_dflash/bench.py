@@ -23,10 +23,8 @@ import math
 import os
 import platform
 import random
-import struct
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +35,7 @@ from mlx.utils import tree_unflatten
 from .errors import DFlashError
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
+from .plot import _COLORS, _FONT, _FONT_SRC, _line, _text, png_bytes  # noqa: F401 (moved; kept importable)
 
 WIDTHS = tuple(range(1, 17))
 CLIFF_K = 4.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
@@ -475,43 +474,6 @@ def format_table(results: dict) -> str:
                     f"median {results['settings']['clock']} time of {results['settings']['repeats']} runs")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
     return "\n".join(lines)
-
-
-# 3x5 pixel font: a character, then its 5 rows as octal digits (4 = left pixel, 1 = right pixel).
-_FONT_SRC = ("075557126227271747371317455711574717674757771122875757975717A25755B65656C34443D65556E74647"
-             "F74644G34553H55755I72227J11152K55655L44447M57755N65555O25552P65644Q25563R65655S34216T72222"
-             "U55557V55552W55775X55255Y55222Z71247 00000.00002-00700=07070:02020(12221)42224/11244,00024")
-_FONT = {_FONT_SRC[i]: [int(c, 8) for c in _FONT_SRC[i + 1:i + 6]] for i in range(0, len(_FONT_SRC), 6)}
-_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
-
-
-def _text(img, x: int, y: int, s: str, color, scale: int = 2) -> None:
-    for ch in s.upper():
-        for r, bits in enumerate(_FONT.get(ch, [0] * 5)):
-            for c in range(3):
-                if bits & (4 >> c):
-                    img[y + r * scale:y + (r + 1) * scale, x + c * scale:x + (c + 1) * scale] = color
-        x += 4 * scale
-
-
-def _line(img, x0, y0, x1, y1, color, thick: int = 1, dash: int = 0) -> None:
-    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-    for i, (x, y) in enumerate(zip(np.linspace(x0, x1, n), np.linspace(y0, y1, n))):
-        if dash and (i // dash) % 2:
-            continue
-        xi, yi = int(round(x)), int(round(y))
-        img[max(yi - thick // 2, 0):yi + thick - thick // 2, max(xi - thick // 2, 0):xi + thick - thick // 2] = color
-
-
-def png_bytes(img: np.ndarray) -> bytes:
-    """An RGB uint8 image (H, W, 3) as PNG file bytes."""
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
 def plot_png(results: dict, size=(760, 460)) -> bytes:

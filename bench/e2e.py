@@ -1,0 +1,407 @@
+"""End-to-end benchmark: DFlash speculative decoding against the target alone, on one model pair, greedy.
+
+    python bench/e2e.py --drafter DIR                       # 10 GSM8K prompts (7000..7009), 128 tokens
+    python bench/e2e.py --drafter DIR --quantize 4          # also every row on a 4-bit target
+    python bench/e2e.py --drafter DIR --num-prompts 2 --max-tokens 24 --name quick   # a smoke run
+
+Configurations (each row; with --quantize 4 each again on the target quantized in memory, group 64):
+* target alone: mlx-lm's `generate_step` on the same chat-template prompt ids, same max tokens, same
+  stop tokens (the tokenizer's eos ids; a stop token ends the output and is not part of it);
+* width 2/4/5/8/16: fixed verify width (`block_size=w`), force_width=True so a quantized row verifies
+  what it says (widths above the drafter's trained block size are left out);
+* p-min 0.3 / 0.7: the trained block size with the confidence cut (on a quantized target without wide
+  kernels the decoder clamps this to 5 rows; the clamp is recorded);
+* width auto: `build_policy(..., auto=True)` with --cost-table (or --quantized-cost-table) else the
+  decoder's start-up probe (clamped like p-min on a quantized target).
+
+Policies are built once per configuration, before anything is timed (the auto probe runs then, after
+one warm-up generation of the target alone); each generation gets a deep copy of its configuration's
+freshly built policy, so the auto policy's online learning starts from the same state on every prompt,
+as in one `mlx-dflash generate` call per prompt. Then every configuration runs once, untimed, on the
+first prompt (warm-up). Measurement: for each repeat and each prompt, all configurations (float and
+quantized together) run in a random order (seeded), so machine drift spreads over all of them.
+
+Decode tokens/s = (generated tokens - 1) / seconds from the first token to the last, for every row
+(generated tokens count a stop token; the first token belongs to the prefill). Per configuration:
+median over prompts of tokens/s (with repeats: each prompt's median over repeats first), the ratio of
+that median to the target alone's (same precision), median of the per-prompt ratios, median and mean
+tau (tokens per verify round, bonus token included; 1 for the target alone), and whether every greedy
+output equals the target alone's on the same prompt and repeat (a mismatch prints a loud line and makes
+the exit status 1). Writes e2e.json (machine, versions, settings, every measurement) and e2e.png (ratio
+vs the target alone per configuration) into bench/results/<name>/, atomically; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from mlx_dflash.bench import _write_atomic, machine_info, versions  # noqa: E402
+from mlx_dflash.data import read_prompts  # noqa: E402
+from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
+from mlx_dflash.errors import DFlashError  # noqa: E402
+from mlx_dflash.kernels import metal_available  # noqa: E402
+from mlx_dflash.plot import bar_chart_png  # noqa: E402
+
+SCHEMA = "mlx-dflash/bench-e2e/1"
+GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
+GSM8K_OFFSET = 7000  # prompts from here on are held out from drafter training
+FIXED_WIDTHS = (2, 4, 5, 8, 16)
+P_MINS = (0.3, 0.7)
+BASELINE = "target alone"
+
+
+def default_name() -> str:
+    return "e2e-" + ("metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# One generation of each kind, measured the same way.
+
+def run_target_alone(model, tokenizer, ids: list, max_tokens: int) -> dict:
+    """mlx-lm greedy decoding with the decoder's stop rule and the decoder's timing definition."""
+    from mlx_lm.generate import generate_step
+
+    stop_ids = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tokens, generated, finish = [], 0, None
+    t0, c0 = time.perf_counter(), time.process_time()
+    t_first = t_last = None
+    steps = generate_step(mx.array(ids), model, max_tokens=max_tokens)
+    for token, _ in steps:
+        now = time.perf_counter()
+        if t_first is None:
+            t_first = now
+        t_last = now
+        generated += 1
+        if token in stop_ids:
+            finish = "stop"
+            break
+        tokens.append(int(token))
+        detokenizer.add_token(token)  # the decoder detokenizes as it goes too
+        if generated >= max_tokens:
+            finish = "length"
+    steps.close()
+    detokenizer.finalize()
+    decode_s = (t_last - t_first) if t_first is not None else 0.0
+    return {"tokens": tokens, "generated_tokens": generated, "finish_reason": finish or "length",
+            "prefill_seconds": (t_first - t0) if t_first is not None else 0.0, "decode_seconds": decode_s,
+            "decode_tps": (generated - 1) / decode_s if decode_s > 0 and generated > 1 else 0.0,
+            "tau": 1.0, "rounds": max(generated - 1, 0), "widths": {}, "accepted_lengths": {},
+            "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+
+
+def run_dflash(pair: dict, policy, ids: list, max_tokens: int) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    _, tokens, stats = generate(pair["target"], pair["drafter"], pair["tokenizer"], ids, max_tokens=max_tokens,
+                                policy=copy.deepcopy(policy))
+    return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
+            "finish_reason": stats.finish_reason, "prefill_seconds": stats.prefill_seconds,
+            "decode_seconds": stats.decode_seconds, "decode_tps": stats.decode_tps, "tau": stats.tau,
+            "rounds": stats.rounds, "widths": {str(k): v for k, v in sorted(stats.widths.items())},
+            "accepted_lengths": {str(k): v for k, v in sorted(stats.accepted_lengths.items())},
+            "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up.
+
+def load_pairs(model_path: str, drafter_path: str, quantize: int, wide_kernels: bool) -> dict:
+    """{"float": pair, "q4": pair}: each pair its own target copy and its own drafter bound to it."""
+    from mlx_dflash.load import load_drafter, load_pair, load_target
+
+    target, drafter, tokenizer = load_pair(model_path, drafter_path, wide_kernels=wide_kernels)
+    pairs = {"float": {"target": target, "drafter": drafter, "tokenizer": tokenizer, "precision": "float"}}
+    if quantize:
+        qtarget, qtok = load_target(model_path)
+        nn.quantize(qtarget.model, group_size=64, bits=quantize)
+        mx.eval(qtarget.model.parameters())
+        if wide_kernels:
+            qtarget.install_wide_kernels()
+        qdrafter = load_drafter(drafter_path).bind(qtarget)
+        pairs[f"q{quantize}"] = {"target": qtarget, "drafter": qdrafter, "tokenizer": qtok,
+                                 "precision": f"{quantize}-bit, group 64 (in memory)"}
+    return pairs
+
+
+def configurations(block_size: int) -> list[dict]:
+    """The rows, in table order (before the precision is attached)."""
+    rows = [{"name": BASELINE, "kind": "target"}]
+    rows += [{"name": f"width {w}", "kind": "dflash", "block_size": w, "force_width": True, "p_min": 0.0,
+              "auto": False} for w in FIXED_WIDTHS if w <= block_size]
+    rows += [{"name": f"p-min {p}", "kind": "dflash", "block_size": None, "force_width": False, "p_min": p,
+              "auto": False} for p in P_MINS]
+    rows += [{"name": "width auto", "kind": "dflash", "block_size": None, "force_width": False, "p_min": 0.0,
+              "auto": True}]
+    return rows
+
+
+def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
+    configs = []
+    for phase, pair in pairs.items():
+        for row in configurations(pair["drafter"].block_size):
+            cfg = {**row, "phase": phase, "key": f"{row['name']} [{phase}]"}
+            if row["kind"] == "dflash":
+                table = cost_tables.get(phase) if row["auto"] else None
+                tic = time.perf_counter()
+                policy = build_policy(pair["target"], pair["drafter"], row["block_size"], row["force_width"],
+                                      row["p_min"], 0, row["auto"], table)
+                cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
+                           notes=list(policy.notes), policy_type=type(policy).__name__,
+                           cost_table=table, build_seconds=time.perf_counter() - tic)
+                if row["auto"]:
+                    cfg["initial_verify_seconds"] = {str(k): v for k, v in policy.verify_seconds.items()}
+                asked = row["block_size"] or policy.block_size
+                cfg["clamped"] = policy.max_width < asked
+                for note in policy.notes:
+                    log(f"  {cfg['key']}: {note}")
+            configs.append(cfg)
+    return configs
+
+
+def run_config(cfg: dict, pairs: dict, ids: dict, max_tokens: int) -> dict:
+    pair = pairs[cfg["phase"]]
+    if cfg["kind"] == "target":
+        return run_target_alone(pair["target"].model, pair["tokenizer"], ids[cfg["phase"]], max_tokens)
+    return run_dflash(pair, cfg["policy"], ids[cfg["phase"]], max_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Summary and output.
+
+def first_difference(a: list, b: list):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[dict]:
+    out = []
+    base_tps = {}
+    for cfg in configs:  # the target alone comes first in each phase
+        mine = [r for r in runs if r["config"] == cfg["key"]]
+        per_prompt = {}
+        for r in mine:
+            per_prompt.setdefault(r["prompt"], []).append(r)
+        tps = [statistics.median(x["decode_tps"] for x in per_prompt[p]) for p in sorted(per_prompt)]
+        taus = [r["tau"] for r in mine]
+        med = statistics.median(tps) if tps else 0.0
+        if cfg["kind"] == "target":
+            base_tps[cfg["phase"]] = {p: statistics.median(x["decode_tps"] for x in per_prompt[p]) for p in per_prompt}
+        base_phase = base_tps.get(cfg["phase"], {})
+        base = statistics.median(base_phase.values()) if base_phase else 0.0
+        ratios = [statistics.median(x["decode_tps"] for x in per_prompt[p]) / base_phase[p]
+                  for p in sorted(per_prompt) if base_phase.get(p)]
+        checked = [r for r in mine if r["identical"] is not None]
+        widths = {}
+        for r in mine:
+            for w, n in r["widths"].items():
+                widths[w] = widths.get(w, 0) + n
+        out.append({
+            "config": cfg["key"], "name": cfg["name"], "phase": cfg["phase"], "kind": cfg["kind"],
+            "max_width": cfg.get("max_width"), "clamped": cfg.get("clamped", False), "notes": cfg.get("notes", []),
+            "runs": len(mine), "prompts": len(per_prompt),
+            "decode_tps_median": med, "decode_tps_per_prompt": tps,
+            "ratio_vs_target": med / base if base else None,
+            "ratio_per_prompt_median": statistics.median(ratios) if ratios else None,
+            "tau_median": statistics.median(taus) if taus else 0.0, "tau_mean": statistics.fmean(taus) if taus else 0.0,
+            "identical": sum(bool(r["identical"]) for r in checked), "checked": len(checked),
+            "widths_used": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
+        })
+    return out
+
+
+def markdown_table(summary: list[dict]) -> str:
+    lines = ["| configuration | tokens/s median | ratio | tau mean | outputs identical |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for s in summary:
+        name = s["name"] + ("" if s["phase"] == "float" else f" ({s['phase']})")
+        if s["clamped"]:
+            name += f" (clamped to {s['max_width']})"
+        ratio = f"{s['ratio_vs_target']:.2f}x" if s["ratio_vs_target"] is not None else "-"
+        ident = "reference" if s["kind"] == "target" else f"{s['identical']}/{s['checked']}"
+        lines.append(f"| {name} | {s['decode_tps_median']:.1f} | {ratio} | {s['tau_mean']:.2f} | {ident} |")
+    return "\n".join(lines)
+
+
+def details(summary: list[dict]) -> str:
+    lines = []
+    for s in summary:
+        rpp = s["ratio_per_prompt_median"]
+        lines.append(f"{s['config']:<22} tps median {s['decode_tps_median']:7.1f}  ratio "
+                     f"{(s['ratio_vs_target'] or 0):5.2f}x (per-prompt median {(rpp or 0):5.2f}x)  tau median "
+                     f"{s['tau_median']:5.2f} mean {s['tau_mean']:5.2f}  max width {s['max_width'] or 1}  "
+                     f"widths used {' '.join(f'{w}:{n}' for w, n in s['widths_used'].items()) or '-'}")
+    return "\n".join(lines)
+
+
+def chart(results: dict) -> bytes:
+    summary = results["summary"]
+    names = list(dict.fromkeys(s["name"] for s in summary))
+    phases = list(dict.fromkeys(s["phase"] for s in summary))
+    series = {}
+    for ph in phases:
+        by_name = {s["name"]: s["ratio_vs_target"] for s in summary if s["phase"] == ph}
+        series["float target" if ph == "float" else f"{ph[1:]}-bit target"] = [by_name.get(n) for n in names]
+    st = results["settings"]
+    title = (f"DECODE TOKENS/S VS TARGET ALONE (MEDIAN OF {st['num_prompts']} PROMPTS, {st['max_tokens']} TOKENS)"
+             f" - {results['machine'].get('chip')}")
+    return bar_chart_png(names, series, title=title, reference=1.0, value_format="{:.2f}")
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
+    ap.add_argument("--drafter", help="drafter directory (default: the packaged drafter, if this version has one)")
+    ap.add_argument("--prompts", type=Path, help=f"prompt file (.jsonl or one per line; default: {GSM8K})")
+    ap.add_argument("--prompt-offset", type=int, default=None,
+                    help=f"first prompt to use (default: {GSM8K_OFFSET} for the GSM8K default, else 0)")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="run the whole interleaved set this many times")
+    ap.add_argument("--quantize", type=int, choices=[0, 4, 8], default=0,
+                    help="also run every row on the target quantized in memory (bits, group 64)")
+    ap.add_argument("--cost-table", help="verify cost table for width auto on the float target (default: probe)")
+    ap.add_argument("--quantized-cost-table", help="the same for the quantized target (default: probe)")
+    ap.add_argument("--no-wide-kernels", action="store_true", help="Metal: keep MLX's own quantized matmul")
+    ap.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each configuration's warm-up")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
+    ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: e2e-<device>)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
+    args = ap.parse_args(argv)
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+
+    try:
+        model = args.model
+        if model is None:
+            from mlx_dflash.models import ensure_smollm2
+
+            model = str(ensure_smollm2("float32"))
+        drafter = args.drafter
+        if drafter is None:
+            from mlx_dflash.models import default_drafter_dir
+
+            found = default_drafter_dir()
+            if found is None:
+                raise DFlashError("no drafter ships with this version: pass --drafter DIR")
+            drafter = str(found)
+        prompt_file = args.prompts or GSM8K
+        offset = args.prompt_offset if args.prompt_offset is not None else (0 if args.prompts else GSM8K_OFFSET)
+        all_prompts = read_prompts(prompt_file)
+        prompts = all_prompts[offset:offset + args.num_prompts]
+        if len(prompts) < args.num_prompts or args.num_prompts < 1:
+            raise DFlashError(f"{prompt_file} has {len(all_prompts)} prompts; asked for {args.num_prompts} "
+                              f"from {offset}")
+        if args.max_tokens < 2 or args.repeats < 1:
+            raise DFlashError("--max-tokens must be at least 2 and --repeats at least 1")
+        out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
+
+        log(f"target {model}\ndrafter {drafter}")
+        pairs = load_pairs(model, drafter, args.quantize, not args.no_wide_kernels)
+        tok = pairs["float"]["tokenizer"]
+        prompt_ids = [encode_prompt(tok, p) for p in prompts]
+        ids_of = lambda i: {ph: prompt_ids[i] for ph in pairs}  # noqa: E731 (one tokenizer, same ids)
+
+        # One warm-up generation, then the policies (the auto probe times the warmed target), then a
+        # warm-up of every configuration; none of this is measured.
+        run_target_alone(pairs["float"]["target"].model, tok, prompt_ids[0], args.warmup_tokens)
+        log("building policies (width auto: " + ("cost table" if args.cost_table else "start-up probe") + ")")
+        tables = {"float": args.cost_table}
+        if args.quantize:
+            tables[f"q{args.quantize}"] = args.quantized_cost_table
+        configs = build_configs(pairs, tables, log)
+        log(f"warm-up: {len(configs)} configurations x {args.warmup_tokens} tokens")
+        for cfg in configs:
+            run_config(cfg, pairs, ids_of(0), args.warmup_tokens)
+
+        rng = random.Random(args.seed)
+        runs, mismatches = [], 0
+        t_start = time.perf_counter()
+        for rep in range(args.repeats):
+            for i in range(len(prompts)):
+                order = list(range(len(configs)))
+                rng.shuffle(order)
+                done = {}
+                for pos, c in enumerate(order):
+                    cfg = configs[c]
+                    res = run_config(cfg, pairs, ids_of(i), args.max_tokens)
+                    done[cfg["key"]] = res
+                    runs.append({"repeat": rep, "prompt": i, "prompt_index": offset + i, "order": pos,
+                                 "config": cfg["key"], "name": cfg["name"], "phase": cfg["phase"],
+                                 "prompt_tokens": len(prompt_ids[i]), **res})
+                # Every row of this prompt against its precision's target alone.
+                for r in runs[-len(configs):]:
+                    base = done[f"{BASELINE} [{r['phase']}]"]["tokens"]
+                    if r["name"] == BASELINE:
+                        r["identical"] = None
+                    else:
+                        diff = first_difference(r["tokens"], base)
+                        r["identical"] = diff is None
+                        if diff is not None:
+                            mismatches += 1
+                            r["first_difference"] = diff
+                            log(f"!!!!! MISMATCH: {r['config']} on prompt {offset + i} (repeat {rep + 1}) differs from "
+                                f"the target alone at token {diff}: {r['tokens'][diff:diff + 5]} vs {base[diff:diff + 5]}"
+                                " !!!!!")
+                line = "  ".join(f"{r['name'].replace('width ', 'w')}{'' if r['phase'] == 'float' else '/q'} "
+                                 f"{r['decode_tps']:.0f}" for r in sorted(runs[-len(configs):],
+                                                                         key=lambda r: r["config"]))
+                log(f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} "
+                    f"{time.perf_counter() - t_start:.0f}s] tok/s: {line}")
+
+        summary = summarize(configs, runs, len(prompts))
+        settings = {"model": model, "drafter": drafter, "prompts_file": str(prompt_file), "prompt_offset": offset,
+                    "num_prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
+                    "quantize": args.quantize, "quantize_group_size": 64 if args.quantize else None,
+                    "cost_table": args.cost_table, "quantized_cost_table": args.quantized_cost_table,
+                    "wide_kernels": not args.no_wide_kernels, "warmup_tokens": args.warmup_tokens,
+                    "seed": args.seed, "sampling": "greedy",
+                    "drafter_block_size": pairs["float"]["drafter"].block_size,
+                    "policy_lifetime": "built once per configuration before timing; a deep copy per generation",
+                    "timing": "decode tokens/s = (generated tokens incl. a stop token - 1) / seconds from the "
+                              "first token to the last; wall clock",
+                    "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
+        results = {"schema": SCHEMA,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "machine": machine_info(), "versions": versions(), "settings": settings,
+                   "configurations": [{k: v for k, v in c.items() if k != "policy"} for c in configs],
+                   "summary": summary, "mismatches": mismatches, "runs": runs}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
+        _write_atomic(out_dir / "e2e.png", chart(results))
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    m = results["machine"]
+    log(f"\n{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, {len(prompts)} prompts x "
+        f"{args.repeats} repeats, {args.max_tokens} max tokens, greedy; drafter block {settings['drafter_block_size']}")
+    log(details(summary))
+    log("")
+    log(markdown_table(summary))
+    log(f"\nwrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.png'}")
+    if mismatches:
+        log(f"!!!!! {mismatches} generation(s) differ from the target alone: NOT LOSSLESS !!!!!")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
