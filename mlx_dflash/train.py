@@ -190,7 +190,9 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
     state["train_config"] = asdict(cfg)
 
     loss_and_grad = nn.value_and_grad(drafter, draft_loss)
-    rng = np.random.default_rng(cfg.seed + state["step"])
+    rng = np.random.default_rng(cfg.seed)
+    if "rng" in state:  # resume draws the same batches an uninterrupted run would have
+        rng.bit_generator.state = state["rng"]
     eval_rng_seed = cfg.seed + 12345
     ema, tic, rows = None, time.perf_counter(), 0
     hits, counts = np.zeros(B - 1), np.zeros(B - 1)
@@ -223,7 +225,7 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
             log(f"step {done}: held-out tau {tau:.2f} (block {B}), P(reach k) "
                 + " ".join(f"{p:.2f}" for p in per_position[:8]))
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            state["step"] = done
+            state["step"], state["rng"] = done, rng.bit_generator.state
             save_checkpoint(drafter, out_dir, state=state, optimizer=optimizer)
     return state
 
