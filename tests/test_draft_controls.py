@@ -43,8 +43,8 @@ def brute_force_best(confidence, cost, draft_seconds, max_width):
     return max(range(1, max_width + 1), key=lambda w: expected(w) / (draft_seconds + cost[w]))
 
 
-@pytest.mark.parametrize("profile, table", itertools.product(
-    ["confident", "falling", "cliff", "uncertain"], ["linear", "metal_cliff", "flat"]))
+@pytest.mark.parametrize("profile, table", list(itertools.product(
+    ["confident", "falling", "cliff", "uncertain"], ["linear", "metal_cliff", "flat"])))
 def test_auto_width_picks_the_analytically_best_depth(profile, table):
     confidence = {
         "confident": [0.97] * 15,
