@@ -122,15 +122,25 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
               help="Default: the source's dtype (GGUF: float16).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype, overwrite):
+@click.option("--q-mode", default=None, help="Targets: mlx_lm.convert's quantization mode (e.g. affine, mxfp4).")
+@click.option("--quant-predicate", default=None, help="Targets: mlx_lm.convert's mixed-precision recipe.")
+@click.option("--revision", default=None, help="Targets: hub revision to convert.")
+@click.option("--trust-remote-code", is_flag=True, help="Targets: passed to mlx_lm.convert.")
+def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype, overwrite, q_mode,
+            quant_predicate, revision, trust_remote_code):
     """Convert a drafter or a target into an MLX directory, optionally pre-quantized."""
     from .convert import convert_drafter, convert_target
 
     if bool(drafter_src) == bool(model_src):
         raise DFlashError("give exactly one of --drafter or --model")
+    # mlx_lm.convert options pass through for targets, only when given.
+    passthrough = {k: v for k, v in dict(q_mode=q_mode, quant_predicate=quant_predicate, revision=revision,
+                                         trust_remote_code=trust_remote_code or None).items() if v is not None}
+    if drafter_src and passthrough:
+        raise DFlashError(f"--{next(iter(passthrough)).replace('_', '-')} applies to --model conversions only")
     fn = convert_drafter if drafter_src else convert_target
     out = fn(drafter_src or model_src, out_dir, quantize=quantize, q_bits=q_bits,
-             q_group_size=q_group_size, dtype=dtype, overwrite=overwrite)
+             q_group_size=q_group_size, dtype=dtype, overwrite=overwrite, **passthrough)
     click.echo(f"wrote {out}")
 
 
