@@ -35,7 +35,7 @@ PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 class TrainConfig:
     steps: int = 2000
     anchors: int = 32  # blocks per training sequence
-    learning_rate: float = 6e-4
+    learning_rate: float = 1e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
