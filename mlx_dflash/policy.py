@@ -120,6 +120,10 @@ class CostAwarePolicy(WidthPolicy):
     verify_seconds[w], from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced
     by running averages of the verify times this run observes.
 
+    Drafting itself must pay too: the policy keeps running averages of tokens per second in rounds that
+    drafted and in plain target steps, and while drafting is the slower of the two it skips the drafter
+    (a plain step, width 1), drafting again every PROBE_EVERY rounds to re-measure.
+
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
     costs do not drift with context length within a run (the running averages follow slow drift).
     """
@@ -127,6 +131,7 @@ class CostAwarePolicy(WidthPolicy):
     BINS = 10
     PRIOR = 4.0  # pseudo-observations of the raw probability in each bin
     SMOOTHING = 0.2  # weight of a new timing in the running averages
+    PROBE_EVERY = 8  # while drafting does not pay, draft once every this many rounds
 
     def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min)
@@ -134,10 +139,23 @@ class CostAwarePolicy(WidthPolicy):
         self.draft_seconds = 0.0
         self.hits = np.zeros(self.BINS)
         self.trials = np.zeros(self.BINS)
+        self.drafting_rate = None  # tokens/s of rounds that ran the drafter
+        self.plain_rate = None  # tokens/s of plain target steps
+        self.skipped = 0  # plain steps since the drafter last ran
 
     @property
     def uses_confidence(self) -> bool:
         return True
+
+    def width(self, remaining: int) -> int:
+        width = super().width(remaining)
+        drafting_loses = (self.drafting_rate is not None and self.plain_rate is not None
+                          and self.drafting_rate < self.plain_rate)
+        if width > 1 and drafting_loses and self.skipped < self.PROBE_EVERY - 1:
+            self.skipped += 1
+            return 1
+        self.skipped = 0
+        return width
 
     def calibrated(self, confidence: float) -> float:
         b = min(int(confidence * self.BINS), self.BINS - 1)
@@ -160,6 +178,11 @@ class CostAwarePolicy(WidthPolicy):
 
     def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds):
         a = self.SMOOTHING
+        rate = (accepted + 1) / (draft_seconds + verify_seconds)
+        if confidence:  # the drafter ran this round (whatever width was then verified)
+            self.drafting_rate = rate if self.drafting_rate is None else (1 - a) * self.drafting_rate + a * rate
+        else:
+            self.plain_rate = rate if self.plain_rate is None else (1 - a) * self.plain_rate + a * rate
         if drafted:
             self.draft_seconds = draft_seconds if not self.draft_seconds else (1 - a) * self.draft_seconds + a * draft_seconds
         w = drafted + 1

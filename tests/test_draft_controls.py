@@ -102,3 +102,16 @@ def test_every_control_stays_lossless_on_the_real_model(smollm2, random_drafter,
         policy = CONTROLS[control](random_drafter)
         rounds = list(speculative_rounds(target, random_drafter, mx.array(ids), policy, SamplingParams(), 16))
         assert [t for r in rounds for t in r.tokens] == want, (control, prompt)
+
+
+def test_auto_width_stops_drafting_while_it_does_not_pay():
+    cost = {w: 0.10 for w in range(1, 17)}
+    policy = CostAwarePolicy(16, 16, cost)
+    assert policy.width(100) == 16  # nothing measured yet: draft
+    policy.observe([0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)  # 5 tokens/s
+    policy.observe([], drafted=0, accepted=0, draft_seconds=0.0, verify_seconds=0.1)  # plain: 10 tokens/s
+    widths = [policy.width(100) for _ in range(16)]
+    assert widths == ([1] * 7 + [16]) * 2  # plain steps, with a drafting probe every 8th round
+    policy.observe([0.9] * 15, drafted=15, accepted=15, draft_seconds=0.1, verify_seconds=0.1)  # 80 tokens/s
+    policy.observe([0.9] * 15, drafted=15, accepted=15, draft_seconds=0.1, verify_seconds=0.1)
+    assert [policy.width(100) for _ in range(4)] == [16] * 4  # drafting pays again: keep drafting
