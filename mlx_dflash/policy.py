@@ -140,7 +140,7 @@ class CostAwarePolicy(WidthPolicy):
         self.hits = np.zeros(self.BINS)
         self.trials = np.zeros(self.BINS)
         self.drafting_rate = None  # tokens/s of rounds that ran the drafter
-        self.plain_rate = None  # tokens/s of plain target steps
+        self.plain_rate = 1.0 / self.verify_seconds[1]  # tokens/s of plain target steps (table, then observed)
         self.skipped = 0  # plain steps since the drafter last ran
 
     @property
@@ -149,8 +149,7 @@ class CostAwarePolicy(WidthPolicy):
 
     def width(self, remaining: int) -> int:
         width = super().width(remaining)
-        drafting_loses = (self.drafting_rate is not None and self.plain_rate is not None
-                          and self.drafting_rate < self.plain_rate)
+        drafting_loses = self.drafting_rate is not None and self.drafting_rate < self.plain_rate
         if width > 1 and drafting_loses and self.skipped < self.PROBE_EVERY - 1:
             self.skipped += 1
             return 1
@@ -182,7 +181,7 @@ class CostAwarePolicy(WidthPolicy):
         if confidence:  # the drafter ran this round (whatever width was then verified)
             self.drafting_rate = rate if self.drafting_rate is None else (1 - a) * self.drafting_rate + a * rate
         else:
-            self.plain_rate = rate if self.plain_rate is None else (1 - a) * self.plain_rate + a * rate
+            self.plain_rate = (1 - a) * self.plain_rate + a * rate
         if drafted:
             self.draft_seconds = draft_seconds if not self.draft_seconds else (1 - a) * self.draft_seconds + a * draft_seconds
         w = drafted + 1
