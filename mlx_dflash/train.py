@@ -9,7 +9,6 @@ it borrows the target's embedding and head, which stay outside its parameter tre
 """
 
 import json
-import math
 import os
 import shutil
 import time
