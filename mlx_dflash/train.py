@@ -84,25 +84,6 @@ def draft_loss(drafter, features, block_ids, anchors, labels, valid, weights):
     return loss, (correct.sum(axis=0), valid.sum(axis=0))
 
 
-def acceptance(drafter, target, sequences, block_size, rng, anchors=64):
-    """Teacher-forced mean acceptance length (bonus included) and per-position acceptance rates.
-
-    The responses are the target's greedy output, so at each anchor the target would accept exactly the
-    leading drafts that equal the response: this is what decoding would see at that position.
-    """
-    lengths, reached = [], np.zeros(block_size - 1)
-    for ids, start in sequences:
-        ids = np.array(ids)
-        _, features = target.forward(mx.array(ids)[None], None)
-        block_ids, anchor_pos, labels, valid = make_blocks(ids, start, anchors, block_size, drafter.mask_token_id, rng)
-        drafts = mx.argmax(block_logits(drafter, features, block_ids, anchor_pos), axis=-1)
-        ok = np.array((drafts == labels) & valid)
-        run = np.cumprod(ok, axis=1)  # 1 while every draft so far was right
-        lengths.extend(run.sum(axis=1) + 1)
-        reached += run.sum(axis=0)
-    return float(np.mean(lengths)), reached / len(lengths)
-
-
 def decoding_acceptance(drafter, target, sequences, widths=(4, 8, 16)) -> dict:
     """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
 
@@ -192,7 +173,6 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
     rng = np.random.default_rng(cfg.seed)
     if "rng" in state:  # resume draws the same batches an uninterrupted run would have
         rng.bit_generator.state = state["rng"]
-    eval_rng_seed = cfg.seed + 12345
     ema, tic, rows = None, time.perf_counter(), 0
     hits, counts = np.zeros(B - 1), np.zeros(B - 1)
     for step in range(state["step"], cfg.steps):
@@ -219,10 +199,11 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
                 f"lr {optimizer.learning_rate.item():.2e}")
             hits[:], counts[:], rows, tic = 0, 0, 0, time.perf_counter()
         if held_out and (done % cfg.eval_every == 0 or done == cfg.steps):
-            tau, per_position = acceptance(drafter, target, held_out, B, np.random.default_rng(eval_rng_seed))
-            state["history"].append({"step": done, "loss": ema, "tau": tau, "per_position": per_position.tolist()})
-            log(f"step {done}: held-out tau {tau:.2f} (block {B}), P(reach k) "
-                + " ".join(f"{p:.2f}" for p in per_position[:8]))
+            result = decoding_acceptance(drafter, target, held_out, widths=(B,))[B]
+            tau, reach = result["tau"], result["reach"]
+            state["history"].append({"step": done, "loss": ema, "tau": tau, "per_position": reach})
+            log(f"step {done}: held-out tau {tau:.2f} (block {B}), P(draft k kept) "
+                + " ".join(f"{p:.2f}" for p in reach[:8]))
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             state["step"], state["rng"] = done, rng.bit_generator.state
             save_checkpoint(drafter, out_dir, state=state, optimizer=optimizer)

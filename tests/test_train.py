@@ -20,7 +20,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.target import Target
 from mlx_dflash.train import (
     TrainConfig,
-    acceptance,
+    decoding_acceptance,
     block_logits,
     draft_loss,
     export,
@@ -403,10 +403,11 @@ def trained_vs_untrained(smollm2, tmp_path, sequences, steps, block_size, anchor
                                 mask_token_id=pick_mask_token(tokenizer, target.vocab_size))
     drafter = init_drafter(config, seed=0).bind(target)
     cached = CachedFeatures(target)
-    tau0, _ = acceptance(drafter, cached, sequences, block_size, np.random.default_rng(0))
+    tau0 = decoding_acceptance(drafter, cached, sequences, widths=(block_size,))[block_size]["tau"]
     cfg = TrainConfig(steps=steps, anchors=anchors, learning_rate=learning_rate, **QUIET)
     train(cached, drafter, sequences, [], tmp_path / "ck", cfg, log=lambda s: None)
-    tau1, per_position = acceptance(drafter, cached, sequences, block_size, np.random.default_rng(0))
+    result = decoding_acceptance(drafter, cached, sequences, widths=(block_size,))[block_size]
+    tau1, per_position = result["tau"], result["reach"]
     return tau0, tau1, per_position
 
 
