@@ -7,6 +7,8 @@ N prompts for real and verifies that the replay's tau equals the decoder's.
 
     python bench/acceptance.py --drafter DIR [--num-prompts 200] [--widths 4 8 16] [--out bench/results/NAME]
 
+Writes acceptance.json (every number) and acceptance.png (the per-position curve) into --out.
+
 Default prompts: GSM8K training-split problems 7000-7472, which the default drafter never saw
 (it trains on problems 0-6999).
 """
@@ -25,6 +27,7 @@ from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.drafter import drafter_from_dir
 from mlx_dflash.load import load_target
 from mlx_dflash.models import cache_dir, default_drafter_dir, ensure_smollm2
+from mlx_dflash.plot import bar_chart_png
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.train import decoding_acceptance
@@ -80,6 +83,14 @@ def main():
     tmp = out / "acceptance.json.tmp"
     tmp.write_text(json.dumps(results, indent=1) + "\n")
     tmp.replace(out / "acceptance.json")
+    # The per-position curve: P(draft k kept) for each k, one bar per verify width.
+    longest = max(args.widths)
+    labels = [f"draft {k}" for k in range(1, longest)]
+    series = {f"width {w}": r["reach"] + [None] * (longest - w) for w, r in drafter_acceptance.items()}
+    png = bar_chart_png(labels, series, title=f"P(draft k kept), {len(sequences)} held-out prompts, greedy")
+    tmp = out / "acceptance.png.tmp"
+    tmp.write_bytes(png)
+    tmp.replace(out / "acceptance.png")
 
     print(f"{len(sequences)} held-out prompts ({results['prompts']}), greedy, up to {args.max_tokens} tokens")
     print("| verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")

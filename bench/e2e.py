@@ -3,6 +3,7 @@
     python bench/e2e.py --drafter DIR                       # 10 GSM8K prompts (7000..7009), 128 tokens
     python bench/e2e.py --drafter DIR --quantize 4          # also every row on a 4-bit target
     python bench/e2e.py --drafter DIR --num-prompts 2 --max-tokens 24 --name quick   # a smoke run
+    python bench/e2e.py --prompts mt-bench --num-prompts 5  # another prompt class (also: humaneval)
 
 Configurations (each row; with --quantize 4 each again on the target quantized in memory, group 64):
 * target alone: mlx-lm's `generate_step` on the same chat-template prompt ids, same max tokens, same
@@ -51,6 +52,7 @@ import mlx.nn as nn  # noqa: E402
 
 from mlx_dflash.bench import _write_atomic, machine_info, versions  # noqa: E402
 from mlx_dflash.data import read_prompts  # noqa: E402
+from mlx_dflash.models import PROMPT_SETS, ensure_prompt_set  # noqa: E402
 from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.kernels import metal_available  # noqa: E402
@@ -226,6 +228,20 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
     return out
 
 
+def auto_vs_best_fixed(summary: list[dict]) -> dict:
+    """Per phase: the fixed width with the highest median tokens/s, and width auto's median against it."""
+    out = {}
+    for phase in dict.fromkeys(s["phase"] for s in summary):
+        fixed = [s for s in summary if s["phase"] == phase and s["name"].startswith("width ") and s["name"] != "width auto"]
+        auto = [s for s in summary if s["phase"] == phase and s["name"] == "width auto"]
+        if fixed and auto:
+            best = max(fixed, key=lambda s: s["decode_tps_median"])
+            out[phase] = {"best_fixed": best["name"], "best_fixed_tps": best["decode_tps_median"],
+                          "auto_tps": auto[0]["decode_tps_median"],
+                          "auto_over_best_fixed": auto[0]["decode_tps_median"] / best["decode_tps_median"]}
+    return out
+
+
 def markdown_table(summary: list[dict]) -> str:
     lines = ["| configuration | tokens/s median | ratio | tau mean | outputs identical |",
              "| --- | ---: | ---: | ---: | --- |"]
@@ -270,7 +286,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
     ap.add_argument("--drafter", help="drafter directory (default: the packaged drafter, if this version has one)")
-    ap.add_argument("--prompts", type=Path, help=f"prompt file (.jsonl or one per line; default: {GSM8K})")
+    ap.add_argument("--prompts", help=f"prompt file (.jsonl or one per line; default: {GSM8K}), or a "
+                    f"prompt set fetched from PyPI: {', '.join(PROMPT_SETS)}")
     ap.add_argument("--prompt-offset", type=int, default=None,
                     help=f"first prompt to use (default: {GSM8K_OFFSET} for the GSM8K default, else 0)")
     ap.add_argument("--num-prompts", type=int, default=10)
@@ -303,6 +320,8 @@ def main(argv=None) -> int:
                 raise DFlashError("no drafter ships with this version: pass --drafter DIR")
             drafter = str(found)
         prompt_file = args.prompts or GSM8K
+        if prompt_file in PROMPT_SETS:
+            prompt_file = ensure_prompt_set(prompt_file)
         offset = args.prompt_offset if args.prompt_offset is not None else (0 if args.prompts else GSM8K_OFFSET)
         all_prompts = read_prompts(prompt_file)
         prompts = all_prompts[offset:offset + args.num_prompts]
@@ -382,7 +401,8 @@ def main(argv=None) -> int:
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "machine": machine_info(), "versions": versions(), "settings": settings,
                    "configurations": [{k: v for k, v in c.items() if k != "policy"} for c in configs],
-                   "summary": summary, "mismatches": mismatches, "runs": runs}
+                   "summary": summary, "auto_vs_best_fixed": auto_vs_best_fixed(summary),
+                   "mismatches": mismatches, "runs": runs}
         out_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
         _write_atomic(out_dir / "e2e.png", chart(results))
@@ -396,6 +416,9 @@ def main(argv=None) -> int:
     log(details(summary))
     log("")
     log(markdown_table(summary))
+    for phase, a in results["auto_vs_best_fixed"].items():
+        log(f"{phase}: width auto {a['auto_tps']:.1f} tokens/s = {a['auto_over_best_fixed']:.2f}x the best fixed "
+            f"width ({a['best_fixed']}, {a['best_fixed_tps']:.1f} tokens/s)")
     log(f"\nwrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.png'}")
     if mismatches:
         log(f"!!!!! {mismatches} generation(s) differ from the target alone: NOT LOSSLESS !!!!!")

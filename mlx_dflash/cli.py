@@ -159,22 +159,26 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
 @click.option("--target-features", default=None, type=int, help="Target layers tapped (default: one per layer).")
 @click.option("--mask-token-id", default=None, type=int, help="Default: a reserved special token.")
 @click.option("--steps", default=2000, show_default=True, type=int)
-@click.option("--anchors", default=32, show_default=True, type=int, help="Blocks per training sequence.")
-@click.option("--lr", default=1e-4, show_default=True, type=float,
+@click.option("--sequences", "sequences_per_step", default=4, show_default=True, type=int, help="Training sequences per step.")
+@click.option("--anchors", default=64, show_default=True, type=int, help="Blocks per training sequence.")
+@click.option("--lr", default=3e-4, show_default=True, type=float,
               help="Peak learning rate (the paper uses 6e-4 for large targets; from scratch on small ones it plateaus).")
 @click.option("--eval-sequences", default=32, show_default=True, type=int, help="Held out from training.")
 @click.option("--eval-every", default=200, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --out.")
+@click.option("--export", "export_dir", default=None, type=click.Path(file_okay=False),
+              help="Then write the drafter alone (bfloat16, published layout, no trainer state) here.")
 def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_tokens, gen_batch, layers,
-          block_size, target_features, mask_token_id, steps, anchors, lr, eval_sequences, eval_every, seed, resume):
+          block_size, target_features, mask_token_id, steps, sequences_per_step, anchors, lr, eval_sequences,
+          eval_every, seed, resume, export_dir):
     """Train a DFlash drafter for a target on the target's own responses."""
     from pathlib import Path
 
     from .data import generate_responses, iter_sequences, read_prompts, read_samples
     from .drafter import drafter_config_for, drafter_from_dir, init_drafter
     from .load import load_target
-    from .train import TrainConfig, pick_mask_token, train as run_training
+    from .train import TrainConfig, export, pick_mask_token, train as run_training
 
     out = Path(out_dir)
     if out.exists() and not resume:
@@ -185,7 +189,7 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     prompts = read_prompts(prompt_file)[:num_prompts]
     generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_response_tokens,
                        batch_size=gen_batch, log=lambda m: click.echo(m, err=True))
-    samples = sorted(read_samples(data_file), key=lambda s: s["index"])
+    samples = sorted((s for s in read_samples(data_file) if s["index"] < len(prompts)), key=lambda s: s["index"])
     sequences = list(iter_sequences(samples))
     held_out, sequences = sequences[:eval_sequences], sequences[eval_sequences:]
     if resume:
@@ -195,12 +199,14 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
         config = drafter_config_for(target, layers, block_size, target_features, mask)
         drafter = init_drafter(config, seed=seed)
     drafter.bind(target)
-    cfg = TrainConfig(steps=steps, anchors=anchors, learning_rate=lr, eval_every=eval_every,
-                      checkpoint_every=eval_every, eval_sequences=eval_sequences, seed=seed)
+    cfg = TrainConfig(steps=steps, sequences=sequences_per_step, anchors=anchors, learning_rate=lr,
+                      eval_every=eval_every, checkpoint_every=eval_every, seed=seed)
     click.echo(f"training on {len(sequences)} sequences, {len(held_out)} held out", err=True)
     run_training(target, drafter, sequences, held_out, out, cfg, resume=resume,
                  log=lambda m: click.echo(m, err=True))
     click.echo(f"wrote {out}")
+    if export_dir:
+        click.echo(f"wrote {export(out, export_dir)}")
 
 
 

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+
 from .decoder import encode_prompt
 from .errors import DFlashError
 
@@ -70,6 +74,40 @@ def read_samples(path) -> list:
     return samples
 
 
+def greedy_batch(model, prompts: list, max_tokens: int, stop_ids) -> list:
+    """Greedy responses (stop token excluded) to token-id prompts, decoded together as one batch.
+
+    Prompts are left-padded behind mlx-lm's BatchKVCache masks, so padding changes no row's result;
+    rows that stop leave the batch. The prompt's last token runs alone, as in plain decoding, so the
+    output head never runs over the prompt.
+    """
+    width = max(len(p) for p in prompts)
+    padding = [width - len(p) for p in prompts]
+    cache = [BatchKVCache(padding) for _ in model.layers]
+    tokens = mx.array([[0] * pad + list(p) for pad, p in zip(padding, prompts)])
+    if width > 1:
+        model(tokens[:, :-1], cache=cache)  # logits stay lazy: only the cache is evaluated
+        mx.eval([c.state for c in cache])
+    stop = np.array(sorted(stop_ids))
+    responses = [[] for _ in prompts]
+    rows = np.arange(len(prompts))  # which prompt each batch row answers
+    last = tokens[:, -1:]
+    for _ in range(max_tokens):
+        last = mx.argmax(model(last, cache=cache)[:, -1:], axis=-1)
+        step = np.array(last)[:, 0]
+        going = ~np.isin(step, stop)
+        for row, token in zip(rows[going], step[going]):
+            responses[row].append(int(token))
+        if not going.all():
+            if not going.any():
+                break
+            keep = mx.array(np.flatnonzero(going))
+            for c in cache:
+                c.filter(keep)
+            rows, last = rows[going], last[keep]
+    return responses
+
+
 def generate_responses(
     model,
     tokenizer,
@@ -77,30 +115,34 @@ def generate_responses(
     out_path,
     *,
     max_tokens: int = 256,
-    batch_size: int = 16,
+    batch_size: int = 32,
     log=print,
 ) -> Path:
-    """Answer every prompt with the target (greedy), appending {index, prompt_ids, response_ids} lines."""
-    from mlx_lm import batch_generate
+    """Answer every prompt with the target (greedy), appending {index, prompt_ids, response_ids} lines.
 
+    Prompts are taken in file order, a few batches at a time, and batched by similar length within
+    that window to keep padding small.
+    """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {s["index"] for s in read_samples(out_path)}
+    done = {s["index"] for s in read_samples(out_path) if s["index"] < len(prompts)}
     todo = [i for i in range(len(prompts)) if i not in done]
     log(f"{len(done)} of {len(prompts)} prompts already answered in {out_path}; {len(todo)} to go")
-    tic, tokens = time.perf_counter(), 0
+    tic, tokens, answered = time.perf_counter(), 0, len(done)
     with open(out_path, "a") as out:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            ids = [encode_prompt(tokenizer, prompts[i]) for i in batch]
-            result = batch_generate(model, tokenizer, ids, max_tokens=max_tokens, return_token_ids=True)
-            for i, prompt_ids, response in zip(batch, ids, result.token_ids):
-                response = [int(t) for t in response]
-                out.write(json.dumps({"index": i, "prompt_ids": prompt_ids, "response_ids": response}) + "\n")
-                tokens += len(response)
-            out.flush()
-            rate = tokens / (time.perf_counter() - tic)
-            log(f"answered {len(done) + start + len(batch)}/{len(prompts)}, {rate:.1f} tokens/s")
+        for window_start in range(0, len(todo), 4 * batch_size):
+            window = [(i, encode_prompt(tokenizer, prompts[i])) for i in todo[window_start : window_start + 4 * batch_size]]
+            window.sort(key=lambda item: len(item[1]))
+            for start in range(0, len(window), batch_size):
+                batch = window[start : start + batch_size]
+                responses = greedy_batch(model, [ids for _, ids in batch], max_tokens, tokenizer.eos_token_ids)
+                for (i, prompt_ids), response in zip(batch, responses):
+                    out.write(json.dumps({"index": i, "prompt_ids": prompt_ids, "response_ids": response}) + "\n")
+                    tokens += len(response)
+                out.flush()
+                answered += len(batch)
+                rate = tokens / (time.perf_counter() - tic)
+                log(f"answered {answered}/{len(prompts)}, {rate:.1f} tokens/s")
     return out_path
 
 

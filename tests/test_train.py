@@ -8,6 +8,7 @@ import json
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -15,18 +16,21 @@ from mlx_lm.models import llama
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.config import parse_config
+from mlx_dflash.data import greedy_batch
 from mlx_dflash.drafter import Attention, Borrowed, drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.target import Target
 from mlx_dflash.train import (
+    TargetFeatures,
     TrainConfig,
     decoding_acceptance,
     block_logits,
-    draft_loss,
+    draft_loss_and_grads,
     export,
     make_blocks,
     pick_mask_token,
     position_weights,
+    sample_rows,
     save_checkpoint,
     train,
 )
@@ -125,30 +129,58 @@ def test_make_blocks_labels_and_validity_at_the_sequence_end():
         make_blocks(ids, 19, 4, B, mask, np.random.default_rng(0))  # no response token with a successor
 
 
-def test_draft_loss_is_the_weighted_mean_over_valid_rows():
+def reference_loss(drafter, features, block_ids, anchors, labels, row_weight, total):
+    """The weighted cross-entropy written plainly in MLX, over every block row."""
+    logits = block_logits(drafter, features, block_ids, anchors)
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    return (ce * mx.array(row_weight)).sum() / total
+
+
+def test_draft_loss_and_grads_equal_the_weighted_mean_and_its_gradient():
     drafter = fake_bound_drafter(tiny_config())
-    T = 14
-    features = mx.random.normal((1, T, 3 * H), key=mx.random.key(3))
-    ids = np.random.default_rng(2).integers(0, VOCAB - 1, T)
-    block_ids, anchors, labels, valid = make_blocks(ids, 5, 64, 8, VOCAB - 1, np.random.default_rng(0))
-    assert not np.array(valid).all()  # blocks near the end run past the sequence
-    w = position_weights(8)
-    loss, (correct, seen) = draft_loss(drafter, features, block_ids, anchors, labels, valid, w)
+    pieces, total = [], 0.0
+    rng = np.random.default_rng(0)
+    for seed, T in ((2, 14), (3, 20)):
+        features = mx.random.normal((1, T, 3 * H), key=mx.random.key(seed))
+        ids = np.random.default_rng(seed).integers(0, VOCAB - 1, T)
+        block_ids, anchors, labels, valid = make_blocks(ids, 5, 64, 8, VOCAB - 1, rng)
+        assert not np.array(valid).all()  # blocks near the end run past the sequence
+        row_weight = np.array(position_weights(8))[None] * np.array(valid)
+        pieces.append((features, block_ids, anchors, labels, row_weight))
+        total += row_weight.sum()
+    loss, grads, correct, counted = draft_loss_and_grads(drafter, pieces, total)
 
-    logits = np.array(block_logits(drafter, features, block_ids, anchors)).astype(np.float64)
-    logp = logits - logits.max(-1, keepdims=True)
-    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    lab, val = np.array(labels), np.array(valid)
-    ce = -np.take_along_axis(logp, lab[..., None], -1)[..., 0]
-    wv = np.array(w)[None] * val
-    np.testing.assert_allclose(loss.item(), (ce * wv).sum() / wv.sum(), rtol=1e-5)
-    assert np.array(seen).tolist() == val.sum(0).tolist()
-    assert np.array(correct).tolist() == ((logits.argmax(-1) == lab) & val).sum(0).tolist()
+    def reference(model):
+        return sum(reference_loss(model, *p, total) for p in pieces)
 
-    # Labels past the end never count.
-    garbage = mx.where(valid, labels, (labels + 1) % VOCAB)
-    loss2, _ = draft_loss(drafter, features, block_ids, anchors, garbage, valid, w)
-    assert loss2.item() == loss.item()
+    want_loss, want_grads = nn.value_and_grad(drafter, reference)(drafter)
+    np.testing.assert_allclose(loss, want_loss.item(), rtol=1e-5)
+    want = dict(tree_flatten(want_grads))
+    for k, g in tree_flatten(grads):
+        np.testing.assert_allclose(np.array(g), np.array(want[k]), rtol=1e-3, atol=1e-6, err_msg=k)
+    # Per-position counts cover exactly the valid rows; hits are the argmax's.
+    valid = sum(np.array(p[4] > 0) .sum(0) for p in pieces)
+    assert counted.tolist() == valid.tolist()
+    hits = sum(((np.array(block_logits(drafter, *p[:3])).argmax(-1) == np.array(p[3])) & (p[4] > 0)).sum(0)
+               for p in pieces)
+    assert correct.tolist() == hits.tolist()
+
+    # Labels past the end of a sequence never count.
+    features, block_ids, anchors, labels, row_weight = pieces[0]
+    garbage = mx.where(mx.array(row_weight > 0), labels, (labels + 1) % VOCAB)
+    again = draft_loss_and_grads(drafter, [(features, block_ids, anchors, garbage, row_weight), pieces[1]], total)
+    assert again[0] == loss
+
+
+def test_sampled_rows_follow_the_position_weights():
+    w = np.array(position_weights(16))
+    valid = np.ones((20000, 15), dtype=bool)
+    valid[:, -3:] = False  # rows past the sequence end are never drawn
+    chosen = sample_rows(valid, w, np.random.default_rng(0))
+    assert set(np.unique(chosen)) <= {0.0, 1.0}
+    freq = chosen.mean(0)
+    np.testing.assert_allclose(freq[:12], w[:12], atol=0.015)
+    assert (freq[12:] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -212,20 +244,26 @@ def test_training_forward_equals_inference_forward(kind):
 # The training loop, checkpoints, export and resume (tiny random Llama target).
 
 
+def exact_loss(drafter, features, blocks):
+    """The published objective (every valid row, weight w_k) on one sequence's blocks."""
+    block_ids, anchors, labels, valid = blocks
+    row_weight = np.array(position_weights(drafter.block_size))[None] * np.array(valid)
+    return draft_loss_and_grads(drafter, [(features, block_ids, anchors, labels, row_weight)], row_weight.sum())[0]
+
+
 def test_trainer_loss_decreases_on_a_fixed_sequence(tiny_target, tmp_path):
     target, drafter = tiny_pair(tiny_target)
     ids, start = tiny_sequence()
     _, features = target.forward(mx.array(ids)[None], None)
     # Every anchor of the sequence, so the measured batch is the whole training set.
-    batch = make_blocks(np.array(ids), start, 64, 8, drafter.mask_token_id, np.random.default_rng(0))
-    w = position_weights(8)
-    before = draft_loss(drafter, features, *batch, w)[0].item()
+    blocks = make_blocks(np.array(ids), start, 64, 8, drafter.mask_token_id, np.random.default_rng(0))
+    before = exact_loss(drafter, features, blocks)
     target_before = {k: np.array(v) for k, v in tree_flatten(tiny_target.parameters())}
 
     logs = []
     state = train(target, drafter, [(ids, start)], [], tmp_path / "ck",
                   TrainConfig(steps=30, anchors=64, learning_rate=1e-3, **QUIET), log=logs.append)
-    after = draft_loss(drafter, features, *batch, w)[0].item()
+    after = exact_loss(drafter, features, blocks)
     assert state["step"] == 30 and any("30/30" in line for line in logs)
     assert after < 0.3 * before, (before, after)
     # Only the drafter trains: the target's embedding and head (borrowed) are untouched.
@@ -290,48 +328,44 @@ def load_optimizer_state(path):
     return mx.load(str(path / name))
 
 
-class InterruptAfter:
-    """A target whose forward raises after `n` calls (a crash in the middle of training)."""
+def crash_at_checkpoint(step):
+    """A log function that raises once the checkpoint of `step` is written (a crash mid-training)."""
 
-    def __init__(self, target, n=None):
-        self.target, self.n, self.calls = target, n, 0
-
-    def forward(self, ids, cache):
-        if self.n is not None and self.calls >= self.n:
+    def log(line):
+        if line.startswith(f"step {step}: checkpoint"):
             raise KeyboardInterrupt("simulated crash")
-        self.calls += 1
-        return self.target.forward(ids, cache)
+
+    return log
 
 
 def test_resume_continues_at_the_saved_step_and_matches_an_uninterrupted_run(tiny_target, tmp_path):
     """10 steps in one go == 5 steps, a crash, and a resumed run from the step-5 checkpoint.
 
-    One sequence with more anchors than positions makes every step's batch the same whatever the
-    random draws, so the comparison is exact: it isolates the weights, the AdamW moments, the step
-    counter and the learning-rate schedule across the checkpoint. (With several sequences the resumed
-    run re-seeds its sampler with seed + step, so it draws other batches than the uninterrupted one.)
+    Two sequences, drawn at random each step, and rows drawn at random: the resumed run must restore
+    the sampler's state as well as the weights, the AdamW moments, the step counter and the
+    learning-rate schedule for the weights to come out bit for bit the same.
     """
-    ids, start = tiny_sequence(seed=3)
-    cfg = TrainConfig(steps=10, anchors=64, learning_rate=2e-3, warmup_ratio=0.3, eval_every=10**9,
-                      checkpoint_every=5)
+    sequences = [tiny_sequence(seed=3), tiny_sequence(length=30, seed=4)]
+    cfg = TrainConfig(steps=10, sequences=1, anchors=8, learning_rate=2e-3, warmup_ratio=0.3,
+                      eval_every=10**9, checkpoint_every=5)
     quiet = lambda s: None  # noqa: E731
 
     target, straight = tiny_pair(tiny_target, seed=0)
-    train(target, straight, [(ids, start)], [], tmp_path / "straight", cfg, log=quiet)
+    train(target, straight, sequences, [], tmp_path / "straight", cfg, log=quiet)
 
     target, first = tiny_pair(tiny_target, seed=0)
-    crashing = InterruptAfter(target, n=5)
     with pytest.raises(KeyboardInterrupt):
-        train(crashing, first, [(ids, start)], [], tmp_path / "resumed", cfg, log=quiet)
+        train(target, first, sequences, [], tmp_path / "resumed", cfg, log=crash_at_checkpoint(5))
     saved = json.loads((tmp_path / "resumed" / "trainer_state.json").read_text())
     assert saved["step"] == 5
     assert load_optimizer_state(tmp_path / "resumed")["step"].item() == 5
 
     target, second = tiny_pair(tiny_target, seed=1)  # other initial weights: all must come from disk
-    counting, logs = InterruptAfter(target), []
-    state = train(counting, second, [(ids, start)], [], tmp_path / "resumed", cfg, resume=True, log=logs.append)
+    logs = []
+    state = train(target, second, sequences, [], tmp_path / "resumed", cfg, resume=True, log=logs.append)
     assert any("resuming from step 5" in line for line in logs)
-    assert counting.calls == 5 and state["step"] == 10
+    assert [line for line in logs if "checkpoint" in line] == [f"step 10: checkpoint in {tmp_path / 'resumed'}"]
+    assert state["step"] == 10
 
     a = mx.load(str(tmp_path / "straight" / "model.safetensors"))
     b = mx.load(str(tmp_path / "resumed" / "model.safetensors"))
@@ -372,21 +406,6 @@ def test_pick_mask_token_falls_back_to_the_last_row():
     assert pick_mask_token(Plain(), 500) == 499
 
 
-class CachedFeatures:
-    """The frozen target's forward, memoised per sequence (its features never change in training)."""
-
-    def __init__(self, target):
-        self.target, self.memo = target, {}
-
-    def forward(self, ids, cache):
-        key = tuple(np.array(ids).ravel().tolist())
-        if key not in self.memo:
-            _, features = self.target.forward(ids, cache)
-            mx.eval(features)
-            self.memo[key] = (None, features)
-        return self.memo[key]
-
-
 def greedy_sequences(smollm2, n_prompts, max_tokens):
     target, tokenizer = smollm2
     out = []
@@ -402,9 +421,9 @@ def trained_vs_untrained(smollm2, tmp_path, sequences, steps, block_size, anchor
     config = drafter_config_for(target, num_layers=1, block_size=block_size,
                                 mask_token_id=pick_mask_token(tokenizer, target.vocab_size))
     drafter = init_drafter(config, seed=0).bind(target)
-    cached = CachedFeatures(target)
+    cached = TargetFeatures(target)
     tau0 = decoding_acceptance(drafter, cached, sequences, widths=(block_size,))[block_size]["tau"]
-    cfg = TrainConfig(steps=steps, anchors=anchors, learning_rate=learning_rate, **QUIET)
+    cfg = TrainConfig(steps=steps, sequences=1, anchors=anchors, learning_rate=learning_rate, **QUIET)
     train(cached, drafter, sequences, [], tmp_path / "ck", cfg, log=lambda s: None)
     result = decoding_acceptance(drafter, cached, sequences, widths=(block_size,))[block_size]
     tau1, per_position = result["tau"], result["reach"]
@@ -430,3 +449,44 @@ def test_trained_drafter_accepts_more_than_untrained(smollm2, tmp_path):
     tau0, tau1, per_position = trained_vs_untrained(smollm2, tmp_path, sequences, steps=150, block_size=8,
                                                     anchors=16, learning_rate=1e-4)
     assert tau1 > tau0 + 0.3, (tau0, tau1, per_position)
+
+
+def test_greedy_batch_equals_one_prompt_at_a_time(smollm2):
+    """Training data: batched, left-padded greedy responses equal mlx-lm's greedy decoding of each prompt
+    alone, and end before the stop token (rows that stop leave the batch, the others go on)."""
+    target, tokenizer = smollm2
+    prompts = [list(chat_ids(tokenizer, PROMPTS[i])) for i in (3, 4, 5, 8)]
+    assert len({len(p) for p in prompts}) > 1  # padding really happens
+    responses = greedy_batch(target.model, prompts, 40, tokenizer.eos_token_ids)
+    stopped = 0
+    for prompt, response in zip(prompts, responses):
+        alone = mlx_lm_greedy(target.model, prompt, 40)
+        stops = [i for i, t in enumerate(alone) if t in tokenizer.eos_token_ids]
+        stopped += bool(stops)
+        assert response == alone[: stops[0] if stops else None]
+    assert 0 < stopped < len(prompts), "the test needs rows that stop and rows that go on"
+
+
+def test_train_command_end_to_end(smollm2_path, tmp_path):
+    """`mlx-dflash train` on the real target: answers prompts, trains, evaluates, checkpoints, exports;
+    a second call with --resume and more steps continues from the checkpoint."""
+    from click.testing import CliRunner
+
+    from mlx_dflash.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    args = ["train", "--model", str(smollm2_path), "--prompts", str(prompts), "--data", str(tmp_path / "d.jsonl"),
+            "--out", str(tmp_path / "ck"), "--max-response-tokens", "8", "--block-size", "4", "--sequences", "2",
+            "--anchors", "4", "--eval-sequences", "1", "--eval-every", "2", "--export", str(tmp_path / "drafter")]
+    result = CliRunner().invoke(main, args + ["--steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert "held-out tau" in result.output and "2/2" in result.output
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 3
+    assert sorted(os.listdir(tmp_path / "drafter")) == ["config.json", "model.safetensors"]
+    assert drafter_from_dir(tmp_path / "drafter").block_size == 4
+
+    result = CliRunner().invoke(main, args + ["--steps", "4", "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "resuming from step 2" in result.output and "4/4" in result.output
+    assert json.loads((tmp_path / "ck" / "trainer_state.json").read_text())["step"] == 4
