@@ -1,0 +1,82 @@
+"""The drafter that ships in the package for the default target (SmolLM2-135M-Instruct).
+
+It must load strictly from the package, stay small, keep decoding lossless at every block size while
+really accepting drafts, and make `mlx-dflash generate --prompt ...` work with no model arguments.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import PROMPTS, chat_ids, mlx_lm_greedy
+from mlx_dflash.cli import main
+from mlx_dflash.data import greedy_batch
+from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.models import default_drafter_dir
+from mlx_dflash.policy import make_policy
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.target import Target
+from mlx_dflash.train import decoding_acceptance
+
+# Grade-school word problems in the style the drafter was trained on, written for this test (so never
+# trained on).
+WORD_PROBLEMS = [
+    "Maria has 24 stickers. She gives 6 to her brother and buys 10 more. How many stickers does she have now?",
+    "A bakery sells muffins for $3 each. On Monday it sold 45 muffins and on Tuesday twice as many. "
+    "How much money did it make on the two days?",
+    "Tom reads 12 pages a day. His book has 180 pages. How many days will it take him to finish the book?",
+    "A farmer has 5 rows of apple trees with 14 trees in each row. He plants 3 more rows of the same size. "
+    "How many apple trees does he have now?",
+]
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2):
+    target = Target(smollm2[0].model)  # own Target: the session fixture's layer choice stays as it is
+    return target, drafter_from_dir(default_drafter_dir()).bind(target), smollm2[1]
+
+
+def test_default_drafter_ships_small_in_bf16():
+    path = default_drafter_dir()
+    assert path is not None and (path / "config.json").exists()
+    files = sorted(p.name for p in path.iterdir())
+    assert files == ["config.json", "model.safetensors"], files
+    assert (path / "model.safetensors").stat().st_size < 20 * 2**20
+    weights = mx.load(str(path / "model.safetensors"))
+    assert weights and all(v.dtype == mx.bfloat16 for v in weights.values())
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_default_pair_is_lossless_and_accepts(pair, block_size):
+    target, drafter, tokenizer = pair
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        ids = chat_ids(tokenizer, prompt)
+        want = mlx_lm_greedy(target.model, ids, 24)
+        rounds = list(speculative_rounds(target, drafter, mx.array(ids), make_policy(drafter.block_size, block_size),
+                                         SamplingParams(), 24))
+        assert [t for r in rounds for t in r.tokens] == want, (block_size, prompt)
+        accepted += sum(len(r.tokens) - 1 for r in rounds[1:])
+    assert accepted > 0  # drafts really are kept, so the partial-acceptance paths run
+
+
+def test_default_pair_acceptance_on_word_problems(pair):
+    """A floor well below the measured tau (README), to catch a broken or mismatched shipped drafter."""
+    target, drafter, tokenizer = pair
+    prompts = [chat_ids(tokenizer, p) for p in WORD_PROBLEMS]
+    responses = greedy_batch(target.model, prompts, 64, tokenizer.eos_token_ids)
+    sequences = [(p + r, len(p)) for p, r in zip(prompts, responses)]
+    result = decoding_acceptance(drafter, target, sequences, widths=(16,))[16]
+    assert result["tau"] > 1.4, result  # measured 1.79 here; an untrained drafter gives ~1.0
+    assert np.all(np.diff(result["reach"]) <= 0)  # P(draft k kept) can only fall with k
+
+
+def test_generate_needs_no_model_arguments(smollm2):
+    target, tokenizer = smollm2
+    prompt = PROMPTS[10]
+    result = CliRunner().invoke(main, ["generate", "--prompt", prompt, "--max-tokens", "24"])
+    assert result.exit_code == 0, result.output
+    want = tokenizer.decode(mlx_lm_greedy(target.model, chat_ids(tokenizer, prompt), 24))
+    assert want.strip() and want.strip() in result.output
