@@ -154,8 +154,8 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
 @click.option("--num-prompts", default=None, type=int, help="Use only the first N prompts.")
 @click.option("--max-response-tokens", default=192, show_default=True, type=int)
 @click.option("--gen-batch", default=32, show_default=True, type=int, help="Prompts answered per batch.")
-@click.option("--layers", default=1, show_default=True, type=int, help="Drafter layers.")
-@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--layers", default=None, type=int, help="Drafter layers  [default: 1]")
+@click.option("--block-size", default=None, type=int, help="[default: 16]")
 @click.option("--target-features", default=None, type=int, help="Target layers tapped (default: one per layer).")
 @click.option("--mask-token-id", default=None, type=int, help="Default: a reserved special token.")
 @click.option("--steps", default=2000, show_default=True, type=int)
@@ -167,13 +167,18 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
 @click.option("--eval-every", default=200, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --out.")
+@click.option("--init", "init_dir", default=None, type=click.Path(file_okay=False),
+              help="Start from this drafter's weights (ours, a published one, a checkpoint) instead of random "
+                   "ones; a new run with its own schedule. Its config sets the drafter's sizes.")
 @click.option("--export", "export_dir", default=None, type=click.Path(file_okay=False),
               help="Then write the drafter alone (bfloat16, published layout, no trainer state) here.")
 def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_tokens, gen_batch, layers,
           block_size, target_features, mask_token_id, steps, sequences_per_step, anchors, lr, eval_sequences,
-          eval_every, seed, resume, export_dir):
+          eval_every, seed, resume, init_dir, export_dir):
     """Train a DFlash drafter for a target on the target's own responses."""
     from pathlib import Path
+
+    import mlx.core as mx
 
     from .data import generate_responses, iter_sequences, read_prompts, read_samples
     from .drafter import drafter_config_for, drafter_from_dir, init_drafter
@@ -185,6 +190,25 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
         raise DFlashError(f"{out} exists: pass --resume to continue it, or choose another --out")
     if resume and not (out / "trainer_state.json").exists():
         raise DFlashError(f"--resume: {out} holds no training checkpoint (trainer_state.json)")
+    if resume and init_dir:
+        raise DFlashError("--resume continues the checkpoint in --out; --init starts a new run: pass one of them")
+    start = out if resume else (Path(init_dir) if init_dir else None)
+    if init_dir and not (start / "config.json").exists():
+        raise DFlashError(f"--init {start}: no drafter there (config.json + *.safetensors); point it at one")
+    if start is not None:  # the drafter's sizes come from the weights we start from
+        drafter = drafter_from_dir(start)
+        if drafter.config.raw.get("quantization"):
+            raise DFlashError(f"{start} holds a quantized drafter, which cannot train: start from a float one")
+        given = {"--layers": layers, "--block-size": block_size, "--target-features": target_features,
+                 "--mask-token-id": mask_token_id}
+        fixed = {"--layers": drafter.config.num_hidden_layers, "--block-size": drafter.config.block_size,
+                 "--target-features": len(drafter.config.target_layer_ids),
+                 "--mask-token-id": drafter.config.mask_token_id}
+        for flag, value in given.items():
+            if value is not None and value != fixed[flag]:
+                raise DFlashError(f"{flag} {value} conflicts with the drafter in {start} ({flag} {fixed[flag]}): "
+                                  f"drop {flag}, or train a new drafter of that size without --resume/--init")
+        drafter.set_dtype(mx.float32)  # a bfloat16 export trains in float32
     target, tokenizer = load_target(_default_target(model_path))
     prompts = read_prompts(prompt_file)[:num_prompts]
     generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_response_tokens,
@@ -192,11 +216,9 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     samples = sorted((s for s in read_samples(data_file) if s["index"] < len(prompts)), key=lambda s: s["index"])
     sequences = list(iter_sequences(samples))
     held_out, sequences = sequences[:eval_sequences], sequences[eval_sequences:]
-    if resume:
-        drafter = drafter_from_dir(out)
-    else:
+    if start is None:
         mask = pick_mask_token(tokenizer, target.vocab_size) if mask_token_id is None else mask_token_id
-        config = drafter_config_for(target, layers, block_size, target_features, mask)
+        config = drafter_config_for(target, layers or 1, block_size or 16, target_features, mask)
         drafter = init_drafter(config, seed=seed)
     drafter.bind(target)
     cfg = TrainConfig(steps=steps, sequences=sequences_per_step, anchors=anchors, learning_rate=lr,

@@ -490,3 +490,22 @@ def test_train_command_end_to_end(smollm2_path, tmp_path):
     assert result.exit_code == 0, result.output
     assert "resuming from step 2" in result.output and "4/4" in result.output
     assert json.loads((tmp_path / "ck" / "trainer_state.json").read_text())["step"] == 4
+
+    # --init: a new run that starts from the exported (bfloat16) drafter's weights and trains in float32.
+    init_args, at = list(args), args.index("--block-size")
+    del init_args[at:at + 2]
+    init_args[init_args.index("--out") + 1] = str(tmp_path / "ck2")
+    init_args += ["--init", str(tmp_path / "drafter")]
+    result = CliRunner().invoke(main, init_args + ["--steps", "2"])
+    assert result.exit_code == 0, result.output
+    start = mx.load(str(tmp_path / "drafter" / "model.safetensors"))
+    after = mx.load(str(tmp_path / "ck2" / "model.safetensors"))
+    assert all(v.dtype == mx.float32 for v in after.values())
+    # Two Adam steps move a weight by about 2 x lr (6e-4); a fresh random init differs by ~0.05.
+    assert all(mx.allclose(after[k], start[k].astype(mx.float32), rtol=0, atol=3e-3).item() for k in start)
+    result = CliRunner().invoke(main, init_args + ["--steps", "2", "--block-size", "8", "--out", str(tmp_path / "c3")])
+    assert result.exit_code != 0 and "--block-size 8 conflicts with the drafter" in result.output
+    result = CliRunner().invoke(main, args + ["--steps", "2", "--resume", "--init", str(tmp_path / "drafter")])
+    assert result.exit_code != 0 and "pass one of them" in result.output
+    result = CliRunner().invoke(main, init_args + ["--steps", "2", "--init", str(tmp_path), "--out", str(tmp_path / "c4")])
+    assert result.exit_code != 0 and "no drafter there" in result.output
