@@ -35,7 +35,7 @@ from mlx.utils import tree_unflatten
 from .errors import DFlashError
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
-from .plot import _COLORS, _FONT, _FONT_SRC, _line, _text, png_bytes  # noqa: F401 (moved; kept importable)
+from .plot import widths_chart_png
 
 WIDTHS = tuple(range(1, 17))
 CLIFF_K = 4.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
@@ -442,7 +442,7 @@ def cost_table(results: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Output: JSON, table, PNG.
+# Output: JSON, table, PNG (drawn by plot.py).
 
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -459,7 +459,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def write_outputs(results: dict, out_dir: Path) -> None:
     _write_atomic(out_dir / "widths.json", (json.dumps(results, indent=1) + "\n").encode())
     _write_atomic(out_dir / "cost_table.json", (json.dumps(results["cost_table"], indent=1) + "\n").encode())
-    _write_atomic(out_dir / "widths.png", plot_png(results))
+    _write_atomic(out_dir / "widths.png", widths_chart_png(results))
 
 
 def format_table(results: dict) -> str:
@@ -474,46 +474,3 @@ def format_table(results: dict) -> str:
                     f"median {results['settings']['clock']} time of {results['settings']['repeats']} runs")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
     return "\n".join(lines)
-
-
-def plot_png(results: dict, size=(760, 460)) -> bytes:
-    """Median ms per width of the verify and summed-matmul series; a dashed line before each cliff."""
-    cols = [s for s in results["series"] if s["kind"] in ("verify", "matmul_total")][:len(_COLORS)]
-    W, H = size
-    L, R, T, B = 70, 20, 40, 50
-    img = np.full((H, W, 3), 255, np.uint8)
-    widths = results["settings"]["widths"]
-    top = max(max(s["median_seconds"]) for s in cols) * 1e3
-    step = next(m * 10 ** e for e in range(-4, 8) for m in (1, 2, 5) if top / (m * 10 ** e) <= 6)
-    ymax = step * math.ceil(top / step)
-    px = lambda w: L + (w - widths[0]) / max(widths[-1] - widths[0], 1) * (W - L - R)  # noqa: E731
-    py = lambda ms: H - B - ms / ymax * (H - T - B)  # noqa: E731
-    for k in range(int(round(ymax / step)) + 1):
-        y = py(k * step)
-        _line(img, L, y, W - R, y, (225, 225, 225))
-        label = f"{k * step:.4g}"
-        _text(img, L - 8 - 8 * len(label), int(y) - 5, label, (0, 0, 0))
-    for w in widths:
-        _line(img, px(w), H - B, px(w), H - B + 4, (0, 0, 0))
-        _text(img, int(px(w)) - 4 * len(str(w)), H - B + 8, str(w), (0, 0, 0))
-    _line(img, L, T, L, H - B, (0, 0, 0))
-    _line(img, L, H - B, W - R, H - B, (0, 0, 0))
-    _text(img, W // 2 - 60, H - 18, "WIDTH (ROWS)", (0, 0, 0))
-    title = f"MS ({results['settings']['clock']} TIME) PER VERIFY / SUM OF MATMULS - {results['machine'].get('chip')}"
-    _text(img, 4, 4, title[:88], (0, 0, 0))
-    for j, s in enumerate(cols):
-        color = _COLORS[j]
-        pts = [(px(w), py(t * 1e3)) for w, t in zip(s["widths"], s["median_seconds"])]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            _line(img, x0, y0, x1, y1, color, thick=2)
-        for x, y in pts:
-            img[int(y) - 2:int(y) + 3, int(x) - 2:int(x) + 3] = color
-        if s["cliff_width"] is not None:
-            i = s["widths"].index(s["cliff_width"])
-            xc = (pts[i][0] + pts[i - 1][0]) / 2
-            _line(img, xc, T, xc, H - B, color, thick=1, dash=4)
-        label = s["name"].replace("matmul total", "qmm sum") + (
-            f": CLIFF AT {s['cliff_width']}" if s["cliff_width"] else ": NO CLIFF")
-        img[T + 6 + 16 * j:T + 14 + 16 * j, L + 10:L + 22] = color
-        _text(img, L + 28, T + 5 + 16 * j, label, color)
-    return png_bytes(img)

@@ -1,4 +1,5 @@
-"""Dependency-free PNG charts for the benchmarks: a 3x5 pixel font, lines, a PNG encoder, a bar chart.
+"""Dependency-free PNG charts for the benchmarks: a 3x5 pixel font, lines, a PNG encoder, a bar chart,
+the width benchmark's cost curves.
 
 No plotting library is needed (the benchmarks run on bare CI machines); images are numpy RGB arrays.
 """
@@ -94,4 +95,47 @@ def bar_chart_png(labels: list, series: dict, title: str = "", reference: float 
     for j, n in enumerate(names):
         img[22 + 16 * j:30 + 16 * j, L:L + 12] = _COLORS[j]
         _text(img, L + 18, 21 + 16 * j, str(n), _COLORS[j])
+    return png_bytes(img)
+
+
+def widths_chart_png(results: dict, size=(760, 460)) -> bytes:
+    """Median ms per width of the verify and summed-matmul series; a dashed line before each cliff."""
+    cols = [s for s in results["series"] if s["kind"] in ("verify", "matmul_total")][:len(_COLORS)]
+    W, H = size
+    L, R, T, B = 70, 20, 40, 50
+    img = np.full((H, W, 3), 255, np.uint8)
+    widths = results["settings"]["widths"]
+    top = max(max(s["median_seconds"]) for s in cols) * 1e3
+    step = _nice_step(top)
+    ymax = step * math.ceil(top / step)
+    px = lambda w: L + (w - widths[0]) / max(widths[-1] - widths[0], 1) * (W - L - R)  # noqa: E731
+    py = lambda ms: H - B - ms / ymax * (H - T - B)  # noqa: E731
+    for k in range(int(round(ymax / step)) + 1):
+        y = py(k * step)
+        _line(img, L, y, W - R, y, (225, 225, 225))
+        label = f"{k * step:.4g}"
+        _text(img, L - 8 - 8 * len(label), int(y) - 5, label, (0, 0, 0))
+    for w in widths:
+        _line(img, px(w), H - B, px(w), H - B + 4, (0, 0, 0))
+        _text(img, int(px(w)) - 4 * len(str(w)), H - B + 8, str(w), (0, 0, 0))
+    _line(img, L, T, L, H - B, (0, 0, 0))
+    _line(img, L, H - B, W - R, H - B, (0, 0, 0))
+    _text(img, W // 2 - 60, H - 18, "WIDTH (ROWS)", (0, 0, 0))
+    title = f"MS ({results['settings']['clock']} TIME) PER VERIFY / SUM OF MATMULS - {results['machine'].get('chip')}"
+    _text(img, 4, 4, title[:88], (0, 0, 0))
+    for j, s in enumerate(cols):
+        color = _COLORS[j]
+        pts = [(px(w), py(t * 1e3)) for w, t in zip(s["widths"], s["median_seconds"])]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            _line(img, x0, y0, x1, y1, color, thick=2)
+        for x, y in pts:
+            img[int(y) - 2:int(y) + 3, int(x) - 2:int(x) + 3] = color
+        if s["cliff_width"] is not None:
+            i = s["widths"].index(s["cliff_width"])
+            xc = (pts[i][0] + pts[i - 1][0]) / 2
+            _line(img, xc, T, xc, H - B, color, thick=1, dash=4)
+        label = s["name"].replace("matmul total", "qmm sum") + (
+            f": CLIFF AT {s['cliff_width']}" if s["cliff_width"] else ": NO CLIFF")
+        img[T + 6 + 16 * j:T + 14 + 16 * j, L + 10:L + 22] = color
+        _text(img, L + 28, T + 5 + 16 * j, label, color)
     return png_bytes(img)
