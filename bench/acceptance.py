@@ -9,6 +9,10 @@ N prompts for real and verifies that the replay's tau equals the decoder's.
 
 Writes acceptance.json (every number) and acceptance.png (the per-position curve) into --out.
 
+For scale, the same replay also scores prompt lookup (`prompt_lookup_drafts`): a drafter with no
+weights that copies whatever followed the latest earlier occurrence of the last 3 (else 2, else 1)
+tokens. A trained drafter is only worth its cost where it beats this.
+
 Default prompts: GSM8K training-split problems 7000-7472, which the default drafter never saw
 (it trains on problems 0-6999).
 """
@@ -30,7 +34,7 @@ from mlx_dflash.models import cache_dir, default_drafter_dir, ensure_smollm2
 from mlx_dflash.plot import bar_chart_png
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.train import decoding_acceptance
+from mlx_dflash.train import decoding_acceptance, prompt_lookup_drafts, replay_greedy
 
 GSM8K = "/work/shared/data/gsm8k/train.jsonl"
 HELD_OUT_START = 7000
@@ -60,6 +64,8 @@ def main():
     tic = time.perf_counter()
     drafter_acceptance = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths))
     seconds = time.perf_counter() - tic
+    lookup = replay_greedy(lambda ids, start: prompt_lookup_drafts(ids, start, max(args.widths) - 1),
+                           sequences, widths=tuple(args.widths))
 
     checks = []
     for ids, start in sequences[: args.check]:
@@ -76,7 +82,8 @@ def main():
     results = {
         "machine": machine_info(), "versions": versions(), "drafter": str(args.drafter or default_drafter_dir()),
         "prompts": f"{args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
-        "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance, "checks": checks,
+        "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance,
+        "prompt_lookup": lookup, "checks": checks,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,17 +94,19 @@ def main():
     longest = max(args.widths)
     labels = [f"draft {k}" for k in range(1, longest)]
     series = {f"width {w}": r["reach"] + [None] * (longest - w) for w, r in drafter_acceptance.items()}
+    series[f"prompt lookup, width {longest}"] = lookup[longest]["reach"]
     png = bar_chart_png(labels, series, title=f"P(draft k kept), {len(sequences)} held-out prompts, greedy")
     tmp = out / "acceptance.png.tmp"
     tmp.write_bytes(png)
     tmp.replace(out / "acceptance.png")
 
     print(f"{len(sequences)} held-out prompts ({results['prompts']}), greedy, up to {args.max_tokens} tokens")
-    print("| verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")
-    print("| --- | --- | --- | --- |")
-    for w, r in drafter_acceptance.items():
-        reach = " ".join(f"{x:.2f}" for x in r["reach"][:8])
-        print(f"| {w} | {r['tau']:.2f} | {r['rounds']} | {reach} |")
+    print("| drafter | verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, acceptance in (("trained", drafter_acceptance), ("prompt lookup", lookup)):
+        for w, r in acceptance.items():
+            reach = " ".join(f"{x:.2f}" for x in r["reach"][:8])
+            print(f"| {name} | {w} | {r['tau']:.2f} | {r['rounds']} | {reach} |")
     for c in checks:
         print(f"check width {c['width']}: decoded == target greedy: {c['same_tokens']}, "
               f"replay tau {c['replay_tau']:.3f} vs decoded tau {c['decoded_tau']:.3f}")

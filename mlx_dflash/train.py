@@ -168,27 +168,40 @@ class TargetFeatures:
 def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> dict:
     """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
 
-    Decoding from the response start, a round anchored at position s keeps the leading drafts that equal
-    the target's next tokens, which for a greedy response are the response itself, and the next round
-    anchors at s + kept + 1. The drafter's proposals at every anchor depend only on the true prefix, so
-    one batched drafter pass per sequence gives them all; the walk is then bookkeeping. features_of:
-    a TargetFeatures (or the target, which is wrapped in one). Returns, per
-    verify width, {"tau": tokens per round (bonus included), "rounds": n, "reach": [P(draft k kept)]}.
+    The drafter's proposals at every anchor depend only on the true prefix, so one batched drafter pass
+    per sequence gives them all (`replay_greedy` does the walk). features_of: a TargetFeatures (or the
+    target, which is wrapped in one). Returns what `replay_greedy` returns.
     """
     features_of = TargetFeatures.of(features_of)
-    results = {w: {"lengths": [], "reach": np.zeros(w - 1)} for w in widths}
     B = drafter.block_size
-    for ids, start in sequences:
-        ids = np.array(ids)
-        features = features_of(ids)
+
+    def drafts_of(ids, start):
         anchors = np.arange(start, len(ids) - 1)
         block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
         block_ids[:, 0] = ids[anchors]
-        drafts = np.array(mx.argmax(block_logits(drafter, features, mx.array(block_ids), mx.array(anchors)), -1))
+        logits = block_logits(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
+        return np.array(mx.argmax(logits, -1))
+
+    return replay_greedy(drafts_of, sequences, widths)
+
+
+def replay_greedy(drafts_of, sequences, widths) -> dict:
+    """Acceptance of greedy speculative decoding replayed on greedy responses (ids, response start).
+
+    Decoding from the response start, a round anchored at position s keeps the leading drafts that equal
+    the target's next tokens, which for a greedy response are the response itself, and the next round
+    anchors at s + kept + 1. drafts_of(ids, start) gives the proposals [anchors start..len-2, K] at every
+    anchor (-1 where there is none). Returns, per verify width, {"tau": tokens per round (bonus included),
+    "rounds": n, "reach": [P(draft k kept)]}.
+    """
+    results = {w: {"lengths": [], "reach": np.zeros(w - 1)} for w in widths}
+    for ids, start in sequences:
+        ids = np.array(ids)
+        drafts = drafts_of(ids, start)
         for w, r in results.items():
             s = start
             while s < len(ids) - 1:
-                limit = min(w - 1, len(ids) - 1 - s - 1)  # drafts that still have a true token to match
+                limit = min(w - 1, drafts.shape[1], len(ids) - 1 - s - 1)  # drafts that have a true token to match
                 kept = 0
                 while kept < limit and drafts[s - start, kept] == ids[s + 1 + kept]:
                     kept += 1
@@ -200,6 +213,23 @@ def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> d
             "reach": (r["reach"] / max(1, len(r["lengths"]))).tolist()}
         for w, r in results.items()
     }
+
+
+def prompt_lookup_drafts(ids, start, k: int, longest_ngram: int = 3):
+    """Prompt lookup's proposals, the yardstick a trained drafter must beat (it has no weights), for
+    `replay_greedy`: [anchors start..len-2, k], -1 where there is none. At anchor s: the k tokens that
+    followed the latest earlier occurrence of ids[s-n+1..s], for the longest n <= longest_ngram found."""
+    ids = [int(t) for t in ids]
+    drafts = np.full((len(ids) - 1 - start, k), -1, dtype=np.int64)
+    for s in range(start, len(ids) - 1):
+        for n in range(min(longest_ngram, s), 0, -1):
+            tail = ids[s - n + 1 : s + 1]
+            hit = next((j for j in range(s - n, -1, -1) if ids[j : j + n] == tail), None)
+            if hit is not None:
+                copied = ids[hit + n : min(hit + n + k, s + 1)]  # only tokens already known at s
+                drafts[s - start, : len(copied)] = copied
+                break
+    return drafts
 
 
 def save_checkpoint(drafter: DFlashDraftModel, out_dir: Path, *, state: Optional[dict], optimizer=None, dtype=None):

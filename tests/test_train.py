@@ -30,6 +30,8 @@ from mlx_dflash.train import (
     make_blocks,
     pick_mask_token,
     position_weights,
+    prompt_lookup_drafts,
+    replay_greedy,
     sample_rows,
     save_checkpoint,
     train,
@@ -170,6 +172,20 @@ def test_draft_loss_and_grads_equal_the_weighted_mean_and_its_gradient():
     garbage = mx.where(mx.array(row_weight > 0), labels, (labels + 1) % VOCAB)
     again = draft_loss_and_grads(drafter, [(features, block_ids, anchors, garbage, row_weight), pieces[1]], total)
     assert again[0] == loss
+
+
+def test_prompt_lookup_drafts_and_their_replay():
+    ids = [5, 1, 2, 3, 9, 1, 2, 7, 2, 3]
+    drafts = prompt_lookup_drafts(ids, start=5, k=3)
+    assert drafts.tolist() == [
+        [2, 3, 9],  # s=5, tail "9 1" unseen, "1" last at 1: what followed it
+        [3, 9, 1],  # s=6, tail "1 2" at 1
+        [-1, -1, -1],  # s=7, "7" never seen
+        [7, 2, -1],  # s=8, "2" last at 6; only tokens known at s are copied
+    ]
+    result = replay_greedy(lambda i, s: prompt_lookup_drafts(i, s, 3), [(ids, 5)], widths=(4,))[4]
+    # Rounds: at 5 keeps "2" (then 3 != 7), at 7 keeps nothing, at 8 nothing is left to draft.
+    assert result == {"tau": 4 / 3, "rounds": 3, "reach": [1 / 3, 0.0, 0.0]}
 
 
 def test_sampled_rows_follow_the_position_weights():
