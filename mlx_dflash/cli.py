@@ -154,8 +154,8 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
 @click.option("--num-prompts", default=None, type=int, help="Use only the first N prompts.")
 @click.option("--max-response-tokens", default=192, show_default=True, type=int)
 @click.option("--gen-batch", default=32, show_default=True, type=int, help="Prompts answered per batch.")
-@click.option("--layers", default=None, type=int, help="Drafter layers  [default: 1]")
-@click.option("--block-size", default=None, type=int, help="[default: 16]")
+@click.option("--layers", default=None, type=int, help="Drafter layers (default: 1, or the --init/--resume drafter's).")
+@click.option("--block-size", default=None, type=int, help="Default: 16, or the --init/--resume drafter's.")
 @click.option("--target-features", default=None, type=int, help="Target layers tapped (default: one per layer).")
 @click.option("--mask-token-id", default=None, type=int, help="Default: a reserved special token.")
 @click.option("--steps", default=2000, show_default=True, type=int)
@@ -193,8 +193,6 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     if resume and init_dir:
         raise DFlashError("--resume continues the checkpoint in --out; --init starts a new run: pass one of them")
     start = out if resume else (Path(init_dir) if init_dir else None)
-    if init_dir and not (start / "config.json").exists():
-        raise DFlashError(f"--init {start}: no drafter there (config.json + *.safetensors); point it at one")
     if start is not None:  # the drafter's sizes come from the weights we start from
         drafter = drafter_from_dir(start)
         if drafter.config.raw.get("quantization"):

@@ -226,7 +226,7 @@ def drafter_from_dir(path: Path) -> DFlashDraftModel:
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
-        raise DFlashError(f"{path} has no config.json: point --drafter at a DFlash drafter directory")
+        raise DFlashError(f"{path} has no config.json: it is not a DFlash drafter directory (config.json + *.safetensors)")
     config = parse_config(json.loads(config_file.read_text()), where=str(config_file))
     model = DFlashDraftModel(config)
     weights = _read_weights(path)

@@ -68,7 +68,7 @@ def test_default_pair_acceptance_on_word_problems(pair):
     responses = greedy_batch(target.model, prompts, 64, tokenizer.eos_token_ids)
     sequences = [(p + r, len(p)) for p, r in zip(prompts, responses)]
     result = decoding_acceptance(drafter, target, sequences, widths=(16,))[16]
-    assert result["tau"] > 1.4, result  # measured 1.79 here; an untrained drafter gives ~1.0
+    assert result["tau"] > 1.4, result  # measured 2.03 here; an untrained drafter gives ~1.0
 
 
 def test_generate_needs_no_model_arguments(smollm2):

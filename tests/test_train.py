@@ -524,4 +524,4 @@ def test_train_command_end_to_end(smollm2_path, tmp_path):
     result = CliRunner().invoke(main, args + ["--steps", "2", "--resume", "--init", str(tmp_path / "drafter")])
     assert result.exit_code != 0 and "pass one of them" in result.output
     result = CliRunner().invoke(main, init_args + ["--steps", "2", "--init", str(tmp_path), "--out", str(tmp_path / "c4")])
-    assert result.exit_code != 0 and "no drafter there" in result.output
+    assert result.exit_code != 0 and "is not a DFlash drafter directory" in result.output
