@@ -1,7 +1,7 @@
 """Mean acceptance length (tau) of a drafter on held-out prompts, greedy, at several verify widths.
 
 The target answers each held-out prompt greedily (cached in a JSONL file, resumable); greedy decoding is
-then replayed exactly on those answers (`mlx_dflash.train.decoding_acceptance`): one target forward and
+then replayed exactly on those answers (`mlx_dflash.replay.decoding_acceptance`): one target forward and
 one batched drafter pass per prompt instead of a full decode per width. `--check N` also decodes the first
 N prompts for real and verifies that the replay's tau equals the decoder's.
 
@@ -30,11 +30,11 @@ from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, re
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.drafter import drafter_from_dir
 from mlx_dflash.load import load_target
-from mlx_dflash.models import cache_dir, default_drafter_dir, ensure_smollm2
+from mlx_dflash.downloads import cache_dir, default_drafter, default_target
 from mlx_dflash.plot import bar_chart_png
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.train import decoding_acceptance, prompt_lookup_drafts, replay_greedy
+from mlx_dflash.replay import decoding_acceptance, prompt_lookup_drafts, replay_greedy
 
 GSM8K = "/work/shared/data/gsm8k/train.jsonl"
 HELD_OUT_START = 7000
@@ -53,8 +53,9 @@ def main():
     p.add_argument("--out", default="bench/results/acceptance")
     args = p.parse_args()
 
-    target, tokenizer = load_target(args.model or str(ensure_smollm2()))
-    drafter = drafter_from_dir(args.drafter or default_drafter_dir()).bind(target)
+    drafter_dir = default_drafter(args.drafter, args.model)
+    target, tokenizer = load_target(default_target(args.model))
+    drafter = drafter_from_dir(drafter_dir).bind(target)
     prompts = read_prompts(args.prompts)[args.first : args.first + args.num_prompts]
     answers = cache_dir() / "data" / f"heldout-{Path(args.prompts).stem}-{args.first}-{args.max_tokens}.jsonl"
     generate_responses(target.model, tokenizer, prompts, answers, max_tokens=args.max_tokens, batch_size=32)
@@ -80,7 +81,7 @@ def main():
                            "replay_tau": replay["tau"], "decoded_tau": real_tau})
 
     results = {
-        "machine": machine_info(), "versions": versions(), "drafter": str(args.drafter or default_drafter_dir()),
+        "machine": machine_info(), "versions": versions(), "drafter": drafter_dir,
         "prompts": f"{args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
         "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance,
         "prompt_lookup": lookup, "checks": checks,

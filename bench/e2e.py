@@ -50,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from mlx_dflash.bench import _write_atomic, machine_info, versions  # noqa: E402
+from mlx_dflash.bench import machine_info, versions  # noqa: E402
+from mlx_dflash.files import write_atomic  # noqa: E402
 from mlx_dflash.data import read_prompts  # noqa: E402
-from mlx_dflash.models import PROMPT_SETS, ensure_prompt_set  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.kernels import metal_available  # noqa: E402
@@ -306,19 +307,7 @@ def main(argv=None) -> int:
     log = lambda *a: print(*a, flush=True)  # noqa: E731
 
     try:
-        model = args.model
-        if model is None:
-            from mlx_dflash.models import ensure_smollm2
-
-            model = str(ensure_smollm2("float32"))
-        drafter = args.drafter
-        if drafter is None:
-            from mlx_dflash.models import default_drafter_dir
-
-            found = default_drafter_dir()
-            if found is None:
-                raise DFlashError("no drafter ships with this version: pass --drafter DIR")
-            drafter = str(found)
+        model, drafter = default_target(args.model), default_drafter(args.drafter, args.model)
         prompt_file = args.prompts or GSM8K
         if prompt_file in PROMPT_SETS:
             prompt_file = ensure_prompt_set(prompt_file)
@@ -404,8 +393,8 @@ def main(argv=None) -> int:
                    "summary": summary, "auto_vs_best_fixed": auto_vs_best_fixed(summary),
                    "mismatches": mismatches, "runs": runs}
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
-        _write_atomic(out_dir / "e2e.png", chart(results))
+        write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
+        write_atomic(out_dir / "e2e.png", chart(results))
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

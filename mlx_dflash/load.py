@@ -4,6 +4,8 @@ A repo id is downloaded with huggingface-hub on the user's machine (safetensors 
 and pickle files shipped with a checkpoint are never fetched). Tests use local directories only.
 """
 
+from __future__ import annotations
+
 import re
 from pathlib import Path
 
@@ -11,23 +13,25 @@ from .drafter import DFlashDraftModel, drafter_from_dir
 from .errors import DFlashError
 from .target import Target
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_FETCH_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Weights, configs, tokenizers and templates; never code (*.py) or pickle files.
+_FETCH_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "tiktoken.model", "*.tiktoken",
+                   "*.txt", "*.jsonl"]
 
 
-def resolve(path_or_repo: str, what: str) -> Path:
-    """A local directory, downloading a hub repo id first if that is what was given."""
+def resolve(path_or_repo: str, what: str, revision: str | None = None) -> Path:
+    """A local directory, downloading a hub repo id (at `revision`) first if that is what was given."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise DFlashError(f"{what} {path_or_repo} is a file; give the directory that holds config.json")
-    if not _REPO_ID.match(str(path_or_repo)):
+    if not REPO_ID.match(str(path_or_repo)):
         raise DFlashError(f"{what} {path_or_repo}: no such directory (and not a Hugging Face repo id)")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(path_or_repo), allow_patterns=_FETCH_PATTERNS))
+        return Path(snapshot_download(str(path_or_repo), revision=revision, allow_patterns=_FETCH_PATTERNS))
     except Exception as e:  # network, auth, gated or missing repo: one line, with the cause
         raise DFlashError(
             f"{what} {path_or_repo}: not a local directory, and downloading it from the Hugging Face hub "

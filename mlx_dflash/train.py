@@ -9,8 +9,6 @@ it borrows the target's embedding and head, which stay outside its parameter tre
 """
 
 import json
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +23,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .config import config_to_dict
 from .drafter import DFlashDraftModel, drafter_from_dir
 from .errors import DFlashError
+from .files import staged_dir, write_json
+from .replay import TargetFeatures, decoding_acceptance
 
 # Published decay of the per-position loss weight (reference 5).
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -78,12 +78,6 @@ def sample_rows(valid, weights, rng) -> np.ndarray:
     """
     valid = np.asarray(valid)
     return ((rng.random(valid.shape) < np.asarray(weights)[None]) & valid).astype(np.float32)
-
-
-def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
-    """Draft logits [A, B-1, V] for blocks at `anchors`, all against one sequence's features [1, T, F]."""
-    hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)
-    return drafter.logits(hidden[:, 1:])
 
 
 def cross_entropy_and_grad(logits: np.ndarray, labels: np.ndarray, weight: np.ndarray):
@@ -145,114 +139,20 @@ def draft_loss_and_grads(drafter, pieces, total_weight: float):
     return loss.item(), grads, correct, counted
 
 
-class TargetFeatures:
-    """The frozen target's features of each sequence, computed once and kept: they never change."""
-
-    def __init__(self, target):
-        self.target, self._memo = target, {}
-
-    @classmethod
-    def of(cls, target_or_features) -> "TargetFeatures":
-        return target_or_features if isinstance(target_or_features, cls) else cls(target_or_features)
-
-    def __call__(self, ids) -> mx.array:
-        ids = np.asarray(ids, dtype=np.int32)
-        key = ids.tobytes()
-        if key not in self._memo:
-            _, features = self.target.forward(mx.array(ids)[None], None)
-            mx.eval(features)  # the head's logits stay lazy and never run
-            self._memo[key] = features
-        return self._memo[key]
-
-
-def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> dict:
-    """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
-
-    The drafter's proposals at every anchor depend only on the true prefix, so one batched drafter pass
-    per sequence gives them all (`replay_greedy` does the walk). features_of: a TargetFeatures (or the
-    target, which is wrapped in one). Returns what `replay_greedy` returns.
-    """
-    features_of = TargetFeatures.of(features_of)
-    B = drafter.block_size
-
-    def drafts_of(ids, start):
-        anchors = np.arange(start, len(ids) - 1)
-        block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
-        block_ids[:, 0] = ids[anchors]
-        logits = block_logits(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
-        return np.array(mx.argmax(logits, -1))
-
-    return replay_greedy(drafts_of, sequences, widths)
-
-
-def replay_greedy(drafts_of, sequences, widths) -> dict:
-    """Acceptance of greedy speculative decoding replayed on greedy responses (ids, response start).
-
-    Decoding from the response start, a round anchored at position s keeps the leading drafts that equal
-    the target's next tokens, which for a greedy response are the response itself, and the next round
-    anchors at s + kept + 1. drafts_of(ids, start) gives the proposals [anchors start..len-2, K] at every
-    anchor (-1 where there is none). Returns, per verify width, {"tau": tokens per round (bonus included),
-    "rounds": n, "reach": [P(draft k kept)]}.
-    """
-    results = {w: {"lengths": [], "reach": np.zeros(w - 1)} for w in widths}
-    for ids, start in sequences:
-        ids = np.array(ids)
-        drafts = drafts_of(ids, start)
-        for w, r in results.items():
-            s = start
-            while s < len(ids) - 1:
-                limit = min(w - 1, drafts.shape[1], len(ids) - 1 - s - 1)  # drafts that have a true token to match
-                kept = 0
-                while kept < limit and drafts[s - start, kept] == ids[s + 1 + kept]:
-                    kept += 1
-                r["reach"][:kept] += 1
-                r["lengths"].append(kept + 1)
-                s += kept + 1
-    return {
-        w: {"tau": float(np.mean(r["lengths"])), "rounds": len(r["lengths"]),
-            "reach": (r["reach"] / max(1, len(r["lengths"]))).tolist()}
-        for w, r in results.items()
-    }
-
-
-def prompt_lookup_drafts(ids, start, k: int, longest_ngram: int = 3):
-    """Prompt lookup's proposals, the yardstick a trained drafter must beat (it has no weights), for
-    `replay_greedy`: [anchors start..len-2, k], -1 where there is none. At anchor s: the k tokens that
-    followed the latest earlier occurrence of ids[s-n+1..s], for the longest n <= longest_ngram found."""
-    ids = [int(t) for t in ids]
-    drafts = np.full((len(ids) - 1 - start, k), -1, dtype=np.int64)
-    for s in range(start, len(ids) - 1):
-        for n in range(min(longest_ngram, s), 0, -1):
-            tail = ids[s - n + 1 : s + 1]
-            hit = next((j for j in range(s - n, -1, -1) if ids[j : j + n] == tail), None)
-            if hit is not None:
-                copied = ids[hit + n : min(hit + n + k, s + 1)]  # only tokens already known at s
-                drafts[s - start, : len(copied)] = copied
-                break
-    return drafts
-
-
 def save_checkpoint(drafter: DFlashDraftModel, out_dir: Path, *, state: Optional[dict], optimizer=None, dtype=None):
     """Write config.json + model.safetensors (+ trainer state, optimizer) to a temporary dir, then swap it in."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     weights = dict(tree_flatten(drafter.parameters()))
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config_to_dict(drafter.config), indent=2) + "\n")
-    if state is not None:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-    if optimizer is not None:
-        # .npz, not .safetensors: loaders read every *.safetensors of a drafter directory as weights.
-        mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(optimizer.state)))
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    with staged_dir(out_dir, overwrite=True) as tmp:
+        tmp.mkdir()
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        write_json(tmp / "config.json", config_to_dict(drafter.config))
+        if state is not None:
+            write_json(tmp / "trainer_state.json", state)
+        if optimizer is not None:
+            # .npz, not .safetensors: loaders read every *.safetensors of a drafter directory as weights.
+            mx.savez(str(tmp / "optimizer.npz"), **dict(tree_flatten(optimizer.state)))
 
 
 def schedule(cfg: TrainConfig):

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_dflash.drafter import drafter_config_for, init_drafter
-from mlx_dflash.models import ensure_smollm2
+from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.target import Target
 
 # Varied chat prompts: math, code, prose, lists, facts, formats, other languages.

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from mlx_dflash.bench import cliff_width, filled_cache, find_jumps, load_cost_table, model_shapes, run_widths_bench
+from mlx_dflash.bench import cliff_width, find_jumps, model_shapes, run_widths_bench
+from mlx_dflash.costs import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels import metal_available
 from mlx_dflash.plot import png_bytes

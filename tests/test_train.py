@@ -20,18 +20,14 @@ from mlx_dflash.data import greedy_batch
 from mlx_dflash.drafter import Attention, Borrowed, drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.target import Target
+from mlx_dflash.replay import TargetFeatures, block_logits, decoding_acceptance, prompt_lookup_drafts, replay_greedy
 from mlx_dflash.train import (
-    TargetFeatures,
     TrainConfig,
-    decoding_acceptance,
-    block_logits,
     draft_loss_and_grads,
     export,
     make_blocks,
     pick_mask_token,
     position_weights,
-    prompt_lookup_drafts,
-    replay_greedy,
     sample_rows,
     save_checkpoint,
     train,

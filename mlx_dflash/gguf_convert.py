@@ -8,11 +8,6 @@ as plain float16/bfloat16/float32. Only the `llama` and `qwen2` architectures ar
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -23,9 +18,9 @@ from tokenizers import pre_tokenizers, processors
 
 from . import __version__
 from .errors import DFlashError
+from .files import DTYPES, sha256_file, staged_dir, write_json
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -54,14 +49,6 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 def read_metadata(reader: gguf.GGUFReader) -> dict:
     """All key/value fields of a GGUF file as plain Python values."""
     return {name: field.contents() for name, field in reader.fields.items()}
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _f32(x) -> float:
@@ -251,10 +238,6 @@ def tokenizer_files(meta: dict, config: dict) -> tuple[dict, dict]:
     return tok_config, gen_config
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def _write_model(gguf_path: Path, out: Path, dtype: str, source: str, source_sha256: str) -> None:
     try:
         reader = gguf.GGUFReader(gguf_path)
@@ -274,9 +257,9 @@ def _write_model(gguf_path: Path, out: Path, dtype: str, source: str, source_sha
     mx.save_safetensors(str(out / "model.safetensors"), convert_weights(reader, config, dtype),
                         metadata={"format": "mlx"})
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", tok_config)
-    _write_json(out / "generation_config.json", gen_config)
-    _write_json(out / "config.json", config)
+    write_json(out / "tokenizer_config.json", tok_config)
+    write_json(out / "generation_config.json", gen_config)
+    write_json(out / "config.json", config)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16", *,
@@ -285,7 +268,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     """Convert `gguf_path` into an mlx-lm model directory `out_dir` and return its path.
 
     Everything is written into a temporary directory beside `out_dir` and renamed into place
-    at the end, so a failure leaves nothing behind. `source` (default: the GGUF path) and
+    at the end (`files.staged_dir`), so a failure leaves nothing behind. `source` (default: the GGUF path) and
     `source_sha256` (default: computed) are recorded in config.json under "mlx_dflash".
     """
     gguf_path, out = Path(gguf_path), Path(out_dir)
@@ -293,35 +276,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
         raise DFlashError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if not gguf_path.is_file():
         raise DFlashError(f"GGUF file not found: {gguf_path}")
-    if out.exists() and not overwrite:
-        raise DFlashError(f"output directory {out} already exists; pass overwrite=True to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     source = source or str(gguf_path.resolve())
     source_sha256 = source_sha256 or sha256_file(gguf_path)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary shared directory
-    try:
-        _write_model(gguf_path, tmp, dtype, source, source_sha256)
-        if overwrite and out.exists():
-            # Move the old directory aside first: rename cannot replace a non-empty directory.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / out.name)
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                os.rename(old / out.name, out)
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                # Someone else created out_dir while we were converting.
-                raise DFlashError(f"output directory {out} already exists; pass overwrite=True "
-                                  "to replace it") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with staged_dir(out, overwrite) as work:
+        work.mkdir()
+        _write_model(gguf_path, work, dtype, source, source_sha256)
     return out

