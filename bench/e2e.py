@@ -1,9 +1,13 @@
 """End-to-end benchmark: DFlash speculative decoding against the target alone, on one model pair, greedy.
 
-    python bench/e2e.py --drafter DIR                       # 10 GSM8K prompts (7000..7009), 128 tokens
+    python bench/e2e.py --prompts FILE --prompt-offset 7000 # 10 prompts of FILE (7000..7009), 128 tokens
     python bench/e2e.py --drafter DIR --quantize 4          # also every row on a 4-bit target
     python bench/e2e.py --drafter DIR --num-prompts 2 --max-tokens 24 --name quick   # a smoke run
-    python bench/e2e.py --prompts mt-bench --num-prompts 5  # another prompt class (also: humaneval)
+    python bench/e2e.py --prompts mt-bench --num-prompts 5  # a set fetched from PyPI (also: humaneval)
+
+--prompts takes a named set (mlx_dflash.downloads.PROMPT_SETS, fetched from PyPI; default mt-bench) or a
+file (.jsonl or one prompt per line). The README's GSM8K rows used the GSM8K training split from
+openai/grade-school-math (not on PyPI) with --prompt-offset 7000, past the problems the drafter saw.
 
 Configurations (each row; with --quantize 4 each again on the target quantized in memory, group 64):
 * target alone: mlx-lm's `generate_step` on the same chat-template prompt ids, same max tokens, same
@@ -51,7 +55,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.files import write_atomic  # noqa: E402
+from mlx_dflash.files import portable_path, write_atomic  # noqa: E402
 from mlx_dflash.data import read_prompts  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
@@ -60,8 +64,6 @@ from mlx_dflash.kernels import metal_available  # noqa: E402
 from mlx_dflash.plot import bar_chart_png  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-e2e/1"
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl")
-GSM8K_OFFSET = 7000  # prompts from here on are held out from drafter training
 FIXED_WIDTHS = (2, 4, 5, 8, 16)
 P_MINS = (0.3, 0.7)
 BASELINE = "target alone"
@@ -287,10 +289,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
     ap.add_argument("--drafter", help="drafter directory (default: the packaged drafter, if this version has one)")
-    ap.add_argument("--prompts", help=f"prompt file (.jsonl or one per line; default: {GSM8K}), or a "
-                    f"prompt set fetched from PyPI: {', '.join(PROMPT_SETS)}")
-    ap.add_argument("--prompt-offset", type=int, default=None,
-                    help=f"first prompt to use (default: {GSM8K_OFFSET} for the GSM8K default, else 0)")
+    ap.add_argument("--prompts", default="mt-bench",
+                    help=f"a prompt set fetched from PyPI ({', '.join(PROMPT_SETS)}) or a prompt file "
+                         "(.jsonl or one per line); default: mt-bench")
+    ap.add_argument("--prompt-offset", type=int, default=0, help="first prompt to use")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="run the whole interleaved set this many times")
@@ -308,10 +310,8 @@ def main(argv=None) -> int:
 
     try:
         model, drafter = default_target(args.model), default_drafter(args.drafter, args.model)
-        prompt_file = args.prompts or GSM8K
-        if prompt_file in PROMPT_SETS:
-            prompt_file = ensure_prompt_set(prompt_file)
-        offset = args.prompt_offset if args.prompt_offset is not None else (0 if args.prompts else GSM8K_OFFSET)
+        prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
+        offset = args.prompt_offset
         all_prompts = read_prompts(prompt_file)
         prompts = all_prompts[offset:offset + args.num_prompts]
         if len(prompts) < args.num_prompts or args.num_prompts < 1:
@@ -375,7 +375,8 @@ def main(argv=None) -> int:
                     f"{time.perf_counter() - t_start:.0f}s] tok/s: {line}")
 
         summary = summarize(configs, runs, len(prompts))
-        settings = {"model": model, "drafter": drafter, "prompts_file": str(prompt_file), "prompt_offset": offset,
+        settings = {"model": portable_path(model), "drafter": portable_path(drafter),
+                    "prompts_file": portable_path(prompt_file), "prompt_offset": offset,
                     "num_prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
                     "quantize": args.quantize, "quantize_group_size": 64 if args.quantize else None,
                     "cost_table": args.cost_table, "quantized_cost_table": args.quantized_cost_table,

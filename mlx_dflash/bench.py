@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import random
+import re
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from mlx.utils import tree_unflatten
 
 from .costs import filled_cache, timed
 from .errors import DFlashError
-from .files import write_atomic
+from .files import portable_path, write_atomic
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 from .plot import widths_chart_png
@@ -131,7 +132,28 @@ def machine_info() -> dict:
         names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
         info["chip"] = names[0] if names else info.get("chip")
     info["chip"] = info.get("chip") or platform.processor() or platform.machine()
+    info["quantized_matmul_routing"] = quantized_matmul_routing(
+        (info.get("device_info") or {}).get("architecture") if info["metal"] else None)
     return info
+
+
+def quantized_matmul_routing(architecture: str | None) -> str:
+    """What MLX 0.32's quantized matmul does with M rows on this chip (mlx-kernels.md sections 2-3), from
+    the Metal architecture string (applegpu_g<generation><tier>: 13 M1, 14 M2, 15 M3, 16 M4, 17 M5;
+    tier d = Ultra); None for the CPU."""
+    if architecture is None:
+        return "CPU: every row costs the same (linear in rows, no weight-reuse path and no cliff)"
+    m = re.search(r"g(\d+)([a-z])$", architecture)
+    if not m:
+        return f"unknown Metal architecture {architecture!r}: routing not known"
+    gen, tier = int(m.group(1)), m.group(2)
+    if gen < 15:
+        path = "M1/M2: no affine qmv_wide, so every row is one more full pass over the weights"
+    else:
+        path = "M3 and newer: qmv_wide reads the weights once per up to 5 rows (6..10 rows: twice)"
+    limit = {True: "18 rows (Ultra)", False: "25 rows (M5)" if gen >= 17 else
+             ("10 rows, 6 for a 4096->14336 layer" if gen < 15 else "about 13-15 rows")}[tier == "d"]
+    return f"{path}; from {limit} (4096-wide 4-bit layers) MLX switches to its tiled qmm"
 
 
 def versions() -> dict:
@@ -209,22 +231,26 @@ def _verify_case(target, cache, length: int, wide: bool, state: dict, widths, of
     return measure
 
 
-def sweep(cases: dict, widths, repeats: int, warmup: int, seed: int = 0, log=None) -> dict:
+def sweep(cases: dict, widths, repeats: int, warmup: int, seed: int = 0, what: str = "", progress: bool = True) -> dict:
     """{case: {width: [(wall, cpu) seconds per repeat]}}: `warmup` untimed rounds, then `repeats`
-    rounds, each over every (case, width) pair in a fresh random order."""
+    rounds, each over every (case, width) pair in a fresh random order. A progress bar (stderr) says
+    `what` is measured and how far it is."""
+    from tqdm import tqdm
+
     order = [(c, w) for c in cases for w in widths]
     rng = random.Random(seed)
-    for _ in range(warmup):
-        for c, w in order:
-            cases[c](w)
     times = {c: {w: [] for w in widths} for c in cases}
-    for r in range(repeats):
-        rng.shuffle(order)
-        t0 = time.perf_counter()
-        for c, w in order:
-            times[c][w].append(cases[c](w))
-        if log:
-            log(f"  repeat {r + 1}/{repeats}: {time.perf_counter() - t0:.1f} s")
+    with tqdm(total=(warmup + repeats) * len(order), desc=what, unit="call", disable=not progress,
+              leave=True) as bar:
+        for r in range(warmup + repeats):
+            bar.set_postfix_str(f"warm-up {r + 1}/{warmup}" if r < warmup else f"repeat {r - warmup + 1}/{repeats}")
+            if r >= warmup:
+                rng.shuffle(order)
+            for c, w in order:
+                seconds = cases[c](w)
+                if r >= warmup:
+                    times[c][w].append(seconds)
+                bar.update()
     return times
 
 
@@ -251,17 +277,21 @@ def _parse_shape(s) -> tuple[int, int]:
     return k, n
 
 
-def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, quick: bool = False, widths=WIDTHS,
-                     short_cache: int = 128, long_cache: int = 4096, repeats: int | None = None,
+def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, full: bool = False, widths=WIDTHS,
+                     short_cache: int = 128, long_cache: int | None = None, repeats: int | None = None,
                      warmup: int | None = None, quantize_bits: int | None = 4, group_size: int = 64,
-                     dtype: str | None = None, clock: str = "auto", seed: int = 0, note: str = "", log=print) -> dict:
+                     dtype: str | None = None, clock: str = "auto", seed: int = 0, note: str = "", log=print,
+                     progress: bool | None = None) -> dict:
     """Run the sweep, write widths.json, cost_table.json and widths.png into out_dir, return the results.
 
     model_path: mlx-lm directory or repo id, or a model instance (None: synthetic `shapes` only, no
     verify forward).
     shapes: [(K, N) or "KxN"] to time instead of the model's own layer shapes.
-    quick: 3 repeats, 1 warm-up round (unless given). quantize_bits: quantize a non-quantized model in
-    memory (mlx.nn.quantize, group_size) before measuring; None keeps it as it is.
+    full: the exhaustive sweep: 5 repeats, 2 warm-up rounds and a second, long cache (`long_cache`,
+    default 4096); without it 3 repeats, 1 warm-up round and only the short cache (unless given), a few
+    minutes on a CPU. quantize_bits: quantize a non-quantized model in memory (mlx.nn.quantize,
+    group_size) before measuring; None keeps it as it is. progress: tqdm bars on stderr (default: when
+    `log` is given).
     clock: which time the medians, cliffs and cost table use: "wall", or "cpu" (process CPU time: on a
     shared CPU machine it leaves out other processes' time slices, which make wall-clock medians of
     long calls jump); "auto" = wall on Metal (the GPU's work is not CPU time), cpu on the CPU backend.
@@ -271,8 +301,12 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
     from .policy import has_quantized_layers
     from .target import Target
 
-    repeats = repeats or (3 if quick else 5)
-    warmup = warmup if warmup is not None else (1 if quick else 2)
+    repeats = repeats or (5 if full else 3)
+    warmup = warmup if warmup is not None else (2 if full else 1)
+    if long_cache is None and full:
+        long_cache = 4096
+    caches = sorted({short_cache} | ({long_cache} if long_cache else set()))
+    progress = log is not None if progress is None else progress
     widths = sorted({int(w) for w in widths})
     if not widths or widths[0] < 1:
         raise DFlashError("widths must be integers >= 1")
@@ -288,7 +322,7 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"model": (None if model_path is None else type(model_path).__module__ if
-                          isinstance(model_path, nn.Module) else str(model_path)), "quick": quick, "widths": widths,
+                          isinstance(model_path, nn.Module) else portable_path(model_path)), "full": full, "widths": widths,
                 "repeats": repeats, "warmup": warmup, "short_cache": short_cache, "long_cache": long_cache,
                 "quantize_bits": quantize_bits, "group_size": group_size, "clock": clock, "seed": seed,
                 "note": note}
@@ -321,7 +355,8 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
             meta[name] = {"kind": "matmul", "impl": impl, **sh}
     log(f"quantized matmul: {len(shape_list)} shapes x {impls}, widths {widths[0]}..{widths[-1]}, "
         f"{repeats} repeats, {settings['dtype']}")
-    times = sweep(cases, widths, repeats, warmup, seed, log)
+    times = sweep(cases, widths, repeats, warmup, seed, f"quantized matmul, {len(shape_list)} shapes x widths "
+                  f"{widths[0]}..{widths[-1]}", progress)
     series += [_series(n, widths, times[n], clock, **meta[n]) for n in cases]
     for impl in impls:
         mine = [s for s in series if s["kind"] == "matmul" and s["impl"] == impl]
@@ -335,14 +370,14 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, q
         state = {"on": False}
         wide_ok = "dflash" in impls and settings["model_quantized"]
         cases, meta = {}, {}
-        for length in sorted({short_cache, long_cache}):
+        for length in caches:
             cache, offsets = filled_cache(target, length, seed), set()
             for impl in (["mlx", "dflash"] if wide_ok else ["mlx"]):
                 name = f"verify cache={length} {impl}"
                 cases[name] = _verify_case(target, cache, length, impl == "dflash", state, widths, offsets, seed)
                 meta[name] = {"kind": "verify", "impl": impl, "cache_length": length, "cache_offsets": offsets}
-        log(f"verify forward: caches {sorted({short_cache, long_cache})}, {repeats} repeats")
-        times = sweep(cases, widths, repeats, warmup, seed, log)
+        times = sweep(cases, widths, repeats, warmup, seed, f"verify forward, cache {', '.join(map(str, caches))}",
+                      progress)
         _set_wide(target.model, False, state)
         for n in cases:
             meta[n]["cache_offsets"] = sorted(meta[n]["cache_offsets"])
@@ -395,5 +430,7 @@ def format_table(results: dict) -> str:
     m = results["machine"]
     lines.insert(0, f"{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, "
                     f"median {results['settings']['clock']} time of {results['settings']['repeats']} runs")
+    if m.get("quantized_matmul_routing"):
+        lines.insert(1, f"MLX quantized matmul here: {m['quantized_matmul_routing']}")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
     return "\n".join(lines)

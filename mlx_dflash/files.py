@@ -88,3 +88,16 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as benchmark records show it: relative to this checkout if inside it, else ~/... under the
+    home directory, so results name no machine's absolute paths."""
+    p = Path(path).expanduser().absolute()
+    for base, shown in ((Path(__file__).resolve().parents[1], ""), (Path.home(), "~")):
+        try:
+            rel = p.relative_to(base)
+        except ValueError:
+            continue
+        return str(Path(shown) / rel) if shown else str(rel)
+    return str(path)

@@ -119,7 +119,7 @@ def check_png(path):
 
 
 def test_quick_run_writes_all_files(tiny_model, tmp_path):
-    res = run_widths_bench(tiny_model, tmp_path, quick=True, widths=range(1, 9), short_cache=16, long_cache=4096,
+    res = run_widths_bench(tiny_model, tmp_path, widths=range(1, 9), short_cache=16, long_cache=4096,
                            log=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cost_table.json", "widths.json", "widths.png"]
     data = json.loads((tmp_path / "widths.json").read_text())
@@ -155,7 +155,7 @@ def test_model_shapes_count_layers_and_tied_head(tiny_model):
 def test_long_cache_is_really_long(tiny_model, tmp_path):
     cache = filled_cache(Target(tiny_model), 4096)
     assert all(c.offset == 4096 and c.keys.shape[2] >= 4096 for c in cache)
-    res = run_widths_bench(tiny_model, tmp_path, quick=True, widths=[1, 2, 3, 4], short_cache=32, long_cache=4096,
+    res = run_widths_bench(tiny_model, tmp_path, widths=[1, 2, 3, 4], short_cache=32, long_cache=4096,
                            repeats=2, warmup=1, log=None)
     verify = {s["cache_length"]: s for s in res["series"] if s["kind"] == "verify"}
     assert sorted(verify) == [32, 4096]
@@ -165,7 +165,7 @@ def test_long_cache_is_really_long(tiny_model, tmp_path):
 
 @pytest.mark.skipif(metal_available(), reason="the CPU has no cliff; on Metal there is one to find")
 def test_cpu_matmul_is_linear_without_cliff(tmp_path):
-    res = run_widths_bench(None, tmp_path, shapes=["1024x1024"], quick=True, repeats=5, log=None)
+    res = run_widths_bench(None, tmp_path, shapes=["1024x1024"], repeats=5, log=None)
     (s,) = [s for s in res["series"] if s["kind"] == "matmul"]
     assert s["cliff_width"] is None and s["verdict"].startswith("no cliff: linear"), s["verdict"]
     assert s["linear_fit"]["r2"] > 0.95 and s["linear_fit"]["seconds_per_row"] > 0

@@ -10,12 +10,15 @@ import importlib.util
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from mlx.utils import tree_flatten
 
 from mlx_dflash.config import parse_config
 from mlx_dflash.drafter import Borrowed, init_drafter
 from mlx_dflash.downloads import cache_dir, fetch_pypi_member
+
+torch = pytest.importorskip(
+    "torch", reason="the parity tests need PyTorch, which is not installed: pip install -e '.[parity]' "
+    "(on Linux first the CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)")
 
 DFLASH_MODEL_SHA256 = "f55b7fe0a4c0b3073e0f9cdce547cce29f4b8e2168c4d2818760007c43b7651e"
 # float32 end to end; differences come from summation order only.
