@@ -40,8 +40,11 @@ def prepare():
 @click.option("--prompt", required=True, help="Prompt text, or - to read it from stdin.")
 @click.option("--max-tokens", default=256, show_default=True, type=int)
 @click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables top-p.")
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--min-p", default=0.0, show_default=True, type=float,
+              help="Drop tokens less likely than min-p x the most likely one; 0 disables it. The filters and "
+                   "--temp act as in mlx_lm.generate.")
 @click.option("--seed", default=None, type=int)
 @click.option("--block-size", default=None, type=int, help="Verify width (default: the drafter's trained block).")
 @click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway.")
@@ -56,7 +59,7 @@ def prepare():
               help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
-def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, seed, block_size,
+def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
              force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose):
     """Generate text with a target model and its DFlash drafter."""
     from .decoder import build_policy, stream_generate
@@ -72,7 +75,7 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
         block_size = n_max + 1
     if cost_table and width_mode != "auto":
         raise DFlashError("--cost-table is used by --width auto; add --width auto")
-    sampling = SamplingParams(temp, top_p, top_k)
+    sampling = SamplingParams(temp, top_p, top_k, min_p)
     drafter_path = default_drafter(drafter_path, model_path)
     target, drafter, tokenizer = load_pair(default_target(model_path), drafter_path)
     policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
@@ -223,18 +226,19 @@ def bench():
               "(default: SmolLM2-135M-Instruct, unless --shape is given).")
 @click.option("--shape", "shapes", multiple=True, help="A KxN quantized matmul to time instead (repeatable).")
 @click.option("--out", "out_dir", default="bench-widths", show_default=True, type=click.Path(file_okay=False))
-@click.option("--quick", is_flag=True, help="Fewer repeats (3) and warm-up rounds (1).")
+@click.option("--full", is_flag=True, help="The exhaustive sweep: 5 repeats, 2 warm-up rounds, and a long cache "
+              "(--long-cache) besides the short one. Default: 3 repeats, 1 warm-up, short cache (minutes on a CPU).")
 @click.option("--repeats", default=None, type=int)
 @click.option("--warmup", default=None, type=int)
 @click.option("--max-width", default=16, show_default=True, type=int)
 @click.option("--short-cache", default=128, show_default=True, type=int)
-@click.option("--long-cache", default=4096, show_default=True, type=int)
+@click.option("--long-cache", default=None, type=int, help="Also measure on a cache this long (default with --full: 4096).")
 @click.option("--bits", default=4, show_default=True, type=int, help="Quantize in memory to this; 0: as stored.")
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None)
 @click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
               help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
-def bench_widths(model_path, shapes, out_dir, quick, repeats, warmup, max_width, short_cache, long_cache, bits,
+def bench_widths(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, bits,
                  group_size, dtype, clock):
     """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
     from .bench import run_widths_bench
@@ -242,7 +246,7 @@ def bench_widths(model_path, shapes, out_dir, quick, repeats, warmup, max_width,
 
     if not model_path and not shapes:
         model_path = default_target()
-    run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, quick=quick, widths=range(1, max_width + 1),
+    run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, full=full, widths=range(1, max_width + 1),
                      short_cache=short_cache, long_cache=long_cache, repeats=repeats, warmup=warmup,
                      quantize_bits=bits or None, group_size=int(group_size), dtype=dtype, clock=clock,
                      log=click.echo)

@@ -6,7 +6,8 @@ target's argmax at the first mismatch (the "bonus"). Output is the target's own 
 Sampling (temperature > 0): speculative rejection sampling (reference 3.2). Draft i is kept with
 probability min(1, p(d)/q(d)); at the first rejection a token is drawn from normalize(max(p - q, 0));
 if all are kept the bonus is drawn from the last target row. Every emitted token is then distributed
-exactly as the target's own sampler would draw it (p = target softmax after temperature, top-k, top-p).
+exactly as `mlx_lm.generate` would draw it with the same flags: p is built with mlx-lm's own sampling
+functions, in `make_sampler`'s order (top-p, min-p, top-k on the log-probabilities, then temperature).
 
 Proposal choice: the decoder proposes the drafter's argmax at every position, so q is a point mass
 (q(d) = 1). Sampling each block position independently from the drafter's marginals is also exact but
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling
 
 from .errors import DFlashError
 
@@ -27,6 +29,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -35,29 +38,31 @@ class SamplingParams:
             raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DFlashError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise DFlashError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probabilities after mlx-lm's filters, exactly as `mlx_lm.generate` computes them: log-softmax
+    of the logits, then `make_sampler`'s chain (top-p, then min-p, then top-k; -inf where filtered)."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:  # top_k >= vocabulary keeps everything
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs
+
+
 def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """The distribution the target samples from: softmax(logits / T), then top-k, then top-p."""
-    scores = logits.astype(mx.float32) / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = mx.sort(scores, axis=-1)[..., vocab - params.top_k][..., None]
-        scores = mx.where(scores >= kth, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1)
-    if params.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        order = mx.argsort(-probs, axis=-1)
-        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
-        keep_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) < params.top_p
-        keep = mx.put_along_axis(mx.zeros(probs.shape, mx.bool_), order, keep_sorted, axis=-1)
-        probs = mx.where(keep, probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
+    """The distribution the target samples from: softmax(filtered log-probabilities / temperature),
+    what mlx-lm's `categorical_sampling` draws from."""
+    return mx.softmax(filtered_logprobs(logits, params).astype(mx.float32) * (1.0 / params.temperature), axis=-1)
 
 
 def sample(probs: mx.array) -> int:
@@ -65,10 +70,10 @@ def sample(probs: mx.array) -> int:
 
 
 def pick(logits: mx.array, params: SamplingParams) -> int:
-    """One token from one row of target logits, greedy or sampled."""
+    """One token from one row of target logits: greedy, or mlx-lm's own draw."""
     if params.greedy:
         return mx.argmax(logits, axis=-1).item()
-    return sample(target_probs(logits, params))
+    return categorical_sampling(filtered_logprobs(logits, params), params.temperature).item()
 
 
 def greedy_accept(drafts: list, target_logits: mx.array) -> tuple:

@@ -1,12 +1,20 @@
-"""Rejection sampling is exact: emitted tokens follow the target distribution, whatever the draft."""
+"""Rejection sampling is exact: emitted tokens follow the target distribution, whatever the draft; and
+that distribution is mlx-lm's own (`mlx_lm.sample_utils.make_sampler` with the same flags)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from scipy.stats import chisquare
+from mlx.utils import tree_map
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import _get_classes
+from scipy.stats import chi2_contingency, chisquare
 
+from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.drafter import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams, greedy_accept, rejection_accept, target_probs
+from mlx_dflash.target import Target
 
 TRIALS = 6000
 LOGITS = mx.array([[1.0, 0.2, 2.0, -0.5, 0.7, 1.4], [0.1, 1.8, -1.0, 0.9, 0.0, 0.5]])
@@ -89,7 +97,78 @@ def test_greedy_accept_counts_the_matching_prefix():
     assert greedy_accept([], logits[:1]) == (0, 4)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(min_p=-0.1), dict(min_p=1.0)])
 def test_bad_sampling_parameters_are_refused(kwargs):
     with pytest.raises(DFlashError):
         SamplingParams(**kwargs)
+
+
+# (temp, top_p, top_k, min_p) where the filter order matters: on the tempered distribution (the old
+# rule) top-p 0.7 at temp 0.5 keeps fewer tokens than mlx-lm, which filters before tempering.
+MLX_LM_SETTINGS = [(0.5, 0.7, 0, 0.0), (1.3, 1.0, 4, 0.0), (0.8, 1.0, 0, 0.1), (1.0, 0.9, 5, 0.05)]
+SETTING_IDS = ["t0.5-top_p0.7", "t1.3-top_k4", "t0.8-min_p0.1", "t1-top_p0.9-top_k5-min_p0.05"]
+
+
+def mlx_lm_draws(logits_rows, temp, top_p, top_k, min_p):
+    """Tokens drawn by mlx-lm's own sampler, one per row of logits (as generate_step: log-softmax first)."""
+    sampler = make_sampler(temp=temp, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
+    logprobs = logits_rows - mx.logsumexp(logits_rows, axis=-1, keepdims=True)
+    return np.array(sampler(logprobs))
+
+
+@pytest.mark.parametrize("setting", MLX_LM_SETTINGS, ids=SETTING_IDS)
+def test_target_distribution_is_mlx_lms(setting):
+    """Chi-square: N draws of make_sampler against target_probs, and the same support."""
+    mx.random.seed(3)
+    row = mx.array([2.0, 1.6, 1.5, 1.1, 0.9, 0.4, 0.0, -0.3, -1.0, -2.0])
+    draws = mlx_lm_draws(mx.broadcast_to(row, (TRIALS, row.size)), *setting)
+    p = np.array(target_probs(row, SamplingParams(*setting[:3], min_p=setting[3])), dtype=np.float64)
+    assert set(np.flatnonzero(frequencies(draws, p.size))) == set(np.flatnonzero(p > 0))
+    assert_distributed_as(draws.tolist(), p)
+
+
+def tiny_pair(vocab=16):
+    config = dict(model_type="llama", hidden_size=32, num_hidden_layers=4, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=vocab,
+                  tie_word_embeddings=False)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(11)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda w: w * 2 if w.ndim == 2 else w, model.parameters()))  # livelier logits
+    mx.eval(model.parameters())
+    target = Target(model)
+    drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=4, num_target_features=2), seed=2)
+    return model, target, drafter.bind(target)
+
+
+@pytest.mark.parametrize("setting", [
+    MLX_LM_SETTINGS[0], pytest.param(MLX_LM_SETTINGS[1], marks=pytest.mark.slow),
+    pytest.param(MLX_LM_SETTINGS[2], marks=pytest.mark.slow), MLX_LM_SETTINGS[3]], ids=SETTING_IDS)
+def test_decoder_samples_like_mlx_lm(setting):
+    """The decoder's first two tokens (the second through a drafted round's rejection sampling) against
+    mlx-lm's own sampler on the same model: a two-sample chi-square test per position."""
+    runs = 1500
+    model, target, drafter = tiny_pair()
+    prompt = [3, 9, 1, 12, 5]
+    params = SamplingParams(*setting[:3], min_p=setting[3])
+    policy = make_policy(drafter.block_size, 2)  # one draft per round
+    mx.random.seed(5)
+    ours = []
+    for _ in range(runs):
+        rounds = speculative_rounds(target, drafter, mx.array(prompt), policy, params, max_tokens=3)
+        first, second = next(rounds), next(rounds)
+        assert second.drafted == 1
+        ours.append((first.tokens[0], second.tokens[0]))
+        rounds.close()
+    # mlx-lm: the first token from the prompt's last logits; the second from the logits after it.
+    first_logits = model(mx.array([prompt]))[:, -1]
+    t1 = mlx_lm_draws(mx.broadcast_to(first_logits, (runs, first_logits.shape[-1])), *setting)
+    after = model(mx.array([prompt + [t] for t in range(first_logits.shape[-1])]))[:, -1]
+    t2 = mlx_lm_draws(after[mx.array(t1)], *setting)
+    ours = np.array(ours)
+    for position, theirs in ((0, t1), (1, t2)):
+        counts = np.stack([np.bincount(ours[:, position], minlength=16), np.bincount(theirs, minlength=16)])
+        counts = counts[:, counts.sum(axis=0) > 0]
+        pvalue = chi2_contingency(counts).pvalue if counts.shape[1] > 1 else 1.0
+        assert pvalue > 1e-3, f"position {position + 1}: decoder {counts[0]} vs mlx-lm {counts[1]}: p={pvalue:.2g}"
