@@ -30,10 +30,10 @@ from mlx_dflash.bench import machine_info, versions
 from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, read_samples
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.drafter import drafter_from_dir
-from mlx_dflash.files import portable_path
+from mlx_dflash.files import portable_path, write_atomic
 from mlx_dflash.load import load_target
 from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set
-from mlx_dflash.plot import bar_chart_png
+from mlx_dflash.plot import bar_chart_png, charts_available
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.replay import decoding_acceptance, prompt_lookup_drafts, replay_greedy
@@ -89,18 +89,16 @@ def main():
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "acceptance.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(out / "acceptance.json")
+    write_atomic(out / "acceptance.json", json.dumps(results, indent=1) + "\n")
     # The per-position curve: P(draft k kept) for each k, one bar per verify width.
     longest = max(args.widths)
     labels = [f"draft {k}" for k in range(1, longest)]
     series = {f"width {w}": r["reach"] + [None] * (longest - w) for w, r in drafter_acceptance.items()}
     series[f"prompt lookup, width {longest}"] = lookup[longest]["reach"]
-    png = bar_chart_png(labels, series, title=f"P(draft k kept), {len(sequences)} held-out prompts, greedy")
-    tmp = out / "acceptance.png.tmp"
-    tmp.write_bytes(png)
-    tmp.replace(out / "acceptance.png")
+    if charts_available():
+        write_atomic(out / "acceptance.png", bar_chart_png(
+            labels, series, title=f"P(draft k kept), {len(sequences)} held-out prompts, greedy",
+            xlabel="fraction of rounds in which draft k was kept"))
 
     print(f"{len(sequences)} held-out prompts ({results['prompts']}), greedy, up to {args.max_tokens} tokens")
     print("| drafter | verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")

@@ -37,7 +37,7 @@ from .errors import DFlashError
 from .files import portable_path, write_atomic
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
-from .plot import widths_chart_png
+from .plot import charts_available, widths_chart_png
 
 WIDTHS = tuple(range(1, 17))
 CLIFF_K = 4.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
@@ -387,8 +387,10 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, f
                "machine": machine_info(), "versions": versions(), "settings": settings, "cliff_rule": CLIFF_RULE,
                "series": series, "cliff": {s["name"]: s["cliff_width"] for s in series}}
     results["cost_table"] = cost_table(results)
-    write_outputs(results, out_dir)
+    written = write_outputs(results, out_dir)
     log(format_table(results))
+    log(f"wrote {', '.join(written)} in {out_dir}" + ("" if "widths.png" in written else
+        " (no chart: pip install 'mlx-dflash[bench]' for matplotlib)"))
     return results
 
 
@@ -412,12 +414,16 @@ def cost_table(results: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Output: JSON, table, PNG (drawn by plot.py).
+# Output: JSON, table, chart (plot.py, with matplotlib).
 
-def write_outputs(results: dict, out_dir: Path) -> None:
+def write_outputs(results: dict, out_dir: Path) -> list[str]:
+    """widths.json, cost_table.json and (with matplotlib) widths.png; the names written."""
     write_atomic(out_dir / "widths.json", (json.dumps(results, indent=1) + "\n").encode())
     write_atomic(out_dir / "cost_table.json", (json.dumps(results["cost_table"], indent=1) + "\n").encode())
+    if not charts_available():
+        return ["widths.json", "cost_table.json"]
     write_atomic(out_dir / "widths.png", widths_chart_png(results))
+    return ["widths.json", "cost_table.json", "widths.png"]
 
 
 def format_table(results: dict) -> str:

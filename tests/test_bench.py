@@ -1,8 +1,7 @@
 """The width benchmark: the cliff rule, the cost table, and quick real runs on a tiny quantized model."""
 
 import json
-import struct
-import zlib
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -10,11 +9,11 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from mlx_dflash.bench import cliff_width, find_jumps, model_shapes, run_widths_bench
+from mlx_dflash.bench import cliff_width, find_jumps, model_shapes, quantized_matmul_routing, run_widths_bench
 from mlx_dflash.costs import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels import metal_available
-from mlx_dflash.plot import png_bytes
+from mlx_dflash.plot import bar_chart_figure, widths_figure
 from mlx_dflash.target import Target
 
 W = list(range(1, 17))
@@ -107,15 +106,11 @@ def tiny_model():
 
 
 def check_png(path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    length, kind = struct.unpack(">I4s", data[8:16])
-    assert kind == b"IHDR" and length == 13
-    w, h = struct.unpack(">II", data[16:24])
-    idat = data.index(b"IDAT")
-    raw = zlib.decompress(data[idat + 4:idat + 4 + struct.unpack(">I", data[idat - 4:idat])[0]])
-    pixels = np.frombuffer(raw, np.uint8).reshape(h, 1 + 3 * w)[:, 1:]
-    assert len(np.unique(pixels)) > 3  # something was drawn
+    import matplotlib.image
+
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 200 and img.shape[1] > 300
+    assert len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 3  # something was drawn
 
 
 def test_quick_run_writes_all_files(tiny_model, tmp_path):
@@ -173,13 +168,43 @@ def test_cpu_matmul_is_linear_without_cliff(tmp_path):
     check_png(tmp_path / "widths.png")
 
 
-def test_png_writer():
-    img = np.zeros((3, 2, 3), np.uint8)
-    img[1, 1] = (255, 0, 0)
-    data = png_bytes(img)
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data.endswith(b"IEND\xaeB`\x82")
-    raw = zlib.decompress(data[data.index(b"IDAT") + 4:-12 - 4])
-    assert raw == b"\x00" + bytes(6) + b"\x00" + bytes(3) + b"\xff\x00\x00" + b"\x00" + bytes(6)
+def test_widths_chart_has_axes_legend_and_cliff():
+    widths = list(range(1, 11))
+    stepped = [0.010 + 0.001 * w + (0.02 if w >= 6 else 0.0) for w in widths]
+    series = [{"name": "verify cache=128 mlx", "kind": "verify", "widths": widths, "median_seconds": stepped,
+               "cliff_width": cliff_width(widths, stepped)},
+              {"name": "matmul total mlx", "kind": "matmul_total", "widths": widths, "cliff_width": None,
+               "median_seconds": [0.002 * w for w in widths]}]
+    results = {"series": series, "settings": {"widths": widths, "clock": "cpu"},
+               "machine": {"chip": "Apple M3 Max", "device": "Device(gpu, 0)"}, "versions": {"mlx": "0.32.4"}}
+    ax = widths_figure(results).axes[0]
+    assert "width" in ax.get_xlabel() and "ms" in ax.get_ylabel() and "Apple M3 Max" in ax.get_title()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["verify forward, cache=128 mlx (cliff at 6)", "quantized matmuls, summed mlx (no cliff)"]
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [5.5]  # the cliff
+
+
+def test_bar_chart_labels_values_and_reference():
+    ax = bar_chart_figure(["width 2", "width auto"], {"float": [1.25, 0.9], "4-bit": [None, 1.1]},
+                          title="ratio", reference=1.0).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["width 2", "width auto"]
+    values = sorted(t.get_text() for t in ax.texts if t.get_text())
+    assert values == ["0.90", "1.10", "1.25"]  # a missing value draws no bar and no label
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["1 (reference)", "4-bit", "float"]
+
+
+def test_without_matplotlib_the_json_is_still_written(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    run_widths_bench(tiny_model, tmp_path, widths=[1, 2, 3], short_cache=8, repeats=1, warmup=0, log=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cost_table.json", "widths.json"]
+
+
+@pytest.mark.parametrize("arch, words", [
+    (None, "CPU: every row costs the same"), ("applegpu_g14g", "M1/M2: no affine qmv_wide"),
+    ("applegpu_g13s", "from 10 rows"), ("applegpu_g15s", "once per up to 5 rows"), ("applegpu_g16g", "13-15 rows"),
+    ("applegpu_g14d", "18 rows (Ultra)"), ("applegpu_g17s", "25 rows (M5)")])
+def test_quantized_matmul_routing_per_chip(arch, words):
+    assert words in quantized_matmul_routing(arch)
 
 
 @pytest.mark.parametrize("kwargs, words", [
