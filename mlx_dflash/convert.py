@@ -7,7 +7,8 @@ in memory at every load, reference 4.3). Targets: a Hugging Face directory or re
 `mlx_lm.convert`; a `.gguf` file through our GGUF converter, then optionally mlx-lm's quantizer.
 
 Every conversion is written into a temporary directory beside `out_dir` and renamed into place only
-when complete; converting twice gives byte-identical files (sorted tensors, fixed metadata).
+when complete; converting twice gives byte-identical files (sorted tensors, fixed metadata). Weights are
+written by `mx.save_safetensors`, sharded like mlx-lm (`mlx_lm.utils.make_shards`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__
 from .config import config_to_dict, load_config
@@ -31,15 +32,9 @@ from .load import resolve
 
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
-MAX_SHARD_BYTES = 5 << 30  # as mlx-lm: 5 GiB per safetensors file
 INDEX_FILE = "model.safetensors.index.json"
 # Arguments convert_target sets itself; everything else of mlx_lm.convert passes through.
 _OWN_ARGS = {"hf_path", "mlx_path", "quantize", "q_group_size", "q_bits", "dtype", "upload_repo"}
-_ST_DTYPES = {
-    mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
-    mx.uint32: "U32", mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64",
-    mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32",
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,47 +49,19 @@ def _check_args(quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[
         raise DFlashError(f"unsupported quantization group size {q_group_size}; choose 32, 64 or 128")
 
 
-def write_safetensors(path: Path, tensors: dict, metadata: Optional[dict] = None) -> None:
-    """A safetensors file with tensors in sorted order and a sorted, fixed header (no timestamps)."""
-    header, offset, arrays = {}, 0, []
-    for name in sorted(tensors):
-        a = tensors[name]
-        if a.dtype not in _ST_DTYPES:
-            raise DFlashError(f"cannot store tensor {name} of dtype {a.dtype} in safetensors")
-        # numpy has no bfloat16: its bits travel as uint16.
-        data = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-        data = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<"))
-        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + data.nbytes]}
-        offset += data.nbytes
-        arrays.append(data)
-    header["__metadata__"] = dict(metadata or {"format": "mlx"})
-    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for data in arrays:
-            f.write(data.tobytes())
+def save_weights(out: Path, weights: dict, max_shard_gb: int = MAX_FILE_SIZE_GB) -> list:
+    """model.safetensors, or past `max_shard_gb` mlx-lm's model-0000i-of-0000n.safetensors plus an index.
 
-
-def save_weights(out: Path, weights: dict, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
-    """model.safetensors, or model-0000i-of-0000n.safetensors plus an index past `max_shard_bytes`."""
-    shards, size = [], 0
-    for name in sorted(weights):
-        nbytes = weights[name].nbytes
-        if not shards or (size + nbytes > max_shard_bytes and shards[-1]):
-            shards.append({})
-            size = 0
-        shards[-1][name] = weights[name]
-        size += nbytes
+    Split by mlx-lm's `make_shards`, written by `mx.save_safetensors`. Tensors go in sorted order, which
+    fixes MLX's layout of the file: the same weights give the same bytes."""
+    shards = make_shards({k: weights[k] for k in sorted(weights)}, max_shard_gb)
     if len(shards) == 1:
-        write_safetensors(out / "model.safetensors", shards[0])
+        mx.save_safetensors(str(out / "model.safetensors"), shards[0], metadata={"format": "mlx"})
         return ["model.safetensors"]
     names, weight_map = [], {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(out / name, shard)
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
         names.append(name)
         weight_map.update({k: name for k in shard})
     total = sum(v.nbytes for v in weights.values())
@@ -156,7 +123,7 @@ def _quantized_modules(model: nn.Module) -> list:
 
 def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
                     dtype: Optional[str] = None, overwrite: bool = False,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                    max_shard_gb: int = MAX_FILE_SIZE_GB) -> Path:
     """Convert a DFlash drafter (local directory or hub repo id) into an MLX drafter directory.
 
     dtype: float16 | bfloat16 | float32 (default: each tensor keeps its source dtype). With
@@ -208,7 +175,7 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
 
     with staged_dir(out_dir, overwrite) as work:
         work.mkdir()
-        save_weights(work, out_weights, max_shard_bytes)
+        save_weights(work, out_weights, max_shard_gb)
         write_json(work / "config.json", cfg, sort_keys=True)
     return Path(out_dir).expanduser()
 
