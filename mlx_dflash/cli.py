@@ -208,8 +208,10 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     cfg = TrainConfig(steps=steps, sequences=sequences_per_step, anchors=anchors, learning_rate=lr,
                       eval_every=eval_every, checkpoint_every=eval_every, seed=seed)
     click.echo(f"training on {len(sequences)} sequences, {len(held_out)} held out", err=True)
+    from tqdm import tqdm
+
     run_training(target, drafter, sequences, held_out, out, cfg, resume=resume,
-                 log=lambda m: click.echo(m, err=True))
+                 log=lambda m: tqdm.write(m, file=sys.stderr))  # lines above the progress bar
     click.echo(f"wrote {out}")
     if export_dir:
         click.echo(f"wrote {export(out, export_dir)}")

@@ -165,12 +165,15 @@ def schedule(cfg: TrainConfig):
 
 
 def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, out_dir, cfg: TrainConfig,
-          resume: bool = False, log=print) -> dict:
+          resume: bool = False, log=print, progress: bool = True) -> dict:
     """Train `drafter` (bound to `target`) on (ids, response_start) sequences; checkpoints go to out_dir.
 
     Each step draws `cfg.sequences` sequences and `cfg.anchors` blocks in each. `target` may also be a
-    TargetFeatures over it, to share features already computed.
+    TargetFeatures over it, to share features already computed. Progress is a tqdm bar on stderr (loss,
+    per-position accuracy, rows/s, learning rate); evaluations, checkpoints and the last step go to `log`.
     """
+    from tqdm import tqdm
+
     out_dir = Path(out_dir)
     if not sequences:
         raise DFlashError("no training sequences (every sample needs a response of 2+ tokens)")
@@ -193,6 +196,7 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
         rng.bit_generator.state = state["rng"]
     ema, tic, rows = None, time.perf_counter(), 0
     hits, counts = np.zeros(B - 1), np.zeros(B - 1)
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc="training drafter", unit="step", disable=not progress)
     for step in range(state["step"], cfg.steps):
         pieces, total_weight = [], 0.0
         for index in rng.choice(len(sequences), size=min(cfg.sequences, len(sequences)), replace=False):
@@ -211,12 +215,14 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
         counts += counted
         rows += int(counted.sum())
         done = step + 1
+        bar.update()
         if done % 10 == 0 or done == cfg.steps:
             rate = rows / (time.perf_counter() - tic)
             acc = " ".join(f"{a:.2f}" for a in (hits / np.maximum(counts, 1))[:4])
-            bar = "#" * int(30 * done / cfg.steps)
-            log(f"[{bar:<30}] {done}/{cfg.steps} loss {ema:.3f} acc@1-4 {acc} {rate:.0f} rows/s "
-                f"lr {optimizer.learning_rate.item():.2e}")
+            line = f"loss {ema:.3f} acc@1-4 {acc} {rate:.0f} rows/s lr {optimizer.learning_rate.item():.2e}"
+            bar.set_postfix_str(line)
+            if done == cfg.steps:
+                log(f"step {done}/{cfg.steps}: {line}")
             hits[:], counts[:], rows, tic = 0, 0, 0, time.perf_counter()
         if held_out and (done % cfg.eval_every == 0 or done == cfg.steps):
             result = decoding_acceptance(drafter, features_of, held_out, widths=(B,))[B]
@@ -229,6 +235,7 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
             state["step"], state["rng"] = done, rng.bit_generator.state
             save_checkpoint(drafter, out_dir, state=state, optimizer=optimizer)
             log(f"step {done}: checkpoint in {out_dir}")
+    bar.close()
     return state
 
 

@@ -263,7 +263,7 @@ def exact_loss(drafter, features, blocks):
     return draft_loss_and_grads(drafter, [(features, block_ids, anchors, labels, row_weight)], row_weight.sum())[0]
 
 
-def test_trainer_loss_decreases_on_a_fixed_sequence(tiny_target, tmp_path):
+def test_trainer_loss_decreases_on_a_fixed_sequence(tiny_target, tmp_path, capsys):
     target, drafter = tiny_pair(tiny_target)
     ids, start = tiny_sequence()
     _, features = target.forward(mx.array(ids)[None], None)
@@ -276,7 +276,9 @@ def test_trainer_loss_decreases_on_a_fixed_sequence(tiny_target, tmp_path):
     state = train(target, drafter, [(ids, start)], [], tmp_path / "ck",
                   TrainConfig(steps=30, anchors=64, learning_rate=1e-3, **QUIET), log=logs.append)
     after = exact_loss(drafter, features, blocks)
-    assert state["step"] == 30 and any("30/30" in line for line in logs)
+    assert state["step"] == 30 and any(line.startswith("step 30/30: loss") for line in logs)
+    bar = capsys.readouterr().err  # tqdm's progress bar
+    assert "training drafter" in bar and "30/30" in bar and "rows/s" in bar
     assert after < 0.3 * before, (before, after)
     # Only the drafter trains: the target's embedding and head (borrowed) are untouched.
     for k, v in tree_flatten(tiny_target.parameters()):
