@@ -71,7 +71,7 @@ def bar_chart_figure(labels: list, series: dict, title: str = "", reference: flo
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.margins(x=0.12)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     return fig
 
 

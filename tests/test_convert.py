@@ -378,6 +378,7 @@ def gguf_reference_logits(meta, W, ids):
     return x @ W.get("output.weight", W["token_embd.weight"]).astype(np.float64).T
 
 
+@pytest.mark.slow  # converts the whole real SmolLM2 GGUF
 def test_gguf_target_matches_gguf_reference(tmp_path):
     from mlx_lm import load
 
