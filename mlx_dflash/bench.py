@@ -34,7 +34,7 @@ from mlx.utils import tree_unflatten
 
 from .costs import filled_cache, timed
 from .errors import DFlashError
-from .files import portable_path, write_atomic
+from .files import DTYPES, portable_path, write_atomic
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 from .plot import charts_available, widths_chart_png
@@ -315,7 +315,7 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, f
         raise DFlashError(f"clock must be auto, wall or cpu, not {clock!r}")
     if model_path is None and not shapes:
         raise DFlashError("give a model or a list of shapes (KxN) to measure")
-    if dtype not in (None, "float16", "bfloat16", "float32"):
+    if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"dtype must be float16, bfloat16 or float32, not {dtype!r}")
     log = log or (lambda *_: None)
     mx.random.seed(seed)
@@ -333,7 +333,7 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, f
             nn.quantize(target.model, group_size=group_size, bits=quantize_bits)
             settings["quantized_in_memory"] = True
         settings["model_quantized"] = has_quantized_layers(target.model)
-    act = getattr(mx, dtype) if dtype else (_dtype_of(target) if target else
+    act = DTYPES[dtype] if dtype else (_dtype_of(target) if target else
                                             (mx.float16 if metal_available() else mx.float32))
     settings["dtype"] = str(act).replace("mlx.core.", "")
     if shapes:

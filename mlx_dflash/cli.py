@@ -5,6 +5,7 @@ import sys
 import click
 
 from .errors import DFlashError
+from .files import DTYPES
 
 
 class _Group(click.Group):
@@ -104,7 +105,7 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
 @click.option("--quantize", is_flag=True, help="Store the linear layers quantized (affine).")
 @click.option("--q-bits", default=4, show_default=True, type=int, help="4 or 8.")
 @click.option("--q-group-size", default=64, show_default=True, type=int, help="32, 64 or 128.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Default: the source's dtype (GGUF: float16).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--q-mode", default=None, help="Targets: mlx_lm.convert's quantization mode (e.g. affine, mxfp4).")
@@ -237,7 +238,7 @@ def bench():
 @click.option("--long-cache", default=None, type=int, help="Also measure on a cache this long (default with --full: 4096).")
 @click.option("--bits", default=4, show_default=True, type=int, help="Quantize in memory to this; 0: as stored.")
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None)
 @click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
               help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
 def bench_widths(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, bits,

@@ -10,10 +10,6 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import BatchKVCache
-
 from .decoder import encode_prompt
 from .errors import DFlashError
 
@@ -74,38 +70,14 @@ def read_samples(path) -> list:
     return samples
 
 
-def greedy_batch(model, prompts: list, max_tokens: int, stop_ids) -> list:
-    """Greedy responses (stop token excluded) to token-id prompts, decoded together as one batch.
+def greedy_batch(model, tokenizer, prompts: list, max_tokens: int) -> list:
+    """Greedy responses (stop token excluded) to token-id prompts, decoded together by mlx-lm's
+    `batch_generate`. (Our own batched decoder, which this replaced, measured 14.7 tokens per CPU second
+    against batch_generate's 14.4 and 14.1 on 16 MT-Bench prompts x 48 tokens of SmolLM2-135M float32 on
+    this project's CPU: 1.03x, not worth keeping.)"""
+    from mlx_lm import batch_generate
 
-    Prompts are left-padded behind mlx-lm's BatchKVCache masks, so padding changes no row's result;
-    rows that stop leave the batch. The prompt's last token runs alone, as in plain decoding, so the
-    output head never runs over the prompt.
-    """
-    width = max(len(p) for p in prompts)
-    padding = [width - len(p) for p in prompts]
-    cache = [BatchKVCache(padding) for _ in model.layers]
-    tokens = mx.array([[0] * pad + list(p) for pad, p in zip(padding, prompts)])
-    if width > 1:
-        model(tokens[:, :-1], cache=cache)  # logits stay lazy: only the cache is evaluated
-        mx.eval([c.state for c in cache])
-    stop = np.array(sorted(stop_ids))
-    responses = [[] for _ in prompts]
-    rows = np.arange(len(prompts))  # which prompt each batch row answers
-    last = tokens[:, -1:]
-    for _ in range(max_tokens):
-        last = mx.argmax(model(last, cache=cache)[:, -1:], axis=-1)
-        step = np.array(last)[:, 0]
-        going = ~np.isin(step, stop)
-        for row, token in zip(rows[going], step[going]):
-            responses[row].append(int(token))
-        if not going.all():
-            if not going.any():
-                break
-            keep = mx.array(np.flatnonzero(going))
-            for c in cache:
-                c.filter(keep)
-            rows, last = rows[going], last[keep]
-    return responses
+    return batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True).token_ids
 
 
 def generate_responses(
@@ -135,7 +107,7 @@ def generate_responses(
             window.sort(key=lambda item: len(item[1]))
             for start in range(0, len(window), batch_size):
                 batch = window[start : start + batch_size]
-                responses = greedy_batch(model, [ids for _, ids in batch], max_tokens, tokenizer.eos_token_ids)
+                responses = greedy_batch(model, tokenizer, [ids for _, ids in batch], max_tokens)
                 for (i, prompt_ids), response in zip(batch, responses):
                     out.write(json.dumps({"index": i, "prompt_ids": prompt_ids, "response_ids": response}) + "\n")
                     tokens += len(response)

@@ -65,7 +65,7 @@ def test_default_pair_acceptance_on_word_problems(pair):
     """A floor well below the measured tau (README), to catch a broken or mismatched shipped drafter."""
     target, drafter, tokenizer = pair
     prompts = [chat_ids(tokenizer, p) for p in WORD_PROBLEMS]
-    responses = greedy_batch(target.model, prompts, 64, tokenizer.eos_token_ids)
+    responses = greedy_batch(target.model, tokenizer, prompts, 64)
     sequences = [(p + r, len(p)) for p, r in zip(prompts, responses)]
     result = decoding_acceptance(drafter, target, sequences, widths=(16,))[16]
     assert result["tau"] > 1.4, result  # measured 2.03 here; an untrained drafter gives ~1.0
