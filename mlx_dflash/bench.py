@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import re
-import time
 from pathlib import Path
 
 import mlx.core as mx
