@@ -241,3 +241,14 @@ def test_our_kernels_are_measured_where_they_run(tiny_model, tmp_path, monkeypat
     table = res["cost_table"]
     assert table["impl"] == "dflash" and table["clock"] == "wall" and table["cache_length"] == 16
     assert not any(isinstance(m, kernels.WideQuantizedLinear) for _, m in tiny_model.named_modules())
+
+
+def test_default_run_is_short_and_shows_what_it_measures(tiny_model, tmp_path, capsys):
+    res = run_widths_bench(tiny_model, tmp_path, widths=[1, 2, 3], short_cache=8, log=lambda *_: None)
+    settings = res["settings"]
+    assert (settings["full"], settings["repeats"], settings["warmup"]) == (False, 3, 1)
+    assert sorted({s["cache_length"] for s in res["series"] if s["kind"] == "verify"}) == [8]  # no long cache
+    bars = capsys.readouterr().err  # tqdm, one bar per phase, naming it
+    assert "quantized matmul, 4 shapes x widths 1..3" in bars and "verify forward, cache 8" in bars
+    assert res["machine"]["chip"] and res["machine"]["quantized_matmul_routing"]
+    assert res["cost_table"]["machine"]["chip"] == res["machine"]["chip"]
