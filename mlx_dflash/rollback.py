@@ -125,8 +125,8 @@ def find_recurrent(layer, index: int, cache_entry, kind: str):
     parts = ", ".join(sorted({type(c).__name__ for c in children.values()}))
     supported = " or ".join(sorted(cls for _, cls in SUPPORTED))
     raise DFlashError(
-        f"target '{kind}' keeps state that cannot be rolled back: layer {index} ({type(layer).__name__}: {parts}) "
-        f"keeps it in {type(cache_entry).__name__}; mlx-dflash rewinds recurrent layers of type {supported} "
+        f"target '{kind}' keeps state that cannot be rolled back (layer {index}, {type(layer).__name__} of {parts}, "
+        f"in an {type(cache_entry).__name__}); mlx-dflash rewinds recurrent layers of type {supported} "
         "(qwen3_5, qwen3_5_moe, qwen3_next) and trims KV caches, nothing else"
     )
 
