@@ -81,6 +81,11 @@ class Target:
         return head if head is not None else self._inner.embed_tokens.as_linear
 
     @property
+    def text_args(self):
+        """The language model's configuration (multimodal wrappers nest it under language_model)."""
+        return getattr(getattr(self.model, "language_model", None), "args", None) or self.model.args
+
+    @property
     def num_layers(self) -> int:
         return len(self._inner.layers)
 
