@@ -54,10 +54,10 @@ class Target:
 
     def __init__(self, model: nn.Module, layer_ids=()):
         self.model = model
+        self._recurrent = self._check_rollback()  # [(layer, attribute)] of recurrent modules to rewind
         self._inner = _find_inner(model)
         self.layer_ids = tuple(layer_ids)
         self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
-        self._recurrent = self._check_rollback()  # [(layer, attribute)] of recurrent modules to rewind
         self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
 
     def install_wide_kernels(self) -> int:
@@ -141,7 +141,7 @@ class Target:
         sites = []
         for i, c in enumerate(self.make_cache()):
             if not c.is_trimmable():
-                layer = self._inner.layers[i]
+                layer = self.model.layers[i]
                 sites.append((layer, find_recurrent(layer, i, c, kind)))
         return sites
 
