@@ -1,126 +1,175 @@
 """Exact rollback of recurrent (GatedDeltaNet) state in hybrid targets: Qwen3.5/3.6, Qwen3-Next.
 
 Their linear-attention layers keep a conv state (the last K-1 inputs of a depthwise conv) and a
-recurrent state in an `ArraysCache`; neither can be trimmed, and the recurrence cannot be run
-backwards. After a verify of L rows of which the target keeps `keep`, each such layer must hold what
-plain decoding of those `keep` tokens would leave.
+recurrent state S [B, Hv, Dv, Dk] in an `ArraysCache`; neither can be trimmed, and the recurrence
+cannot be run backwards stably (it would divide by the decay and by 1 - beta). After a verify of L
+rows of which the target keeps `keep`, each such layer must hold what plain decoding of those `keep`
+tokens would leave.
 
-Design: record during the verify, replay the accepted prefix at the trim.
-- `Target.forward` swaps each linear-attention module of the model instance, in its decoder layer,
-  for a `RecurrentTape` for the length of that one call. The tape keeps (a) the layer's cache before
-  the call (references: MLX arrays are immutable, so the snapshot costs nothing), (b) the call's
-  arguments, and (c) the output of each of the module's own child modules (input projections,
-  depthwise conv, gated norm, output projection): arrays the verify computes anyway.
-- `Target.trim(cache, n)` gives each tape its snapshot back and calls the same mlx-lm module again on
-  the first `keep = L - n` rows, its children now playing back the first `keep` rows of what they
-  returned in the verify. The module is causal, so those rows are exactly what it would have seen
-  for the prefix alone. What runs again is only the code between the children: the concatenation
-  with the conv state (which is then rebuilt from it), SiLU, q/k normalisation and
-  `gated_delta_update` over `keep` steps. No weight is read twice, and mlx-lm's own code stays the
-  authority for the layer (its splits, its kernel choice), so nothing here tracks its internals.
-- Full acceptance needs no replay (the tape is dropped); a full rejection restores the snapshot.
+Design: record during the verify, recompute the accepted prefix's state in closed form at the trim.
+- `Target.forward` swaps each linear-attention module's child modules (projections, depthwise conv,
+  gated norm, output projection) for recorders, for the length of that one call. The module's own
+  code runs unchanged; the recorders keep what its children were given and returned: arrays the
+  verify computes anyway. The cache before the call is kept by reference (MLX arrays are immutable,
+  so this snapshot costs nothing).
+- `Target.trim(cache, n)` leaves each layer as plain decoding of the first `keep = L - n` rows would:
+  the conv state is rows keep..keep+K-2 of the conv's recorded input (snapshot rows, then new rows);
+  the recurrent state is the snapshot advanced over the kept steps by `delta_rule_state`, from the
+  recorded conv output (k, v) and projections (the gates a, b).
+- `delta_rule_state` is the gated delta rule S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T
+  summed in closed form over the kept steps (the chunked "WY" form used by chunked GDN kernels): one
+  T x T unit-triangular solve per head (by doubling, T <= 16) and two matmuls that each read S once,
+  instead of T sequential passes over S. Decays enter only as ratios exp(L_t - L_j) <= 1, so strong
+  decay cannot overflow. On this CPU it is 5-10x faster than replaying `gated_delta_update` on the
+  prefix (its per-step loop), which was 15-45% of a verify at widths 8-16; see bench/rollback.py.
+- Full acceptance needs nothing (the records are dropped); a full rejection restores the snapshot.
 - Nothing is patched: only attributes of this model instance are swapped, and put back at once.
-- Memory: a tape holds one round's arrays (L rows per child output, one state per layer) and is freed
-  by the trim (or the next forward). It never grows with the context.
+  What this module knows of mlx-lm's layer: the conv output splits into q, k, v as [key_dim,
+  key_dim, value_dim]; k is normalised by `normalize_qk`; the gates come from the a/b projections
+  (qwen3_next interleaves them, undone by the module's own `fix_query_key_value_ordering`);
+  log g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b). tests/test_families.py checks every
+  array against plain decoding, so a change upstream fails loudly rather than silently.
+- Memory: the records hold one round's arrays (L rows per child, one state per layer) and are freed
+  by the trim (or the next forward). They never grow with the context.
 
-The alternative designs (reference peers.md): re-running the whole target on the accepted prefix
-(a second forward), re-running the layer with its projections (reads the projection weights again),
-or an innovation tape written by a custom kernel (dflash-mlx: the fastest, but a kernel per mlx-lm
-code path). Measured cost of this design: `bench/rollback.py`, README "Hybrid targets".
+The designs not taken (../shared/research/peers.md): re-running the whole target on the accepted
+prefix (a second forward); re-running each layer's recurrence with `gated_delta_update` from the
+snapshot (z-lab, mlx-dspark: simple, but a sequential pass per kept step); an innovation tape written
+by a custom verify kernel (dflash-mlx: fast, but a kernel per mlx-lm code path and patched classes).
 """
 
 from contextlib import contextmanager
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx_lm.models.gated_delta import normalize_qk
 
 from .errors import DFlashError
 
-# The recurrent layer types whose rollback is tested (tests/test_hybrid.py), by mlx-lm module and class.
+
+def _gates_qwen3_5(module, outputs):
+    return outputs["in_proj_a"], outputs["in_proj_b"]
+
+
+def _gates_qwen3_next(module, outputs):
+    *_, b, a = module.fix_query_key_value_ordering(outputs["in_proj_qkvz"], outputs["in_proj_ba"])
+    return a, b
+
+
+# The recurrent layer types whose rollback is tested, by mlx-lm module and class: where their gates come from.
 SUPPORTED = {
-    ("mlx_lm.models.qwen3_5", "GatedDeltaNet"),  # qwen3_5, qwen3_5_moe (Qwen3.5, Qwen3.6)
-    ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"),  # qwen3_next (Qwen3-Next, Qwen3-Coder-Next)
+    ("mlx_lm.models.qwen3_5", "GatedDeltaNet"): _gates_qwen3_5,  # qwen3_5, qwen3_5_moe (Qwen3.5, Qwen3.6)
+    ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"): _gates_qwen3_next,  # Qwen3-Next, Qwen3-Coder-Next
 }
 
 
-def is_supported(module) -> bool:
-    return (type(module).__module__, type(module).__name__) in SUPPORTED
+def _kind(module) -> tuple:
+    return type(module).__module__, type(module).__name__
 
 
 def _child_modules(module: nn.Module) -> dict:
     return {name: child for name, child in module.items() if isinstance(child, nn.Module)}
 
 
-class _ChildTape:
-    """Stands in for one child module: records its outputs, or plays back their first rows."""
+def delta_rule_state(state, k, v, log_g, beta):
+    """S after T steps of S <- g S + beta (v - g S k) k^T, in closed form.
 
-    def __init__(self, child, outputs: list, keep=None):
-        self._child, self._outputs, self._keep, self._calls = child, outputs, keep, 0
+    state [B, Hv, Dv, Dk] float32; k [B, T, Hk, Dk] (normalised); v [B, T, Hv, Dv]; log_g, beta [B, T, Hv].
+    With L_t = sum_{s<=t} log g_s and u_t = beta_t (v_t - g_t S_{t-1} k_t), the state is
+    S_T = e^{L_T} S_0 + sum_t e^{L_T - L_t} u_t k_t^T, and the u solve (I + N) U = beta (V - e^L K S_0^T)
+    with N_tj = beta_t e^{L_t - L_j} (k_t . k_j) for j < t (strictly lower, so (I + N)^-1 =
+    (I - N)(I + N^2)(I + N^4)...).
+    """
+    _, T, Hk, _ = k.shape
+    Hv = v.shape[2]
+    if Hv != Hk:
+        k = mx.repeat(k, Hv // Hk, axis=2)  # value head h reads key head h // (Hv / Hk)
+    k = k.astype(mx.float32).transpose(0, 2, 1, 3)  # [B, Hv, T, Dk]
+    v = v.astype(mx.float32).transpose(0, 2, 1, 3)  # [B, Hv, T, Dv]
+    L = mx.cumsum(log_g.astype(mx.float32).transpose(0, 2, 1), axis=-1)  # [B, Hv, T]
+    beta = beta.astype(mx.float32).transpose(0, 2, 1)
+    below = mx.tril(mx.ones((T, T), dtype=mx.bool_), k=-1)
+    decay = mx.where(below, mx.exp(mx.where(below, L[..., :, None] - L[..., None, :], 0.0)), 0.0)
+    n = beta[..., None] * decay * (k @ k.swapaxes(-1, -2))
+    u = beta[..., None] * (v - mx.exp(L)[..., None] * (k @ state.swapaxes(-1, -2)))
+    u = u - n @ u
+    power, span = n @ n, 2
+    while span < T:
+        u = u + power @ u
+        power, span = power @ power, span * 2
+    tail = mx.exp(L[..., -1:] - L)[..., None]  # e^{L_T - L_t}
+    return mx.exp(L[..., -1])[..., None, None] * state + (u * tail).swapaxes(-1, -2) @ k
 
-    def __call__(self, *args, **kwargs):
-        if self._keep is None:
-            out = self._child(*args, **kwargs)
-            self._outputs.append(out)
-            return out
-        out = self._outputs[self._calls]
-        self._calls += 1
-        return tree_map(lambda a: a[:, : self._keep], out)
+
+class _ChildRecorder:
+    """Stands in for one child module during the verify call and keeps (first argument, output)."""
+
+    def __init__(self, child, sink: dict, name: str):
+        self._child, self._sink, self._name = child, sink, name
+
+    def __call__(self, x, *args, **kwargs):
+        out = self._child(x, *args, **kwargs)
+        self._sink[self._name] = (x, out)
+        return out
 
     def __getattr__(self, name):
         return getattr(self._child, name)
 
 
 class RecurrentTape:
-    """Takes the place of one linear-attention module for one verify call, then rewinds its cache."""
+    """What one linear-attention module saw and did in one verify call, and how to rewind its cache."""
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.cache = self.snapshot = self.args = None
-        self.outputs = {}
+        self.cache = self.snapshot = self.mask = None
+        self.records = {}
 
     def __call__(self, x, mask=None, cache=None):
-        if cache is None:  # nothing to roll back (a forward without cache)
-            return self.module(x, mask, cache)
-        self.cache, self.args = cache, (x, mask)
-        self.snapshot = (list(cache.cache), cache.left_padding, cache.lengths)
-        self.outputs = {name: [] for name in _child_modules(self.module)}
-        with self._children(keep=None):
-            return self.module(x, mask, cache)
-
-    @contextmanager
-    def _children(self, keep):
-        """Record the children's outputs (keep None) or play back their first `keep` rows."""
-        originals = _child_modules(self.module)
+        if cache is not None:
+            self.cache, self.mask = cache, mask
+            self.snapshot = (list(cache.cache), cache.left_padding, cache.lengths)
+        children = _child_modules(self.module)
         try:
-            for name, child in originals.items():
-                self.module[name] = _ChildTape(child, self.outputs[name], keep)
-            yield
+            for name, child in children.items():
+                self.module[name] = _ChildRecorder(child, self.records, name)
+            return self.module(x, mask, cache)
         finally:
-            for name, child in originals.items():
+            for name, child in children.items():
                 self.module[name] = child
 
     def rewind(self, keep: int) -> list:
-        """Leave the cache as plain decoding of the first `keep` rows would. Returns the new state arrays."""
-        cache = self.cache
-        conv_and_state, cache.left_padding, cache.lengths = self.snapshot
-        cache.cache = list(conv_and_state)
+        """Leave the cache as plain decoding of the first `keep` rows would. Returns its new arrays."""
+        cache, module = self.cache, self.module
+        if self.mask is not None or self.snapshot[2] is not None:
+            raise DFlashError("rolling back a padded batch of a hybrid target is not supported (batch size 1 only)")
+        (conv, state), cache.left_padding, cache.lengths = self.snapshot
         if keep > 0:
-            x, mask = self.args
-            with self._children(keep):
-                self.module(x[:, :keep], None if mask is None else mask[:, :keep], cache)
+            conv_in, conv_out = self.records["conv1d"]
+            conv = mx.contiguous(conv_in[:, keep : keep + module.conv_kernel_size - 1])
+            a, b = SUPPORTED[_kind(module)](module, {n: out[:, :keep] for n, (_, out) in self.records.items()})
+            B, T = a.shape[:2]
+            qkv = nn.silu(conv_out[:, :keep])
+            q, k, v = mx.split(qkv, [module.key_dim, 2 * module.key_dim], axis=-1)
+            q = q.reshape(B, T, module.num_k_heads, module.head_k_dim)
+            k = k.reshape(B, T, module.num_k_heads, module.head_k_dim)
+            v = v.reshape(B, T, module.num_v_heads, module.head_v_dim)
+            _, k = normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+            log_g = -mx.exp(module.A_log.astype(mx.float32)) * nn.softplus(a + module.dt_bias)
+            state = delta_rule_state(state, k, v, log_g, mx.sigmoid(b)).astype(state.dtype)
+        cache.cache = [conv, state]
         self.release()
         return [a for a in cache.cache if a is not None]
 
     def release(self):
-        self.cache = self.snapshot = self.args = None
-        self.outputs = {}
+        self.cache = self.snapshot = self.mask = None
+        self.records = {}
 
 
 def find_recurrent(layer, index: int, cache_entry, kind: str):
     """The attribute name of the supported recurrent module in `layer`, or a one-line refusal."""
     children = _child_modules(layer)
     for name, child in children.items():
-        if is_supported(child):
+        if _kind(child) in SUPPORTED:
             return name
     parts = ", ".join(sorted({type(c).__name__ for c in children.values()}))
     supported = " or ".join(sorted(cls for _, cls in SUPPORTED))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_ops
 from mlx_lm.utils import _get_classes
 from scipy.stats import chisquare
 
@@ -16,10 +17,29 @@ from conftest import mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import has_quantized_layers, make_policy
+from mlx_dflash.rollback import delta_rule_state
 from mlx_dflash.sampling import SamplingParams, target_probs
 from mlx_dflash.target import Target
 from test_families import COMMON, FAMILIES, PROMPT, bound_pair, emitted, tiny_model
 from test_lossless import OracleDrafter, expected_acceptance
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 8, 15, 16])
+def test_closed_form_state_equals_mlx_lm_recurrence(steps):
+    """delta_rule_state == mlx-lm's step-by-step gated delta rule, with strong and weak decays, beta near
+    0 and near 1, and more value heads than key heads."""
+    mx.random.seed(steps)
+    B, Hk, Hv, Dk, Dv = 1, 2, 4, 16, 8
+    k = mx.random.normal((B, steps, Hk, Dk))
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((B, steps, Hv, Dv))
+    log_g = -mx.exp(mx.random.uniform(-4, 3, (B, steps, Hv)))  # g from ~1 down to e^-20
+    beta = mx.sigmoid(4 * mx.random.normal((B, steps, Hv)))
+    state = mx.random.normal((B, Hv, Dv, Dk))
+    _, want = gated_delta_ops(mx.repeat(k, 1, 2), k, v, mx.exp(log_g), beta, state)
+    got = delta_rule_state(state, k, v, log_g, beta)
+    assert got.shape == want.shape and got.dtype == mx.float32
+    assert mx.abs(got - want).max().item() < 1e-5 * max(1.0, mx.abs(want).max().item())
 
 
 @pytest.mark.slow  # 1500 decodes: about 25 s of CPU
@@ -120,10 +140,10 @@ def test_rounds_patch_nothing_and_free_their_tapes():
     assert target._pending is None  # the prefill keeps no tape
     target.forward(mx.array([[1, 2, 3, 4, 5]]), cache)
     tapes = target._pending[2]
-    assert len(tapes) == 2 and all(t.outputs for t in tapes)
+    assert len(tapes) == 2 and all(t.records for t in tapes)
     assert layer.linear_attn is module and dict(module.children()) == children  # put back after the call
     target.trim(cache, 3)
-    assert target._pending is None and all(not t.outputs and t.snapshot is None for t in tapes)
+    assert target._pending is None and all(not t.records and t.snapshot is None for t in tapes)
     assert layer.linear_attn is module and dict(module.children()) == children
     assert qwen3_5.GatedDeltaNet.__call__ is class_call
     assert all(type(c) is not ArraysCache or c[1].shape == (1, 4, 16, 16) for c in cache)
