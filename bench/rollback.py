@@ -77,18 +77,20 @@ def restore(cache, base: list):
             c.trim(c.offset - b)
 
 
-def seconds(fn) -> float:
-    tic = time.perf_counter()
+def seconds(fn) -> tuple:
+    """(wall, process CPU) seconds of fn(); CPU time is steadier on a shared machine."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - tic
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def measure(target, cache, base, ids, keep) -> tuple:
-    """(verify seconds, rollback seconds) of one round that keeps `keep` rows; `keep` None: untaped forward."""
+    """((wall, cpu) of the verify, (wall, cpu) of the rollback) of one round that keeps `keep` rows;
+    `keep` None: the forward without tapes."""
     if keep is None:
         t = seconds(lambda: mx.eval(target._run(ids, cache), cache_arrays(cache)))
         restore(cache, base)
-        return t, 0.0
+        return t, (0.0, 0.0)
     verify = seconds(lambda: mx.eval(target.forward(ids, cache), cache_arrays(cache)))
     rollback = seconds(lambda: target.trim(cache, ids.shape[1] - keep))
     restore(cache, base)
@@ -104,12 +106,13 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=64, help="prompt tokens prefilled before the rounds")
     ap.add_argument("--bits", type=int, default=0, help="quantize the target to these bits (0: float32)")
     ap.add_argument("--max-width", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 5, quick 2)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.hidden, args.layers, args.intermediate, args.vocab, args.repeats = 1024, 4, 2048, 8000, 2
+        args.hidden, args.layers, args.intermediate, args.vocab = 1024, 4, 2048, 8000
+    args.repeats = args.repeats or (2 if args.quick else 5)
     device = "metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}"
     out = args.out or Path(__file__).resolve().parent / "results" / f"rollback-{device}{'-q%d' % args.bits if args.bits else ''}"
 
@@ -133,15 +136,21 @@ def main(argv=None):
             times[(w, keep)].append(measure(target, cache, base, ids[w], keep))
         print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
 
-    med = {c: (statistics.median(v for v, _ in ts), statistics.median(r for _, r in ts)) for c, ts in times.items()}
+    def median(case, part, clock):  # part 0: verify, 1: rollback; clock 0: wall, 1: CPU
+        return 1e3 * statistics.median(t[part][clock] for t in times[case])
+
     rows = []
     for w in widths:
-        verify = statistics.median([med[(w, k)][0] for k in sorted({1, max(1, w - 1), w})])
-        row = dict(width=w, verify_ms=1e3 * verify, untaped_ms=1e3 * med[(w, None)][0],
-                   rollback_keep1_ms=1e3 * med[(w, 1)][1] if w > 1 else 0.0,
-                   rollback_longest_ms=1e3 * med[(w, max(1, w - 1))][1] if w > 1 else 0.0,
-                   full_accept_ms=1e3 * med[(w, w)][1])
-        row["rollback_share"] = row["rollback_longest_ms"] / row["verify_ms"]
+        keeps, longest = sorted({1, max(1, w - 1), w}), max(1, w - 1)
+        row = dict(width=w)
+        for clock, tag in ((0, "wall"), (1, "cpu")):
+            verify = statistics.median(t[0][clock] for k in keeps for t in times[(w, k)]) * 1e3
+            row[f"verify_{tag}_ms"] = verify
+            row[f"untaped_{tag}_ms"] = median((w, None), 0, clock)
+            row[f"rollback_keep1_{tag}_ms"] = median((w, 1), 1, clock) if w > 1 else 0.0
+            row[f"rollback_longest_{tag}_ms"] = median((w, longest), 1, clock) if w > 1 else 0.0
+            row[f"keep_all_{tag}_ms"] = median((w, w), 1, clock)
+            row[f"share_{tag}"] = row[f"rollback_longest_{tag}_ms"] / verify
         rows.append(row)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -150,18 +159,19 @@ def main(argv=None):
                 device=device, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
                 command="python bench/rollback.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     tmp = out / "rollback.json.tmp"
-    tmp.write_text(json.dumps(dict(meta=meta, rows=rows,
-                                   raw={f"{w}:{k}": ts for (w, k), ts in times.items()}), indent=1))
+    tmp.write_text(json.dumps(dict(meta=meta, rows=rows, raw={f"{w}:{k}": ts for (w, k), ts in times.items()})))
     tmp.replace(out / "rollback.json")
 
-    head = "| width | verify ms | untaped ms | rollback, keep 1 (ms) | rollback, keep w-1 (ms) | keep all (ms) | longest / verify |"
-    lines = [head, "|" + "---|" * 7]
+    head = ("| width | verify ms (CPU) | untaped ms (CPU) | rollback keep 1 ms (CPU) | rollback keep w-1 ms (CPU) "
+            "| keep all ms | keep w-1 / verify, CPU | same, wall |")
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
-        lines.append(f"| {r['width']} | {r['verify_ms']:.1f} | {r['untaped_ms']:.1f} | {r['rollback_keep1_ms']:.2f} | "
-                     f"{r['rollback_longest_ms']:.2f} | {r['full_accept_ms']:.3f} | {100 * r['rollback_share']:.1f}% |")
+        lines.append(f"| {r['width']} | {r['verify_cpu_ms']:.0f} | {r['untaped_cpu_ms']:.0f} | "
+                     f"{r['rollback_keep1_cpu_ms']:.1f} | {r['rollback_longest_cpu_ms']:.1f} | "
+                     f"{r['keep_all_wall_ms']:.2f} | {100 * r['share_cpu']:.1f}% | {100 * r['share_wall']:.1f}% |")
     table = "\n".join(lines)
     (out / "rollback.md").write_text(f"{params / 1e6:.0f}M parameters, {args.bits or 32}-bit, context "
-                                     f"{args.context}, median of {args.repeats}\n\n{table}\n")
+                                     f"{args.context}, median of {args.repeats}; `{meta['command']}`\n\n{table}\n")
     print(table)
 
 

@@ -149,6 +149,17 @@ def test_rounds_patch_nothing_and_free_their_tapes():
     assert all(type(c) is not ArraysCache or c[1].shape == (1, 4, 16, 16) for c in cache)
 
 
+def test_width_auto_probe_measures_a_hybrid_target():
+    """`--width auto` probes verify costs over a pre-filled context; recurrent layers need no filling."""
+    from mlx_dflash.bench import filled_cache, probe_verify_costs
+
+    target, _ = bound_pair(tiny_model("qwen3_5"))
+    costs = probe_verify_costs(target, 8, context=40)
+    assert sorted(costs) == [1, 2, 4, 8] and all(c > 0 for c in costs.values())
+    cache = filled_cache(target, 40)
+    assert [c.offset for c in cache if not isinstance(c, ArraysCache)] == [40, 40]
+
+
 def test_rolling_back_more_than_the_last_forward_is_refused():
     target, _ = bound_pair(tiny_model("qwen3_5"))
     cache = target.make_cache()
