@@ -199,7 +199,8 @@ class Target:
         """Process the prompt [P] in chunks. Returns (last-row logits [V], features [1, P, n*H]).
 
         The last token runs on its own, as mlx-lm's generate does: the output head is computed for one
-        row only, and the cache holds exactly what plain mlx-lm decoding would hold.
+        row only, and the cache holds exactly what plain mlx-lm decoding would hold. Nothing is taped:
+        the prompt is never rolled back.
         """
         features = []
         head, last = prompt[:-1], prompt[-1:]

@@ -1,7 +1,7 @@
 """The target adapter across mlx-lm families: capture, rollback and lossless greedy decoding.
 
 Tiny random instances of mlx-lm's own model classes (float32): dense, MoE, MLA (DeepSeek-V3, Kimi K2.5,
-GLM-5 DSA), sliding windows with KV sharing (Gemma 3 and 4), attention sinks (gpt-oss), and the hybrid
+GLM-5 DSA), sliding windows with KV sharing (Gemma 3 and 4, Muse Glimmer), attention sinks (gpt-oss), and the hybrid
 GatedDeltaNet targets (Qwen3.5/3.6, Qwen3-Next) whose recurrent state is rewound after each round.
 Weights are random; what is tested is the plumbing: layer list, caches, windows, heads, rollback.
 Sliding-window layers use ring buffers in mlx-lm; the adapter swaps in plain caches, so sequences run
@@ -57,6 +57,7 @@ FAMILIES = {  # test name -> config (model_type is the name unless given)
     "kimi_k25": dict(text_config=dict(COMMON, model_type="deepseek_v3", **MLA)),
     "glm_moe_dsa": dict(MLA, index_head_dim=16, index_n_heads=2, index_topk=64,
                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}),
+    "muse_glimmer": dict(num_hidden_layers=4, head_dim=16, sliding_window=8, max_position_embeddings=512),
     "minimax": dict(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0, rotary_dim=8, head_dim=16,
                     rope_theta=10000.0, max_position_embeddings=512),
 }
