@@ -154,11 +154,13 @@ class RecurrentTape:
             k = k.reshape(B, T, module.num_k_heads, module.head_k_dim)
             v = v.reshape(B, T, module.num_v_heads, module.head_v_dim)
             _, k = normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+            if state is None:  # the forward started from an empty cache
+                state = mx.zeros((B, module.num_v_heads, module.head_v_dim, module.head_k_dim), mx.float32)
             log_g = -mx.exp(module.A_log.astype(mx.float32)) * nn.softplus(a + module.dt_bias)
             state = delta_rule_state(state, k, v, log_g, mx.sigmoid(b)).astype(state.dtype)
         cache.cache = [conv, state]
         self.release()
-        return [a for a in cache.cache if a is not None]
+        return cache.cache
 
     def release(self):
         self.cache = self.snapshot = self.mask = None

@@ -160,6 +160,19 @@ def test_width_auto_probe_measures_a_hybrid_target():
     assert [c.offset for c in cache if not isinstance(c, ArraysCache)] == [40, 40]
 
 
+def test_rollback_from_an_empty_cache():
+    """A first forward without a prefill, partly rolled back, leaves the state of its kept rows."""
+    target, _ = bound_pair(tiny_model("qwen3_5"))
+    cache, plain = target.make_cache(), target.make_cache()
+    target.forward(mx.array([PROMPT[:6]]), cache)
+    target.trim(cache, 4)
+    target.forward(mx.array([PROMPT[:2]]), plain)
+    target.trim(plain, 0)
+    for c, p in zip(cache, plain):
+        if isinstance(c, ArraysCache):
+            assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(c.cache, p.cache))
+
+
 def test_rolling_back_more_than_the_last_forward_is_refused():
     target, _ = bound_pair(tiny_model("qwen3_5"))
     cache = target.make_cache()
