@@ -21,7 +21,7 @@ Design: record during the verify, recompute the accepted prefix's state in close
   T x T unit-triangular solve per head (by doubling, T <= 16) and two matmuls that each read S once,
   instead of T sequential passes over S. Decays enter only as ratios exp(L_t - L_j) <= 1, so strong
   decay cannot overflow. On this CPU it is 5-10x faster than replaying `gated_delta_update` on the
-  prefix (its per-step loop), which was 15-45% of a verify at widths 8-16. Measured (bench/rollback.py,
+  prefix (its per-step loop), which was 11-44% of a verify at widths 8-16 (bench --quick). Measured (bench/rollback.py,
   690M-parameter float32 qwen3_5 with the published linear-attention sizes, CPU time): the longest rewind
   (keep w - 1) costs 2.0-5.1% of the verify at widths 2..16 (18 ms at width 2, 93 ms at 16 against a
   1.8 s verify); a full rejection 14-22 ms; full acceptance 0.2 ms.
