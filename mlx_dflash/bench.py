@@ -221,9 +221,10 @@ def _verify_case(target, cache, length: int, wide: bool, state: dict, widths, of
 
     def measure(w):
         _set_wide(target.model, wide, state)
-        offsets.add(cache[0].offset)
-        if cache[0].offset != length:
-            raise RuntimeError(f"cache holds {cache[0].offset} positions, expected {length}")
+        offset = next(c.offset for c in cache if hasattr(c, "offset"))  # hybrids: cache[0] is recurrent
+        offsets.add(offset)
+        if offset != length:
+            raise RuntimeError(f"cache holds {offset} positions, expected {length}")
         seconds = timed(lambda: target.forward(ids[w], cache)[0])
         target.trim(cache, w)
         return seconds

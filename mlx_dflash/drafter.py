@@ -287,7 +287,7 @@ def drafter_config_for(
     published); they are spread evenly by the published rule. mask_token_id defaults to the last row
     of the embedding table.
     """
-    args = target.model.args
+    args = target.text_args
     heads = args.num_attention_heads
     taps = num_target_features or num_layers
     cfg = dict(

@@ -1,19 +1,21 @@
 """The target adapter: an mlx-lm model seen the way the decoder needs it.
 
 It runs the model's own forward and returns every row's logits together with the outputs of the
-decoder layers the drafter listens to (reference 1.3), and rolls the KV cache back after a partial
-acceptance. Capturing works by composition: for the length of one forward call, the chosen entries of
-the model instance's layer list are wrapped by recorders and then put back. No mlx-lm class is patched.
+decoder layers the drafter listens to (reference 1.3), and rolls the caches back after a partial
+acceptance: KV caches are trimmed, recurrent layers of hybrid targets are rewound exactly (rollback.py).
+Capturing works by composition: for the length of one forward call, the chosen entries of the model
+instance's layer list are wrapped by recorders and then put back. No mlx-lm class is patched.
 """
 
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .config import DFlashConfig
 from .errors import DFlashError
+from .rollback import find_recurrent, taping
 
 
 class _Recorder:
@@ -52,10 +54,11 @@ class Target:
 
     def __init__(self, model: nn.Module, layer_ids=()):
         self.model = model
+        self._recurrent = self._check_rollback()  # [(layer, attribute)] of recurrent modules to rewind
         self._inner = _find_inner(model)
         self.layer_ids = tuple(layer_ids)
         self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
-        self._check_rollback()
+        self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
 
     def install_wide_kernels(self) -> int:
         """Route 6..16-row quantized matmuls to our Metal kernel. Returns the layers switched (0 off Metal)."""
@@ -76,6 +79,11 @@ class Target:
         if head is None:
             head = getattr(getattr(self.model, "language_model", None), "lm_head", None)
         return head if head is not None else self._inner.embed_tokens.as_linear
+
+    @property
+    def text_args(self):
+        """The language model's configuration (multimodal wrappers nest it under language_model)."""
+        return getattr(getattr(self.model, "language_model", None), "args", None) or self.model.args
 
     @property
     def num_layers(self) -> int:
@@ -127,21 +135,34 @@ class Target:
         cache = make_prompt_cache(self.model)
         return [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
 
-    def _check_rollback(self):
-        cache = self.make_cache()
-        stuck = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
-        if stuck:
-            kind = getattr(self.model, "model_type", type(self.model).__name__)
-            raise DFlashError(
-                f"target '{kind}' keeps state that cannot be rolled back ({', '.join(stuck)}, e.g. recurrent "
-                "layers); DFlash needs a target whose KV caches can be trimmed"
-            )
+    def _check_rollback(self) -> list:
+        """Where the recurrent modules are; refuses, in one line, state that cannot be rolled back."""
+        kind = getattr(self.model, "model_type", type(self.model).__name__)
+        sites = []
+        for i, c in enumerate(self.make_cache()):
+            if not c.is_trimmable():
+                layer = self.model.layers[i]
+                sites.append((layer, find_recurrent(layer, i, c, kind)))
+        return sites
 
-    @staticmethod
-    def trim(cache: list, n: int):
-        """Forget the last n positions (rejected drafts)."""
-        if n > 0:
-            trim_prompt_cache(cache, n)
+    def trim(self, cache: list, n: int):
+        """Forget the last n positions (rejected drafts) of the last forward on this cache."""
+        pending, self._pending = self._pending, None
+        if n <= 0:
+            return
+        if not self._recurrent:
+            for c in cache:
+                c.trim(n)
+            return
+        if pending is None or pending[0] is not cache or n > pending[1]:
+            raise DFlashError(
+                f"cannot roll back {n} positions: a hybrid target rewinds only the rows of its last forward"
+            )
+        _, rows, tapes = pending
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(n)
+        mx.eval([tape.rewind(rows - n) for tape in tapes])  # frees the round's tapes now
 
     # Forward passes.
     @contextmanager
@@ -160,8 +181,15 @@ class Target:
         """Run ids [1, L] through the model. Returns (logits [1, L, V], features [1, L, n*H]).
 
         Features are the captured layer outputs concatenated in `layer_ids` order, the order the
-        drafter's `fc` expects.
+        drafter's `fc` expects. On a hybrid target the call is taped, so that `trim` can rewind it.
         """
+        sites = self._recurrent if cache is not None else []
+        with taping(sites) as tapes:
+            logits, features = self._run(ids, cache)
+        self._pending = (cache, ids.shape[1], tapes) if tapes else None
+        return logits, features
+
+    def _run(self, ids: mx.array, cache: list):
         with self._recording() as sink:
             logits = self.model(ids, cache=cache)
         features = mx.concatenate([sink[i] for i in self.layer_ids], axis=-1) if self.layer_ids else None
@@ -171,14 +199,15 @@ class Target:
         """Process the prompt [P] in chunks. Returns (last-row logits [V], features [1, P, n*H]).
 
         The last token runs on its own, as mlx-lm's generate does: the output head is computed for one
-        row only, and the cache holds exactly what plain mlx-lm decoding would hold.
+        row only, and the cache holds exactly what plain mlx-lm decoding would hold. Nothing is taped:
+        the prompt is never rolled back.
         """
         features = []
         head, last = prompt[:-1], prompt[-1:]
         for i in range(0, head.size, step):
-            _, f = self.forward(head[None, i : i + step], cache)
+            _, f = self._run(head[None, i : i + step], cache)
             mx.eval(f, [c.state for c in cache])  # logits stay unevaluated: the head never runs here
             features.append(f)
-        logits, f = self.forward(last[None], cache)
+        logits, f = self._run(last[None], cache)
         features.append(f)
         return logits[0, -1], mx.concatenate(features, axis=1)

@@ -1,0 +1,198 @@
+"""Exact rollback of recurrent (GatedDeltaNet) state in hybrid targets: Qwen3.5/3.6, Qwen3-Next.
+
+Their linear-attention layers keep a conv state (the last K-1 inputs of a depthwise conv) and a
+recurrent state S [B, Hv, Dv, Dk] in an `ArraysCache`; neither can be trimmed, and the recurrence
+cannot be run backwards stably (it would divide by the decay and by 1 - beta). After a verify of L
+rows of which the target keeps `keep`, each such layer must hold what plain decoding of those `keep`
+tokens would leave.
+
+Design: record during the verify, recompute the accepted prefix's state in closed form at the trim.
+- `Target.forward` swaps each linear-attention module's child modules (projections, depthwise conv,
+  gated norm, output projection) for recorders, for the length of that one call. The module's own
+  code runs unchanged; the recorders keep what its children were given and returned: arrays the
+  verify computes anyway. The cache before the call is kept by reference (MLX arrays are immutable,
+  so this snapshot costs nothing).
+- `Target.trim(cache, n)` leaves each layer as plain decoding of the first `keep = L - n` rows would:
+  the conv state is rows keep..keep+K-2 of the conv's recorded input (snapshot rows, then new rows);
+  the recurrent state is the snapshot advanced over the kept steps by `delta_rule_state`, from the
+  recorded conv output (k, v) and projections (the gates a, b).
+- `delta_rule_state` is the gated delta rule S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T
+  summed in closed form over the kept steps (the chunked "WY" form used by chunked GDN kernels): one
+  T x T unit-triangular solve per head (by doubling, T <= 16) and two matmuls that each read S once,
+  instead of T sequential passes over S. Decays enter only as ratios exp(L_t - L_j) <= 1, so strong
+  decay cannot overflow. On this CPU it is 5-10x faster than replaying `gated_delta_update` on the
+  prefix (its per-step loop), which was 11-44% of a verify at widths 8-16 (bench --quick). Measured (bench/rollback.py,
+  690M-parameter float32 qwen3_5 with the published linear-attention sizes, CPU time): the longest rewind
+  (keep w - 1) costs 2.0-5.1% of the verify at widths 2..16 (18 ms at width 2, 93 ms at 16 against a
+  1.8 s verify); a full rejection 14-22 ms; full acceptance 0.2 ms.
+- Full acceptance needs nothing (the records are dropped); a full rejection restores the snapshot.
+- Nothing is patched: only attributes of this model instance are swapped, and put back at once.
+  What this module knows of mlx-lm's layer: the conv output splits into q, k, v as [key_dim,
+  key_dim, value_dim]; k is normalised by `normalize_qk`; the gates come from the a/b projections
+  (qwen3_next interleaves them, undone by the module's own `fix_query_key_value_ordering`);
+  log g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b). tests/test_families.py checks every
+  array against plain decoding, so a change upstream fails loudly rather than silently.
+- Memory: the records hold one round's arrays (L rows per child, one state per layer) and are freed
+  by the trim (or the next forward). They never grow with the context.
+
+The designs not taken (../shared/research/peers.md): re-running the whole target on the accepted
+prefix (a second forward); re-running each layer's recurrence with `gated_delta_update` from the
+snapshot (z-lab, mlx-dspark: simple, but a sequential pass per kept step); an innovation tape written
+by a custom verify kernel (dflash-mlx: fast, but a kernel per mlx-lm code path and patched classes).
+"""
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.gated_delta import normalize_qk
+
+from .errors import DFlashError
+
+
+def _gates_qwen3_5(module, outputs):
+    return outputs["in_proj_a"], outputs["in_proj_b"]
+
+
+def _gates_qwen3_next(module, outputs):
+    *_, b, a = module.fix_query_key_value_ordering(outputs["in_proj_qkvz"], outputs["in_proj_ba"])
+    return a, b
+
+
+# The recurrent layer types whose rollback is tested, by mlx-lm module and class: where their gates come from.
+SUPPORTED = {
+    ("mlx_lm.models.qwen3_5", "GatedDeltaNet"): _gates_qwen3_5,  # qwen3_5, qwen3_5_moe (Qwen3.5, Qwen3.6)
+    ("mlx_lm.models.qwen3_next", "Qwen3NextGatedDeltaNet"): _gates_qwen3_next,  # Qwen3-Next, Qwen3-Coder-Next
+}
+
+
+def _kind(module) -> tuple:
+    return type(module).__module__, type(module).__name__
+
+
+def _child_modules(module: nn.Module) -> dict:
+    return {name: child for name, child in module.items() if isinstance(child, nn.Module)}
+
+
+def delta_rule_state(state, k, v, log_g, beta):
+    """S after T steps of S <- g S + beta (v - g S k) k^T, in closed form.
+
+    state [B, Hv, Dv, Dk] float32; k [B, T, Hk, Dk] (normalised); v [B, T, Hv, Dv]; log_g, beta [B, T, Hv].
+    With L_t = sum_{s<=t} log g_s and u_t = beta_t (v_t - g_t S_{t-1} k_t), the state is
+    S_T = e^{L_T} S_0 + sum_t e^{L_T - L_t} u_t k_t^T, and the u solve (I + N) U = beta (V - e^L K S_0^T)
+    with N_tj = beta_t e^{L_t - L_j} (k_t . k_j) for j < t (strictly lower, so (I + N)^-1 =
+    (I - N)(I + N^2)(I + N^4)...).
+    """
+    _, T, Hk, _ = k.shape
+    Hv = v.shape[2]
+    if Hv != Hk:
+        k = mx.repeat(k, Hv // Hk, axis=2)  # value head h reads key head h // (Hv / Hk)
+    k = k.astype(mx.float32).transpose(0, 2, 1, 3)  # [B, Hv, T, Dk]
+    v = v.astype(mx.float32).transpose(0, 2, 1, 3)  # [B, Hv, T, Dv]
+    L = mx.cumsum(log_g.astype(mx.float32).transpose(0, 2, 1), axis=-1)  # [B, Hv, T]
+    beta = beta.astype(mx.float32).transpose(0, 2, 1)
+    below = mx.tril(mx.ones((T, T), dtype=mx.bool_), k=-1)
+    decay = mx.where(below, mx.exp(mx.where(below, L[..., :, None] - L[..., None, :], 0.0)), 0.0)
+    n = beta[..., None] * decay * (k @ k.swapaxes(-1, -2))
+    u = beta[..., None] * (v - mx.exp(L)[..., None] * (k @ state.swapaxes(-1, -2)))
+    u = u - n @ u
+    power, span = n @ n, 2
+    while span < T:
+        u = u + power @ u
+        power, span = power @ power, span * 2
+    tail = mx.exp(L[..., -1:] - L)[..., None]  # e^{L_T - L_t}
+    return mx.exp(L[..., -1])[..., None, None] * state + (u * tail).swapaxes(-1, -2) @ k
+
+
+class _ChildRecorder:
+    """Stands in for one child module during the verify call and keeps (first argument, output)."""
+
+    def __init__(self, child, sink: dict, name: str):
+        self._child, self._sink, self._name = child, sink, name
+
+    def __call__(self, x, *args, **kwargs):
+        out = self._child(x, *args, **kwargs)
+        self._sink[self._name] = (x, out)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._child, name)
+
+
+class RecurrentTape:
+    """What one linear-attention module saw and did in one verify call, and how to rewind its cache."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.cache = self.snapshot = self.mask = None
+        self.records = {}
+
+    def __call__(self, x, mask=None, cache=None):
+        if cache is not None:
+            self.cache, self.mask = cache, mask
+            self.snapshot = (list(cache.cache), cache.left_padding, cache.lengths)
+        children = _child_modules(self.module)
+        try:
+            for name, child in children.items():
+                self.module[name] = _ChildRecorder(child, self.records, name)
+            return self.module(x, mask, cache)
+        finally:
+            for name, child in children.items():
+                self.module[name] = child
+
+    def rewind(self, keep: int) -> list:
+        """Leave the cache as plain decoding of the first `keep` rows would. Returns its new arrays."""
+        cache, module = self.cache, self.module
+        if self.mask is not None or self.snapshot[2] is not None:
+            raise DFlashError("rolling back a padded batch of a hybrid target is not supported (batch size 1 only)")
+        (conv, state), cache.left_padding, cache.lengths = self.snapshot
+        if keep > 0:
+            conv_in, conv_out = self.records["conv1d"]
+            conv = mx.contiguous(conv_in[:, keep : keep + module.conv_kernel_size - 1])
+            a, b = SUPPORTED[_kind(module)](module, {n: out[:, :keep] for n, (_, out) in self.records.items()})
+            B, T = a.shape[:2]
+            qkv = nn.silu(conv_out[:, :keep])
+            q, k, v = mx.split(qkv, [module.key_dim, 2 * module.key_dim], axis=-1)
+            q = q.reshape(B, T, module.num_k_heads, module.head_k_dim)
+            k = k.reshape(B, T, module.num_k_heads, module.head_k_dim)
+            v = v.reshape(B, T, module.num_v_heads, module.head_v_dim)
+            _, k = normalize_qk(q, k, inv_scale=module.head_k_dim**-0.5, eps=1e-6)
+            if state is None:  # the forward started from an empty cache
+                state = mx.zeros((B, module.num_v_heads, module.head_v_dim, module.head_k_dim), mx.float32)
+            log_g = -mx.exp(module.A_log.astype(mx.float32)) * nn.softplus(a + module.dt_bias)
+            state = delta_rule_state(state, k, v, log_g, mx.sigmoid(b)).astype(state.dtype)
+        cache.cache = [conv, state]
+        self.release()
+        return cache.cache
+
+    def release(self):
+        self.cache = self.snapshot = self.mask = None
+        self.records = {}
+
+
+def find_recurrent(layer, index: int, cache_entry, kind: str):
+    """The attribute name of the supported recurrent module in `layer`, or a one-line refusal."""
+    children = _child_modules(layer)
+    for name, child in children.items():
+        if _kind(child) in SUPPORTED:
+            return name
+    parts = ", ".join(sorted({type(c).__name__ for c in children.values()}))
+    supported = " or ".join(sorted(cls for _, cls in SUPPORTED))
+    raise DFlashError(
+        f"target '{kind}' keeps state that cannot be rolled back (layer {index}, {type(layer).__name__} of {parts}, "
+        f"in an {type(cache_entry).__name__}); mlx-dflash rewinds recurrent layers of type {supported} "
+        "(qwen3_5, qwen3_5_moe, qwen3_next) and trims KV caches, nothing else"
+    )
+
+
+@contextmanager
+def taping(sites: list):
+    """Tapes on the recurrent modules at `sites` ([(layer, attribute name)]) for one call; yields them."""
+    tapes = [RecurrentTape(layer[name]) for layer, name in sites]
+    try:
+        for (layer, name), tape in zip(sites, tapes):
+            layer[name] = tape
+        yield tapes
+    finally:
+        for (layer, name), tape in zip(sites, tapes):
+            layer[name] = tape.module
