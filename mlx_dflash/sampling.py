@@ -8,7 +8,7 @@ probability min(1, p(d)/q(d)); at the first rejection a token is drawn from norm
 if all are kept the bonus is drawn from the last target row. Every emitted token is then distributed
 exactly as the target's own sampler would draw it (p = target softmax after temperature, top-k, top-p).
 
-Proposal choice: the decoder proposes the drafter's argmax at every position, so q is a point mass
+Proposal choice: a v1 drafter proposes its argmax at every position, so q is a point mass
 (q(d) = 1). Sampling each block position independently from the drafter's marginals is also exact but
 gives incoherent blocks and much lower acceptance (z-lab/dflash PR #169); `rejection_accept` accepts
 either form of q. DFlash 2 drafters sample their drafts from the candidate selector's walk, and

@@ -338,6 +338,25 @@ def test_rejection_with_the_selector_q_emits_the_target_distribution(params):
     assert abs(kept / TRIALS - rate) < 4 * np.sqrt(rate * (1 - rate) / TRIALS)
 
 
+@pytest.mark.slow
+def test_sampled_decoding_with_a_dflash2_drafter_follows_the_target(glimmer, drafter):
+    """End to end through the decoder at T = 0.8, top-k 5: the second token (the first round's first
+    draft, or its replacement), among runs whose first token was the commonest, is distributed as the
+    target's own next-token distribution after it."""
+    target, _ = glimmer
+    params, runs = SamplingParams(0.8, top_k=5), 1500
+    pairs = []
+    for seed in range(runs):
+        mx.random.seed(seed)
+        tokens, _ = run(target, drafter, make_policy(drafter.block_size, 16), params, max_tokens=6)
+        pairs.append(tokens[:2])
+    first = np.bincount([a for a, _ in pairs]).argmax()
+    second = [b for a, b in pairs if a == first]
+    logits, _ = target.forward(mx.array([PROMPT + [int(first)]]), target.make_cache())
+    assert len(second) > 300
+    assert_distributed_as(second, target_probs(logits[0, -1], params))
+
+
 # ------------------------------------------------------------------------------------------------
 # Conversion and training.
 
