@@ -6,8 +6,9 @@
 Both drafters get the real DFlash 2 checkpoint's layout (5 sliding non-causal layers, vocabulary 202048,
 selector rank 256, top-16 candidates, 2-tap convolutions in groups of 16, block 16) at a smaller hidden
 size, random weights, a random borrowed embedding and head, and the same context. Each repeat times, in
-interleaved order: the v1 draft step (drafter pass + argmax), the DFlash 2 draft step (drafter pass +
-selector walk, greedy and sampled at T = 0.7), and the selector walk alone. Process CPU time on a CPU
+interleaved order: the v1 draft step (drafter pass + head + argmax), the DFlash 2 draft step (drafter
+pass + head + selector walk, greedy and sampled at T = 0.7), the head + argmax alone, and the selector
+alone on given logits (top-k, codebook gathers, the walk). Process CPU time on a CPU
 (the machine may be shared), wall time on Metal; medians.
 """
 
@@ -64,23 +65,33 @@ def main(argv=None):
         cache = d.make_cache()
         mx.eval(d.hidden(mx.array([[0] * 16]), context, cache))  # the context enters the cache once
         drafters[name] = (d, cache)
-    mx.eval(embed, head)
+    new_row = mx.random.normal((1, 1, 5 * H), key=mx.random.key(4))
+    mx.eval(embed, head, new_row)
 
     def draft(name, sampling):
         d, cache = drafters[name]
         mx.random.seed(0)
         tic = clock()
-        result = d.draft(5, None, cache, 16, 16, sampling)
+        result = d.draft(5, new_row, cache, 16, 16, sampling)  # one new context row, as after a rejection
         mx.eval(result.confidence)
         return clock() - tic
 
     d2, d2_cache = drafters["dflash2"]
-    hidden = d2.hidden(mx.array([[5] + [d2.mask_token_id] * 15]), None, d2_cache)[:, 1:]
+    hidden = d2.hidden(mx.array([[5] + [d2.mask_token_id] * 15]), new_row, d2_cache)[:, 1:]
     mx.eval(hidden)
 
-    def walk_only():
+    logits = d2.logits(hidden)
+    mx.eval(logits)
+
+    def head_argmax():
         tic = clock()
-        w = d2.walk(hidden, mx.array([5]))
+        mx.eval(mx.argmax(d2.logits(hidden), axis=-1))
+        return clock() - tic
+
+    def selector(temperature):
+        mx.random.seed(0)
+        tic = clock()
+        w = d2.candidate_selector(hidden, logits, mx.array([5]), temperature)
         mx.eval(w.tokens, w.probs)
         return clock() - tic
 
@@ -88,7 +99,9 @@ def main(argv=None):
         "v1 draft step (greedy)": lambda: draft("v1", SamplingParams()),
         "dflash2 draft step (greedy)": lambda: draft("dflash2", SamplingParams()),
         "dflash2 draft step (T=0.7)": lambda: draft("dflash2", SamplingParams(0.7)),
-        "selector walk alone (greedy)": walk_only,
+        "head + argmax, 15 rows": head_argmax,
+        "selector on given logits (greedy)": lambda: selector(0.0),
+        "selector on given logits (T=0.7)": lambda: selector(0.7),
     }
     for fn in cases.values():  # warm-up
         fn()
@@ -101,7 +114,7 @@ def main(argv=None):
     lines = [f"hidden {H}, vocabulary {V}, 5 layers, block 16, context {args.context}, "
              f"{'wall' if clock is time.perf_counter else 'process CPU'} time, median of {args.repeats}"]
     for name, m in medians.items():
-        lines.append(f"{name:32s} {m * 1e3:9.1f} ms   x{m / base:.2f} of v1")
+        lines.append(f"{name:34s} {m * 1e3:9.1f} ms   x{m / base:.2f} of the v1 step")
     print("\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
     (out / "dflash2.json").write_text(json.dumps(
