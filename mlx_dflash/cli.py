@@ -130,6 +130,10 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
     click.echo(f"wrote {out}")
 
 
+_NO_DFLASH2_TRAINING = ("training DFlash 2 drafters is not supported (their candidate selector needs a pairwise "
+                        "objective this trainer does not have); train a DFlash v1 drafter (--arch dflash)")
+
+
 @main.command()
 @click.option("--model", "model_path", help="Target (default: SmolLM2-135M-Instruct from PyPI).")
 @click.option("--prompts", "prompt_file", required=True, type=click.Path(dir_okay=False),
@@ -158,9 +162,11 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
                    "ones; a new run with its own schedule. Its config sets the drafter's sizes.")
 @click.option("--export", "export_dir", default=None, type=click.Path(file_okay=False),
               help="Then write the drafter alone (bfloat16, published layout, no trainer state) here.")
+@click.option("--arch", type=click.Choice(["dflash", "dflash2"]), default="dflash", show_default=True,
+              help="Drafter architecture; only DFlash v1 drafters train here.")
 def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_tokens, gen_batch, layers,
           block_size, target_features, mask_token_id, steps, sequences_per_step, anchors, lr, eval_sequences,
-          eval_every, seed, resume, init_dir, export_dir):
+          eval_every, seed, resume, init_dir, export_dir, arch):
     """Train a DFlash drafter for a target on the target's own responses."""
     from pathlib import Path
 
@@ -172,6 +178,8 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     from .load import load_target
     from .train import TrainConfig, export, pick_mask_token, train as run_training
 
+    if arch == "dflash2":
+        raise DFlashError(_NO_DFLASH2_TRAINING)
     out = Path(out_dir)
     if out.exists() and not resume:
         raise DFlashError(f"{out} exists: pass --resume to continue it, or choose another --out")
@@ -182,6 +190,8 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
     start = out if resume else (Path(init_dir) if init_dir else None)
     if start is not None:  # the drafter's sizes come from the weights we start from
         drafter = drafter_from_dir(start)
+        if drafter.config.is_dflash2:
+            raise DFlashError(f"{start} holds a DFlash 2 drafter: {_NO_DFLASH2_TRAINING}")
         if drafter.config.raw.get("quantization"):
             raise DFlashError(f"{start} holds a quantized drafter, which cannot train: start from a float one")
         given = {"--layers": layers, "--block-size": block_size, "--target-features": target_features,

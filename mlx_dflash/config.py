@@ -3,6 +3,8 @@
 Two layouts exist (reference 2.1): older z-lab configs keep `block_size` and `rope_theta` at the top level;
 newer ones nest `block_size` under `dflash_config` and move `rope_theta` into `rope_parameters`. Nothing
 about a model is hard-coded here: every value comes from the file, with the published defaults.
+DFlash 2 configs (`architectures ["DFlash2DraftModel"]`, reference 2.4) add four required
+`dflash_config` fields: `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
 """
 
 import json
@@ -13,6 +15,8 @@ from typing import Any, Optional
 from .errors import DFlashError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+DFLASH2 = "DFlash2DraftModel"
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -39,8 +43,17 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     input_embedding_scale: float = 1.0
+    # DFlash 2 only (None for v1): the grouped dynamic convolutions and the candidate selector.
+    conv_kernel_size: Optional[int] = None
+    conv_group_size: Optional[int] = None
+    selector_rank: Optional[int] = None
+    selector_top_k: Optional[int] = None
     # The whole file as read, so a converter can write back the fields it does not interpret.
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
 
     def layer_is_causal(self, i: int) -> bool:
         """Sliding layers are causal inside the block unless the config says otherwise (reference 1.5)."""
@@ -69,12 +82,6 @@ def _require(cfg: dict, key: str, where: str):
 
 def parse_config(cfg: dict, where: str = "config.json") -> DFlashConfig:
     """Build a DFlashConfig from a config.json dict, accepting both published layouts."""
-    architectures = cfg.get("architectures") or []
-    if "DFlash2DraftModel" in architectures:
-        raise DFlashError(
-            f"{where} describes a DFlash 2 drafter (DFlash2DraftModel); only DFlash v1 drafters are "
-            "supported so far"
-        )
     dflash = cfg.get("dflash_config") or {}
     if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
         raise DFlashError(
@@ -142,8 +149,30 @@ def parse_config(cfg: dict, where: str = "config.json") -> DFlashConfig:
         output_multiplier=float(dflash.get("output_multiplier", 1.0)),
         final_logit_softcapping=float(softcap) if softcap else None,
         input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+        **_dflash2_fields(cfg, dflash, hidden, where),
         raw=dict(cfg),
     )
+
+
+def _dflash2_fields(cfg: dict, dflash: dict, hidden: int, where: str) -> dict:
+    """The DFlash 2 sizes, checked; {} for a v1 config."""
+    if DFLASH2 not in (cfg.get("architectures") or []):
+        return {}
+    out = {}
+    for name in DFLASH2_FIELDS:
+        value = dflash.get(name, cfg.get(name))
+        if value is None:
+            raise DFlashError(f"{where}: a DFlash 2 config needs dflash_config.{name}")
+        if int(value) < 1:
+            raise DFlashError(f"{where}: dflash_config.{name} must be at least 1, got {value}")
+        out[name] = int(value)
+    if hidden % out["conv_group_size"]:
+        raise DFlashError(f"{where}: dflash_config.conv_group_size {out['conv_group_size']} does not divide "
+                          f"hidden_size {hidden}")
+    vocab = int(cfg["vocab_size"])
+    if out["selector_top_k"] > vocab:
+        raise DFlashError(f"{where}: dflash_config.selector_top_k {out['selector_top_k']} exceeds vocab_size {vocab}")
+    return out
 
 
 def load_config(path: Path) -> DFlashConfig:
@@ -162,7 +191,7 @@ def config_to_dict(config: DFlashConfig) -> dict[str, Any]:
     """The published (newer) layout, keeping any fields of the original file we do not interpret."""
     out = dict(config.raw)
     out.update(
-        architectures=["DFlashDraftModel"],
+        architectures=[DFLASH2 if config.is_dflash2 else "DFlashDraftModel"],
         model_type=out.get("model_type", "qwen3"),
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,
@@ -199,5 +228,7 @@ def config_to_dict(config: DFlashConfig) -> dict[str, Any]:
         dflash["final_logit_softcapping"] = config.final_logit_softcapping
     if config.input_embedding_scale != 1.0:
         dflash["input_embedding_scale"] = config.input_embedding_scale
+    if config.is_dflash2:
+        dflash.update({name: getattr(config, name) for name in DFLASH2_FIELDS})
     out["dflash_config"] = dflash
     return out

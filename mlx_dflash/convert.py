@@ -1,9 +1,14 @@
 """`mlx-dflash convert`: drafters and targets into MLX directories, optionally pre-quantized.
 
-Drafters: any published DFlash v1 layout (config.json + safetensors) becomes one normalized
-config.json plus MLX-layout safetensors; with `quantize`, the linear layers are stored quantized and
-config.json lists them, so `drafter_from_dir` rebuilds exactly those modules (z-lab instead quantizes
-in memory at every load, reference 4.3). Targets: a Hugging Face directory or repo goes through
+Drafters: any published DFlash v1 or DFlash 2 layout (config.json + safetensors) becomes one normalized
+config.json plus safetensors under the published tensor names; with `quantize`, the linear layers are
+stored quantized and config.json lists them, so `drafter_from_dir` rebuilds exactly those modules (z-lab
+instead quantizes in memory at every load, reference 4.3). For DFlash 2 that includes the convolutions'
+`kernel_projection` and the selector's `hidden_projection` (matmuls over the hidden size, run for every
+block row); the two selector codebooks stay float: they are only gathered (the previous token's row and
+the k candidates' rows per draft position), so quantizing them saves memory (about 150 MB of the real
+checkpoint's 5.5 GB at 4 bits) but no time per round, while its error would land directly on the pairwise
+scores that choose among the candidates. The convolutions' `base_kernel` and the norms also stay float. Targets: a Hugging Face directory or repo goes through
 `mlx_lm.convert`; a `.gguf` file through our GGUF converter, then optionally mlx-lm's quantizer.
 
 Every conversion is written into a temporary directory beside `out_dir` and renamed into place only
@@ -20,12 +25,13 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__
 from .config import config_to_dict, load_config
-from .drafter import BORROWED_KEYS, DFlashDraftModel, load_strict, quantize_like_checkpoint, read_weights
+from .drafter import BORROWED_KEYS, load_strict, new_drafter, quantize_like_checkpoint, read_weights
 from .errors import DFlashError
 from .files import DTYPES, safetensors_files, staged_dir, write_json
 from .load import resolve
@@ -128,7 +134,8 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
 
     dtype: float16 | bfloat16 | float32 (default: each tensor keeps its source dtype). With
     `quantize`, every linear layer is stored `q_bits`-bit affine-quantized (groups of
-    `q_group_size`); norms stay float. Returns the output path.
+    `q_group_size`); norms, DFlash 2 convolution base taps and selector codebooks stay float (see the
+    module docstring). Returns the output path.
     """
     _check_args(quantize, q_bits, q_group_size, dtype)
     path = resolve(str(src), "drafter")
@@ -146,7 +153,8 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
         weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
                    for k, v in weights.items()}
 
-    model = DFlashDraftModel(config)
+    model = new_drafter(config)
+    weights = model.sanitize(weights, where=str(path))
     if source_quant:
         quantize_like_checkpoint(model, source_quant, weights)
     load_strict(model, weights, where=str(path))  # names any missing or unexpected tensor
@@ -154,7 +162,7 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
         _check_group_size(model, q_group_size)
         nn.quantize(model, group_size=q_group_size, bits=q_bits, mode="affine",
                     class_predicate=lambda _, m: isinstance(m, nn.Linear))
-    out_weights = dict(tree_flatten(model.parameters()))
+    out_weights = model.checkpoint_weights()  # the published names (DFlash 2 codebooks without .weight)
     mx.eval(out_weights)
 
     cfg = config_to_dict(config)

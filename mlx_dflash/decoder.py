@@ -49,23 +49,21 @@ def speculative_rounds(
         width = policy.width(remaining=max_tokens - produced)
 
         # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; the
-        # policy may cut that on the drafter's confidence.
+        # policy may cut that on the drafter's confidence. A sampled draft brings its proposal q.
         tic = time.perf_counter()
-        drafts, confidence = [], []
+        drafts, confidence, proposal = [], [], None
         if width > 1:
-            block = mx.array([[anchor] + [drafter.mask_token_id] * (policy.block_size - 1)])
-            hidden = drafter.hidden(block, context, draft_cache)  # consumes the pending context
-            context = None
-            logits = drafter.logits(hidden[:, 1:width])[0]
-            drafts = mx.argmax(logits, axis=-1).tolist()
+            draft = drafter.draft(anchor, context, draft_cache, policy.block_size, width, sampling)
+            context = None  # the drafter's cache holds it now
+            drafts, proposal = draft.tokens, draft.proposal
             if policy.uses_confidence:
-                confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1).tolist()
+                confidence = draft.confidence.tolist()
                 drafts = drafts[: policy.cut(width, confidence) - 1]
         draft_seconds = time.perf_counter() - tic
 
         # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
         logits, features = target.forward(mx.array([[anchor] + drafts]), cache)
-        accepted, bonus = accept(drafts, logits[0], sampling)
+        accepted, bonus = accept(drafts, logits[0], sampling, proposal)
         policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds)
 
         # Roll back: the cache keeps anchor + accepted drafts; their features join the context.

@@ -5,6 +5,10 @@ drafter directory loads strictly. The drafter owns no embedding table and no out
 borrows the target's. Its input is a block `[anchor, MASK, ..., MASK]`; the target features of the
 committed context enter every layer as extra keys and values ("KV injection", reference 1.2), and
 only those context keys/values are cached, so a rejected draft needs no rollback here.
+
+`draft` is what the decoder calls, for v1 and DFlash 2 (`dflash2.py`) alike: one pass over the block,
+returning the drafted tokens, the drafter's confidence in each, and (when the drafts were sampled) the
+proposal distribution that rejection sampling needs.
 """
 
 import json
@@ -14,6 +18,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -23,6 +28,17 @@ from .files import safetensors_files
 
 # Keys some early uploads carried; the drafter uses the target's embedding and head instead.
 BORROWED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class Draft:
+    """One drafter pass: proposals for block positions 1..n."""
+
+    tokens: list
+    confidence: mx.array  # [n] the drafter's probability of each drafted token (lazy: read only when used)
+    # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
+    # None when every draft is a point mass (argmax proposals).
+    proposal: Optional[tuple] = None
 
 
 @dataclass
@@ -139,12 +155,14 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class = DecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self.layer_class(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # Its own RoPE, from its own config (not the target's), NeoX layout.
         self._rope = initialize_rope(
@@ -203,6 +221,23 @@ class DFlashDraftModel(nn.Module):
         """Draft logits for block rows 1..L-1 (row j proposes the token at block position j)."""
         return self.logits(self.hidden(block_ids, context, cache)[:, 1:])
 
+    def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
+        """Drafts for block positions 1..width-1 from one pass over [anchor, MASK * (block_size - 1)];
+        `context` (the target feature rows new since the last call) joins the cache. v1 proposes its argmax at every
+        temperature (point masses: see sampling.py)."""
+        block = mx.array([[anchor] + [self.mask_token_id] * (block_size - 1)])
+        logits = self.logits(self.hidden(block, context, cache)[:, 1:width])[0]
+        confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
+        return Draft(mx.argmax(logits, axis=-1).tolist(), confidence)
+
+    def sanitize(self, weights: dict, where: str) -> dict:
+        """Checkpoint tensor names -> this module tree's names."""
+        return {k: v for k, v in weights.items() if k not in BORROWED_KEYS}
+
+    def checkpoint_weights(self) -> dict:
+        """This drafter's tensors under the names published checkpoints use."""
+        return dict(tree_flatten(self.parameters()))
+
 
 def read_weights(path: Path) -> dict:
     """Every tensor of a checkpoint directory's safetensors files (pickle files are refused)."""
@@ -222,16 +257,23 @@ def drafter_from_dir(path: Path) -> DFlashDraftModel:
     if not config_file.exists():
         raise DFlashError(f"{path} has no config.json: it is not a DFlash drafter directory (config.json + *.safetensors)")
     config = parse_config(json.loads(config_file.read_text()), where=str(config_file))
-    model = DFlashDraftModel(config)
-    weights = read_weights(path)
-    for key in BORROWED_KEYS:
-        weights.pop(key, None)
+    model = new_drafter(config)
+    weights = model.sanitize(read_weights(path), where=str(path))
     quantization = config.raw.get("quantization")
     if quantization:
         quantize_like_checkpoint(model, quantization, weights)
     load_strict(model, weights, where=str(path))
     model.eval()
     return model
+
+
+def new_drafter(config: DFlashConfig) -> DFlashDraftModel:
+    """An (uninitialised) drafter of the config's architecture: DFlash v1 or DFlash 2."""
+    if config.is_dflash2:
+        from .dflash2 import DFlash2DraftModel  # the subclass imports this module
+
+        return DFlash2DraftModel(config)
+    return DFlashDraftModel(config)
 
 
 def quantize_like_checkpoint(model: nn.Module, quantization: dict, weights: dict):
@@ -247,8 +289,6 @@ def quantize_like_checkpoint(model: nn.Module, quantization: dict, weights: dict
 
 def load_strict(model: nn.Module, weights: dict, where: str):
     """Load weights; any missing or unexpected key is an error that names it."""
-    from mlx.utils import tree_flatten
-
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -317,6 +357,6 @@ def init_drafter(config: DFlashConfig, seed: Optional[int] = None) -> DFlashDraf
     """A freshly initialised drafter (random weights), e.g. as the start of training."""
     if seed is not None:
         mx.random.seed(seed)
-    model = DFlashDraftModel(config)
+    model = new_drafter(config)
     mx.eval(model.parameters())
     return model

@@ -9,10 +9,11 @@ if all are kept the bonus is drawn from the last target row. Every emitted token
 exactly as `mlx_lm.generate` would draw it with the same flags: p is built with mlx-lm's own sampling
 functions, in `make_sampler`'s order (top-p, min-p, top-k on the log-probabilities, then temperature).
 
-Proposal choice: the decoder proposes the drafter's argmax at every position, so q is a point mass
+Proposal choice: a v1 drafter proposes its argmax at every position, so q is a point mass
 (q(d) = 1). Sampling each block position independently from the drafter's marginals is also exact but
 gives incoherent blocks and much lower acceptance (z-lab/dflash PR #169); `rejection_accept` accepts
-either form of q.
+either form of q. DFlash 2 drafters sample their drafts from the candidate selector's walk, and
+`candidate_rejection_accept` takes that q, which lives on each row's top-k candidates.
 """
 
 from dataclasses import dataclass
@@ -114,8 +115,33 @@ def rejection_accept(drafts: list, p: mx.array, q: Optional[mx.array] = None) ->
     return accepted, sample(residual)
 
 
-def accept(drafts: list, target_logits: mx.array, params: SamplingParams) -> tuple:
-    """The acceptance rule for this sampling mode, with point-mass (argmax) draft proposals."""
+def candidate_rejection_accept(drafts: list, p: mx.array, candidates: mx.array, q: mx.array) -> tuple:
+    """Rejection sampling when draft i was drawn from q[i] over the tokens candidates[i] (k distinct
+    tokens per row; q is zero outside them), as DFlash 2's candidate selector proposes.
+
+    Each q[i] may depend on the drafts before it (the selector's walk): rejection sampling stays exact,
+    since draft i is only judged once drafts 0..i-1, the tokens it was conditioned on, were kept.
+    """
+    n = len(drafts)
+    if n == 0:
+        return 0, sample(p[0])
+    rows, d = mx.arange(n), mx.array(drafts)
+    q_d = (q[:n] * (candidates[:n] == d[:, None])).sum(axis=-1)
+    keep = (mx.random.uniform(shape=(n,)) * q_d < p[rows, d]).tolist()
+    accepted = keep.index(False) if False in keep else n
+    if accepted == n:
+        return n, sample(p[n])
+    residual = mx.maximum(p[accepted].at[candidates[accepted]].add(-q[accepted]), 0.0)
+    total = residual.sum()
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[accepted])
+    return accepted, sample(residual)
+
+
+def accept(drafts: list, target_logits: mx.array, params: SamplingParams, proposal=None) -> tuple:
+    """The acceptance rule for this sampling mode. proposal: None for point-mass (argmax) drafts, or
+    (candidates, q) for drafts sampled over candidate sets (see candidate_rejection_accept)."""
     if params.greedy:
         return greedy_accept(drafts, target_logits)
+    if proposal is not None:
+        return candidate_rejection_accept(drafts, target_probs(target_logits, params), *proposal)
     return rejection_accept(drafts, target_probs(target_logits, params))

@@ -297,7 +297,7 @@ BAD_DRAFTERS = {
         {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H})), {},
         ["not a DFlash drafter config"]),
     "dflash2": (lambda p: _rewrite_config(p, architectures=["DFlash2DraftModel"]), {},
-                ["DFlash2DraftModel", "only DFlash v1"]),
+                ["a DFlash 2 config needs dflash_config.conv_kernel_size"]),
     "no_config": (lambda p: (p / "config.json").unlink(), {}, ["no config.json"]),
     "no_weights": (lambda p: (p / "model.safetensors").unlink(), {}, ["no *.safetensors"]),
     "bin_only": (_bin_only, {}, ["pickle weights"]),

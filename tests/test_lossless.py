@@ -10,6 +10,7 @@ import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import generate, speculative_rounds
+from mlx_dflash.drafter import DFlashDraftModel
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 
@@ -52,6 +53,8 @@ class OracleDrafter:
         self.vocab = real.config.vocab_size
         self.prompt_len, self.continuation, self.errors = prompt_len, continuation, set(errors)
         self.seen = 0
+
+    draft = DFlashDraftModel.draft  # the real drafting step, over the oracle's hidden/logits
 
     def make_cache(self):
         self.seen = 0
