@@ -25,8 +25,6 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__

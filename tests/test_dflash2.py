@@ -13,7 +13,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlx.utils import tree_flatten
 from scipy.stats import chisquare
 
 from dflash2_tiny import REAL_CONFIG, REAL_HEADER, VOCAB, randomize, tiny_checkpoint, tiny_config, tiny_glimmer

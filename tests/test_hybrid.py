@@ -20,7 +20,7 @@ from mlx_dflash.policy import has_quantized_layers, make_policy
 from mlx_dflash.rollback import delta_rule_state
 from mlx_dflash.sampling import SamplingParams, target_probs
 from mlx_dflash.target import Target
-from test_families import COMMON, FAMILIES, PROMPT, bound_pair, emitted, tiny_model
+from test_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
 from test_lossless import OracleDrafter, expected_acceptance
 
 
