@@ -99,7 +99,7 @@ def served(tiny_pair):
 
 
 def chat_text(c, stream=False, **kw):
-    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 24, **kw}
+    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 16, **kw}
     if not stream:
         r = c.chat.completions.create(**kw)
         return r.choices[0].message.content, r
@@ -111,40 +111,43 @@ def test_chat_and_completions_equal_the_decoder_streamed_or_not(tiny_pair, serve
     target, drafter, tokenizer = tiny_pair
     url, _ = served
     c = client(url)
-    want, want_tokens, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=24)
+    want, _, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=16)
     text, r = chat_text(c)
     assert text == want and r.choices[0].finish_reason == "length"
     prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
-        len(prompt_ids), 24, len(prompt_ids) + 24)
+        len(prompt_ids), 16, len(prompt_ids) + 16)
     stats = r.model_extra["dflash"]
-    assert stats["rounds"] == 23 and sum(stats["accepted_lengths"].values()) == 23 and stats["block_size"] == 4
+    assert stats["rounds"] == 15 and sum(stats["accepted_lengths"].values()) == 15 and stats["block_size"] == 4
 
     streamed, chunks = chat_text(c, stream=True, stream_options={"include_usage": True})
     assert streamed == want and len(chunks) > 3
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
-    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].model_extra["dflash"]["rounds"] == 23
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].model_extra["dflash"]["rounds"] == 15
     assert all(ch.usage is None for ch in chunks[:-1])
     assert chat_text(c, stream=True)[1][-1].choices[0].finish_reason == "length"  # no usage chunk unasked
 
     ids = tokenizer.encode("Once upon a time")
-    want, _, _ = generate(target, drafter, tokenizer, ids, max_tokens=16)
-    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16)
+    want, _, _ = generate(target, drafter, tokenizer, ids, max_tokens=8)
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
     assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
-    chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=16, stream=True))
+    chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=8, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == want
 
 
-def test_stop_strings_cut_exactly_where_the_text_would(served):
+def test_stop_strings_cut_exactly_where_the_text_would(tiny_pair, served):
+    target, drafter, tokenizer = tiny_pair
     c = client(served[0])
-    full, _ = chat_text(c, max_tokens=40)
+    full, _ = chat_text(c, max_tokens=20)
+    _, tokens, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=20)
     stop = full[13:17]  # crosses token boundaries in general
     cut = full[: full.index(stop)]
-    text, r = chat_text(c, max_tokens=40, stop=[stop, "never appears"])
+    text, r = chat_text(c, max_tokens=20, stop=[stop, "never appears"])
     assert text == cut and r.choices[0].finish_reason == "stop"
-    assert 0 < r.usage.completion_tokens < 40
-    assert chat_text(c, stream=True, max_tokens=40, stop=stop)[0] == cut
+    n = r.usage.completion_tokens  # up to the token that completed the stop string
+    assert stop in tokenizer.decode(tokens[:n]) and stop not in tokenizer.decode(tokens[: n - 1])
+    assert chat_text(c, stream=True, max_tokens=20, stop=stop)[0] == cut
 
 
 def test_stop_matcher_holds_back_a_split_stop_and_flushes_a_false_start():
@@ -290,7 +293,7 @@ def test_one_log_line_per_request(served, caplog):
 def _plan(client_id, i):
     """Request i of client client_id in the load test: its kind, stream flag, cancel flag, and arguments."""
     n = client_id * 4 + i
-    kw = dict(max_tokens=10 + n % 5)
+    kw = dict(max_tokens=6 + n % 3)
     if n % 8 == 0:  # a few sampled (seeded) ones: sampling a 49152-token row is slow on a CPU
         kw.update(temperature=0.8, seed=n)
     if n % 2:
