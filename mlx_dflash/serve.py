@@ -59,7 +59,10 @@ class Job:
             if kind != "text":
                 self.outcome = payload if kind == "done" else self.outcome
                 self.finished.set()
-        self.loop.call_soon_threadsafe(put)
+        try:
+            self.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
 
     async def cancel(self):
         """The client left: stop the generation, and wait (at most a round) until the engine let go of it."""

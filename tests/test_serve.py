@@ -228,6 +228,26 @@ def test_wrong_method_models_and_health(served):
     assert raw(url, "/health")[:3:2] == (200, {"status": "ok", "model": MODEL, "waiting": 0})
 
 
+def test_a_bug_during_generation_is_a_500_in_one_line_and_the_server_carries_on(served, monkeypatch, caplog):
+    import mlx_dflash.serve as serve
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+        yield
+
+    url, _ = served
+    with monkeypatch.context() as m:
+        m.setattr(serve, "stream_generate", broken)
+        status, _, answer = raw(url, "/v1/chat/completions", GOOD)
+        with pytest.raises(openai.APIError) as e:  # mid-stream: an error event, then the stream ends
+            chat_text(client(url), stream=True)
+    assert status == 500 and answer["error"]["type"] == "server_error"
+    assert "RuntimeError" in answer["error"]["message"] and "boom" not in answer["error"]["message"]
+    assert "RuntimeError" in str(e.value)
+    assert any("boom" in (r.exc_text or "") for r in caplog.records)  # the traceback went to the log
+    assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+
+
 def test_api_key_is_required_everywhere_but_health(tiny_pair):
     with running(tiny_pair, api_key="s3cret") as (url, _):
         with pytest.raises(openai.AuthenticationError) as e:
