@@ -282,14 +282,19 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
         raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
     SamplingParams(temp, top_p, top_k)  # refuse bad defaults before loading anything
-    target_path = _default_target(model_path)
-    target, drafter, tokenizer = load_pair(target_path, _default_drafter(drafter_path))
-    policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
-    for note in policy.notes:
-        click.echo(note, err=True)
+    target_path, drafter_path = _default_target(model_path), _default_drafter(drafter_path)
+
+    def load():  # on the engine's thread
+        target, drafter, tokenizer = load_pair(target_path, drafter_path)
+        policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto",
+                              cost_table)
+        for note in policy.notes:
+            click.echo(note, err=True)
+        return target, drafter, tokenizer, policy
+
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k),
                           api_key=api_key, max_body_bytes=max_body_bytes)
-    run_server(Engine(target, drafter, tokenizer, policy, max_queue), config, host, port)
+    run_server(Engine(load, max_queue), config, host, port)
 
 
 

@@ -77,18 +77,26 @@ class Job:
 
 
 class Engine:
-    """The model pair and the one thread that runs it."""
+    """The model pair and the one thread that runs it.
 
-    def __init__(self, target, drafter, tokenizer, policy, max_queue: int = 16):
-        self.target, self.drafter, self.tokenizer, self.policy = target, drafter, tokenizer, policy
+    load() returns (target, drafter, tokenizer, policy) and runs on that thread too: MLX's default streams
+    are per thread, so the models are loaded and run where they live (as mlx_lm.server does). Its errors
+    (a DFlashError for a bad pair) are raised here, before anything is served.
+    """
+
+    def __init__(self, load, max_queue: int = 16):
         self.max_queue = max_queue
         self.waiting = 0  # submitted, not yet started
         self.completed = self.cancelled = 0
         self._durations = deque(maxlen=8)  # recent request seconds, for Retry-After
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="mlx-dflash-engine", daemon=True)
+        self._loaded, self._load_error = threading.Event(), None
+        self._thread = threading.Thread(target=self._run, args=(load,), name="mlx-dflash-engine", daemon=True)
         self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
 
     def submit(self, job: Job):
         with self._lock:
@@ -107,7 +115,14 @@ class Engine:
         self._jobs.put(None)
         self._thread.join(timeout=60)
 
-    def _run(self):
+    def _run(self, load):
+        try:
+            self.target, self.drafter, self.tokenizer, self.policy = load()
+        except BaseException as e:  # handed to the constructor, on the caller's thread
+            self._load_error = e
+            return
+        finally:
+            self._loaded.set()
         while (job := self._jobs.get()) is not None:
             with self._lock:
                 self.waiting -= 1

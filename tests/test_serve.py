@@ -25,6 +25,7 @@ from mlx_lm.models import llama
 from mlx_dflash.cli import main
 from mlx_dflash.decoder import build_policy, generate
 from mlx_dflash.drafter import drafter_config_for, init_drafter
+from mlx_dflash.errors import DFlashError
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.serve import Engine, ServerConfig, make_app
 from mlx_dflash.serve_protocol import StopMatcher
@@ -55,7 +56,7 @@ def running(pair, max_queue=16, **config):
     import uvicorn
 
     target, drafter, tokenizer = pair
-    engine = Engine(target, drafter, tokenizer, build_policy(target, drafter), max_queue=max_queue)
+    engine = Engine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)), max_queue=max_queue)
     app = make_app(engine, ServerConfig(MODEL, **config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -293,7 +294,7 @@ def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, cap
 def test_one_log_line_per_request(served, caplog):
     caplog.set_level(logging.INFO, logger="mlx_dflash.serve")
     url, _ = served
-    text, r = chat_text(client(url), max_tokens=6)
+    answer = raw(url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 6})[2]
     raw(url, "/v1/chat/completions", {**GOOD, "temperature": -1})
     raw(url, "/health")
 
@@ -303,7 +304,7 @@ def test_one_log_line_per_request(served, caplog):
     time.sleep(0.2)
     lines = lines()
     assert len(lines) == 3
-    assert lines[0].startswith("POST /v1/chat/completions 200 ") and f"id={r.id}" in lines[0]
+    assert lines[0].startswith("POST /v1/chat/completions 200 ") and f"id={answer['id']}" in lines[0]
     for field in ("prompt=", "completion=6", "tok/s=", "tau=", "finish=length"):
         assert field in lines[0]
     assert lines[1].startswith("POST /v1/chat/completions 400 ") and "temperature" in lines[1]
@@ -368,6 +369,14 @@ def test_load_clients_x_4_requests_none_lost_outputs_equal_single_runs(tiny_pair
         assert raw(url, "/health")[0] == 200 and chat_text(c, max_tokens=3)[1].usage.completion_tokens == 3
         mx.clear_cache()
         assert mx.get_active_memory() <= idle  # every request's caches were freed
+
+
+def test_a_load_error_is_raised_where_the_engine_is_made():
+    def load():
+        raise DFlashError("drafter vocab_size 10 != target vocabulary 20")
+
+    with pytest.raises(DFlashError, match="vocab_size 10"):
+        Engine(load)
 
 
 def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
