@@ -252,7 +252,8 @@ def make_app(engine: Engine, config: ServerConfig):
     async def read_json(request):
         limit = config.max_body_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes (--max-body)")
-        if int(request.headers.get("content-length") or 0) > limit:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
             raise too_large
         body = b""
         async for chunk in request.stream():

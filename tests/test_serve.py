@@ -269,7 +269,7 @@ def _wait(predicate, seconds=30):
 
 def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, caplog):
     caplog.set_level(logging.INFO, logger="mlx_dflash.serve")
-    with running(tiny_pair, max_queue=1) as (url, engine):
+    with running(tiny_pair, max_queue=2) as (url, engine):
         c = client(url)
         long = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20000, stream=True)
         next(iter(long)), next(iter(long))  # generating now
@@ -277,18 +277,21 @@ def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, cap
         waiter = threading.Thread(target=lambda: results.append(chat_text(c, max_tokens=5)[0]))
         waiter.start()
         _wait(lambda: engine.waiting == 1)
+        queued = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, stream=True)
+        _wait(lambda: engine.waiting == 2)
         with pytest.raises(openai.APIStatusError) as e:
             chat_text(c, max_tokens=5)
         assert e.value.status_code == 503 and int(e.value.response.headers["Retry-After"]) >= 1
         assert e.value.body["code"] == "queue_full"
-        long.close()  # the client goes away mid-stream
+        queued.close()  # its client leaves while it waits: it must never run
+        long.close()  # this one's client goes away mid-stream
         waiter.join(timeout=30)
-        assert results and results[0] == chat_text(c, max_tokens=5)[0]  # the queued one ran, then this
-        assert engine.cancelled == 1 and engine.waiting == 0
+        assert results and results[0] == chat_text(c, max_tokens=5)[0]  # the waiting one ran, then this
+        assert engine.cancelled == 2 and engine.waiting == 0
     cancelled = [r.message for r in caplog.records if "finish=cancelled" in r.message]
-    assert len(cancelled) == 1
-    completion = int(cancelled[0].split("completion=")[1].split()[0])
-    assert 0 < completion < 2000  # stopped within rounds of the disconnect, far from max_tokens
+    completions = sorted(int(line.split("completion=")[1].split()[0]) for line in cancelled)
+    assert len(completions) == 2 and completions[0] == 0  # the one that never ran
+    assert 0 < completions[1] < 2000  # stopped within rounds of the disconnect, far from max_tokens
 
 
 def test_one_log_line_per_request(served, caplog):
