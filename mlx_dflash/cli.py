@@ -14,7 +14,8 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except DFlashError as e:
-            click.echo(f"error: {e}", err=True)
+            if not getattr(e, "quiet", False):  # e.g. a refusal every rank of a sharded run reaches alike
+                click.echo(f"error: {e}", err=True)
             sys.exit(1)
 
 
@@ -73,8 +74,12 @@ def _default_drafter(drafter_path):
               help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
+@click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
+              help="Split the target over the ranks of an mlx.launch run (rank 0 prints).")
+@click.option("--rank-timeout", default=300.0, show_default=True, type=float,
+              help="With --shard: give up when no round finishes for this many seconds (a hung rank).")
 def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, seed, block_size,
-             force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose):
+             force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose, shard, rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
     from .decoder import build_policy, stream_generate
     from .load import load_pair
@@ -92,23 +97,36 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
     if cost_table and width_mode != "auto":
         raise DFlashError("--cost-table is used by --width auto; add --width auto")
     sampling = SamplingParams(temp, top_p, top_k)
-    target, drafter, tokenizer = load_pair(_default_target(model_path), _default_drafter(drafter_path))
+    if shard:
+        from .distributed import Ranks, load_sharded_pair
+
+        target, drafter, tokenizer, group = load_sharded_pair(
+            _default_target(model_path), _default_drafter(drafter_path), shard)
+    else:
+        from .distributed import SingleProcess
+
+        target, drafter, tokenizer = load_pair(_default_target(model_path), _default_drafter(drafter_path))
     policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
+    ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
+    echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
     stats = None
-    for response in stream_generate(
-        target, drafter, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
-        policy=policy, seed=seed, chat_template=chat_template,
-    ):
-        if stats is None:
-            for note in response.stats.notes:
-                click.echo(note, err=True)
-        stats = response.stats
-        click.echo(response.text, nl=False)
-        if verbose and response.round.drafted:
-            click.echo(f" [{response.round.accepted}/{response.round.drafted}]", nl=False, err=True)
-    click.echo()
-    click.echo("=" * 10, err=True)
-    click.echo(stats.summary(), err=True)
+    with ranks.watch():
+        for response in stream_generate(
+            target, drafter, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
+            policy=policy, seed=seed, chat_template=chat_template, ranks=ranks,
+        ):
+            if stats is None:
+                for note in response.stats.notes:
+                    echo(note, err=True)
+            stats = response.stats
+            echo(response.text, nl=False)
+            if verbose and response.round.drafted:
+                echo(f" [{response.round.accepted}/{response.round.drafted}]", nl=False, err=True)
+    echo()
+    echo("=" * 10, err=True)
+    echo(stats.summary(), err=True)
+    if shard:
+        echo(ranks.summary(stats.rounds), err=True)
 
 
 

@@ -1,0 +1,133 @@
+"""Sharded targets (`--shard tensor|pipeline`): refusals before loading (default tier), and 2-rank runs over
+the ring backend on loopback (slow tier: each launch starts two processes), compared token for token with
+one process."""
+
+import json
+import signal
+import time
+
+import pytest
+from click.testing import CliRunner
+from mlx_lm import load
+
+from mlx_dflash.cli import main
+from mlx_dflash.decoder import build_policy, generate
+from mlx_dflash.distributed import check_shardable
+from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models import ensure_smollm2
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.target import Target
+from sharded_models import CLI, launch, save_random_drafter, save_tiny_target, start_ranks
+
+PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
+GREEDY_CASES = [
+    dict(name="width 1", block_size=1),
+    dict(name="width 4", block_size=4),
+    dict(name="width 16", block_size=16),
+    dict(name="width 16 p-min", block_size=16, p_min=2e-5),
+    dict(name="width auto", auto=True),
+]
+SAMPLED_CASES = [
+    dict(name="sampled, seed 7", temp=1.0, seed=7),
+    dict(name="sampled, a different seed per rank", temp=1.0, seed=100, seed_per_rank=True),
+]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """{family: (target dir, drafter dir)} of tiny random qwen2 / qwen3 targets (6 layers, 4 / 2 heads)."""
+    root = tmp_path_factory.mktemp("sharded")
+    tokenizer_dir = ensure_smollm2("float32")
+    out = {}
+    for family in ("qwen2", "qwen3"):
+        target = save_tiny_target(root / family, family, tokenizer_dir)
+        out[family] = (target, save_random_drafter(root / f"{family}-drafter", target))
+    return out
+
+
+# Refusals, before anything is loaded.
+
+def test_refuses_heads_that_do_not_divide(tmp_path, pairs):
+    target = save_tiny_target(tmp_path / "odd", "qwen2", ensure_smollm2("float32"),
+                              num_attention_heads=6, num_key_value_heads=3, hidden_size=48, intermediate_size=96)
+    with pytest.raises(DFlashError, match="num_key_value_heads 3 .* does not divide over 2 ranks"):
+        check_shardable(target, "tensor", 2)
+    check_shardable(target, "tensor", 3)  # 6 and 3 heads over 3 ranks are fine
+    check_shardable(pairs["qwen2"][0], "tensor", 2)
+    check_shardable(pairs["qwen2"][0], "pipeline", 2)
+
+
+def test_refuses_a_family_without_the_mode(pairs):
+    with pytest.raises(DFlashError, match="'qwen3' models have no pipeline support; try --shard tensor"):
+        check_shardable(pairs["qwen3"][0], "pipeline", 2)
+    with pytest.raises(DFlashError, match="'llama' models have no pipeline support"):
+        check_shardable(ensure_smollm2("float32"), "pipeline", 2)
+    with pytest.raises(DFlashError, match="num_attention_heads 9 .* does not divide over 2"):
+        check_shardable(ensure_smollm2("float32"), "tensor", 2)  # SmolLM2: 9 query / 3 KV heads
+
+
+def test_pipeline_needs_the_weight_index(tmp_path, pairs):
+    import shutil
+
+    copy = shutil.copytree(pairs["qwen2"][0], tmp_path / "no-index")
+    (copy / "model.safetensors.index.json").unlink()
+    with pytest.raises(DFlashError, match="no model.safetensors.index.json"):
+        check_shardable(copy, "pipeline", 2)
+    with pytest.raises(DFlashError, match="6 layers cannot be split over 8 ranks"):
+        check_shardable(pairs["qwen2"][0], "pipeline", 8)
+
+
+def test_shard_without_a_launch_is_one_line(pairs):
+    target, drafter = pairs["qwen2"]
+    result = CliRunner().invoke(main, ["generate", "--model", str(target), "--drafter", str(drafter),
+                                       "--prompt", "hi", "--shard", "tensor"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "error: --shard needs several ranks: start the command with mlx.launch, e.g. "
+        "`mlx.launch --backend ring -n 2 -- mlx-dflash generate ... --shard tensor`"]
+
+
+# Two ranks over loopback.
+
+def single_process(target_dir, drafter_dir, cases):
+    model, tokenizer = load(str(target_dir))
+    target = Target(model)
+    drafter = drafter_from_dir(drafter_dir).bind(target)
+    out = {}
+    for case in cases:
+        policy = build_policy(target, drafter, case.get("block_size"), p_min=case.get("p_min", 0.0),
+                              auto=case.get("auto", False))
+        out[case["name"]] = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
+                                     sampling=SamplingParams(case.get("temp", 0.0)), policy=policy,
+                                     seed=case.get("seed"))[1]
+    return out
+
+
+def run_sharded(tmp_path, target_dir, drafter_dir, mode, cases):
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    worker = str(__import__("pathlib").Path(__file__).with_name("sharded_worker.py"))
+    result = launch([worker, str(target_dir), str(drafter_dir), mode, str(tmp_path / "cases.json"), str(tmp_path)])
+    assert "exited with code" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,mode", [("qwen2", "tensor"), ("qwen2", "pipeline"), ("qwen3", "tensor")])
+def test_two_ranks_decode_like_one_process(tmp_path, pairs, family, mode):
+    target_dir, drafter_dir = pairs[family]
+    cases = [dict(case, prompt=PROMPT, max_tokens=24) for case in GREEDY_CASES + SAMPLED_CASES]
+    rank0, rank1 = run_sharded(tmp_path, target_dir, drafter_dir, mode, cases)
+    want = single_process(target_dir, drafter_dir, cases[: len(GREEDY_CASES)])
+    reference = want["width 1"]
+    assert len(set(reference)) > 5, "degenerate reference: make the random model livelier"
+    for case in GREEDY_CASES:
+        name = case["name"]
+        assert want[name] == reference, name  # one process: every width gives the greedy output
+        assert rank0[name]["tokens"] == reference, f"{mode} {name}"
+        assert rank1[name]["tokens"] == reference, f"{mode} {name}"
+    assert max(map(int, rank0["width 16"]["widths"])) == 16  # the wide verify did run sharded
+    for case in SAMPLED_CASES:
+        name = case["name"]
+        assert rank0[name]["tokens"] == rank1[name]["tokens"], f"{mode} {name}: the ranks diverged"
+        assert len(rank0[name]["tokens"]) == 24
