@@ -131,3 +131,68 @@ def test_two_ranks_decode_like_one_process(tmp_path, pairs, family, mode):
         name = case["name"]
         assert rank0[name]["tokens"] == rank1[name]["tokens"], f"{mode} {name}: the ranks diverged"
         assert len(rank0[name]["tokens"]) == 24
+
+
+@pytest.mark.slow
+def test_only_rank0_prints_and_matches_one_process(pairs):
+    target_dir, drafter_dir = pairs["qwen2"]
+    args = ["generate", "--model", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "Hello there",
+            "--max-tokens", "16", "--block-size", "4"]
+    alone = CliRunner().invoke(main, args)
+    assert alone.exit_code == 0, alone.output
+    sharded = launch([*CLI, *args, "--shard", "pipeline"])
+    assert sharded.stdout == alone.stdout  # the text, once
+    assert sharded.stderr.count("generation: 16 tokens") == 1, sharded.stderr
+    assert "ranks: 2, rank-agreement exchanges" in sharded.stderr
+    refused = launch([*CLI, "generate", "--model", str(pairs["qwen3"][0]), "--drafter", str(pairs["qwen3"][1]),
+                      "--prompt", "hi", "--shard", "pipeline"])
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --shard pipeline: mlx-lm's 'qwen3' models have no pipeline support; "
+                      "try --shard tensor"], refused.stderr
+
+
+def start_long_run(tmp_path, pairs, *extra):
+    """Both ranks of a long tensor-sharded CLI run; returns them once rank 0 has printed text."""
+    target_dir, drafter_dir = pairs["qwen2"]
+    procs = start_ranks([*CLI, "generate", "--model", str(target_dir), "--drafter", str(drafter_dir),
+                         "--prompt", "Hello there", "--max-tokens", "100000", "--block-size", "4",
+                         "--shard", "tensor", *extra], tmp_path / "hostfile.json")
+    assert procs[0].stdout.read(20), procs[0].stderr.read()  # generation is under way
+    return procs
+
+
+def finish(proc, timeout):
+    """(exit code, stderr lines, seconds to exit) of a rank expected to stop by itself."""
+    tic = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except Exception:
+        proc.kill()
+        raise
+    return proc.returncode, err.strip().splitlines(), time.monotonic() - tic
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_others_with_one_line(tmp_path, pairs):
+    rank0, rank1 = start_long_run(tmp_path, pairs)
+    rank1.kill()
+    rank1.wait()
+    code, err, seconds = finish(rank0, timeout=60)
+    assert code == 1
+    assert err[-1].startswith("error: rank 0: lost contact with the other ranks ("), err
+    assert "another rank has stopped" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_with_one_line(tmp_path, pairs):
+    rank0, rank1 = start_long_run(tmp_path, pairs, "--rank-timeout", "5")
+    rank1.send_signal(signal.SIGSTOP)  # alive, sockets open, answering nothing
+    try:
+        code, err, seconds = finish(rank0, timeout=60)
+    finally:
+        rank1.kill()
+        rank1.wait()
+    assert code == 1
+    assert err[-1] == ("error: rank 0: no round finished in 5 s: another rank has stopped answering "
+                       "(see its own output); giving up"), err
+    assert seconds < 30
