@@ -107,8 +107,10 @@ class PipelineStage(Target):
             logits = self.model(ids, cache=cache)
         if not self.layer_ids:
             return logits, None
+        # One dtype on every rank (the logits', the hidden states' in mlx-lm), or the sum over ranks fails.
         zeros = mx.zeros((*ids.shape, self.hidden_size), dtype=logits.dtype)
-        return logits, mx.concatenate([sink.get(i, zeros) for i in self.layer_ids], axis=-1)
+        parts = [sink[i].astype(logits.dtype) if i in sink else zeros for i in self.layer_ids]
+        return logits, mx.concatenate(parts, axis=-1)
 
 
 def load_sharded_target(model_dir: Path, mode: str, group: mx.distributed.Group):
@@ -126,22 +128,43 @@ def load_sharded_target(model_dir: Path, mode: str, group: mx.distributed.Group)
 
 
 def load_sharded_pair(target_path: str, drafter_path: str, mode: str):
-    """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run.
-
-    A refusal (the pair cannot be sharded so) is the same on every rank; only rank 0 prints it.
-    """
+    """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run."""
     from .load import load_drafter, resolve
 
     group = launched_group()
-    try:
+    with said_once(group), lost_rank_errors(group.rank()):  # sharded_load ends in a collective
         model_dir = resolve(target_path, "target model")
         check_shardable(model_dir, mode, group.size())
         drafter = load_drafter(drafter_path)
         target, tokenizer = load_sharded_target(model_dir, mode, group)
         return target, drafter.bind(target), tokenizer, group
+
+
+@contextmanager
+def said_once(group):
+    """An error every rank reaches alike (a refusal, a mismatched pair) is printed by rank 0 only."""
+    try:
+        yield
     except DFlashError as e:
-        e.quiet = group.rank() != 0
+        if not hasattr(e, "quiet"):
+            e.quiet = group.rank() != 0
         raise
+
+
+@contextmanager
+def lost_rank_errors(rank: int):
+    """A backend's error about a lost peer (the ring's "[ring] connection to a peer was lost") as one line,
+    which every rank prints."""
+    try:
+        yield
+    except RuntimeError as e:
+        message = str(e).splitlines()[0] if str(e) else ""
+        if not message.startswith(("[ring]", "[jaccl]", "[mpi]", "[nccl]")):
+            raise
+        error = DFlashError(f"rank {rank}: lost contact with the other ranks ({message}); "
+                            "another rank has stopped: see its own output")
+        error.quiet = False
+        raise error from None
 
 
 class SingleProcess:
@@ -220,13 +243,10 @@ class Ranks(SingleProcess):
                     sys.stderr.flush()
                     os._exit(1)
 
-        thread = threading.Thread(target=watchdog, daemon=True)
-        thread.start()
+        threading.Thread(target=watchdog, daemon=True).start()
         try:
-            yield self
-        except RuntimeError as e:
-            raise DFlashError(f"rank {self.rank}: lost contact with the other ranks ({str(e).splitlines()[0]}); "
-                              "another rank has stopped: see its own output") from None
+            with lost_rank_errors(self.rank):
+                yield self
         finally:
             done.set()
 

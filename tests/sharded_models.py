@@ -68,13 +68,22 @@ def launch(args: list, ranks: int = 2, timeout: float = 300, **kwargs):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(), **kwargs)
 
 
-def free_port() -> int:
-    """A port base for the ring backend (it listens on base and base + 1): other runs may use the default."""
+def free_port(ranks: int = 2) -> int:
+    """A port base for the ring backend, which listens on base .. base + ranks - 1: all of them free now, and
+    below Linux's ephemeral range (where the previous run's connections may still hold ports)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(50):
+        base = random.randrange(20000, 30000)
+        try:
+            for port in range(base, base + ranks):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port pair for the ring backend")
 
 
 def start_ranks(args: list, hostfile: Path, ranks: int = 2) -> list:
