@@ -82,6 +82,7 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
              force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose, shard, rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
     from .decoder import build_policy, stream_generate
+    from .distributed import Ranks, SingleProcess, load_sharded_pair
     from .load import load_pair
     from .sampling import SamplingParams
 
@@ -98,13 +99,11 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, s
         raise DFlashError("--cost-table is used by --width auto; add --width auto")
     sampling = SamplingParams(temp, top_p, top_k)
     if shard:
-        from .distributed import Ranks, load_sharded_pair
-
+        if rank_timeout <= 0:
+            raise DFlashError(f"--rank-timeout must be positive seconds, got {rank_timeout}")
         target, drafter, tokenizer, group = load_sharded_pair(
             _default_target(model_path), _default_drafter(drafter_path), shard)
     else:
-        from .distributed import SingleProcess
-
         target, drafter, tokenizer = load_pair(_default_target(model_path), _default_drafter(drafter_path))
     policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()

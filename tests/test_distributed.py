@@ -86,6 +86,9 @@ def test_shard_without_a_launch_is_one_line(pairs):
     assert result.output.strip().splitlines() == [
         "error: --shard needs several ranks: start the command with mlx.launch, e.g. "
         "`mlx.launch --backend ring -n 2 -- mlx-dflash generate ... --shard tensor`"]
+    result = CliRunner().invoke(main, ["generate", "--model", str(target), "--drafter", str(drafter),
+                                       "--prompt", "hi", "--shard", "tensor", "--rank-timeout", "0"])
+    assert (result.exit_code, result.output.strip()) == (1, "error: --rank-timeout must be positive seconds, got 0.0")
 
 
 # Two ranks over loopback.
