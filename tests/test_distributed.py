@@ -3,8 +3,10 @@ the ring backend on loopback (slow tier: each launch starts two processes), comp
 one process."""
 
 import json
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -68,8 +70,6 @@ def test_refuses_a_family_without_the_mode(pairs):
 
 
 def test_pipeline_needs_the_weight_index(tmp_path, pairs):
-    import shutil
-
     copy = shutil.copytree(pairs["qwen2"][0], tmp_path / "no-index")
     (copy / "model.safetensors.index.json").unlink()
     with pytest.raises(DFlashError, match="no model.safetensors.index.json"):
@@ -107,10 +107,11 @@ def single_process(target_dir, drafter_dir, cases):
     return out
 
 
-def run_sharded(tmp_path, target_dir, drafter_dir, mode, cases):
+def run_sharded(tmp_path, target_dir, drafter_dir, mode, cases, timeout=300):
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    worker = str(__import__("pathlib").Path(__file__).with_name("sharded_worker.py"))
-    result = launch([worker, str(target_dir), str(drafter_dir), mode, str(tmp_path / "cases.json"), str(tmp_path)])
+    worker = str(Path(__file__).with_name("sharded_worker.py"))
+    result = launch([worker, str(target_dir), str(drafter_dir), mode, str(tmp_path / "cases.json"), str(tmp_path)],
+                    timeout=timeout)
     assert "exited with code" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -218,5 +219,5 @@ def test_qwen25_coder_05b_on_two_ranks_decodes_like_one_process(tmp_path):
     for mode in ("tensor", "pipeline"):
         out = tmp_path / mode
         out.mkdir()
-        for rank in run_sharded(out, target_dir, drafter_dir, mode, cases):
+        for rank in run_sharded(out, target_dir, drafter_dir, mode, cases, timeout=1200):
             assert {name: r["tokens"] for name, r in rank.items()} == want, mode
