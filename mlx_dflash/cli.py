@@ -15,7 +15,8 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except DFlashError as e:
-            click.echo(f"error: {e}", err=True)
+            if not getattr(e, "quiet", False):  # e.g. a refusal every rank of a sharded run reaches alike
+                click.echo(f"error: {e}", err=True)
             sys.exit(1)
 
 
@@ -60,10 +61,15 @@ def prepare():
               help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
+@click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
+              help="Split the target over the ranks of an mlx.launch run (rank 0 prints).")
+@click.option("--rank-timeout", default=300.0, show_default=True, type=float,
+              help="With --shard: give up when no round finishes for this many seconds (a hung rank).")
 def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
-             force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose):
+             force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose, shard, rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
     from .decoder import build_policy, stream_generate
+    from .distributed import Ranks, SingleProcess, load_sharded_pair
     from .downloads import default_drafter, default_target
     from .load import load_pair
     from .sampling import SamplingParams
@@ -78,23 +84,34 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
         raise DFlashError("--cost-table is used by --width auto; add --width auto")
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     drafter_path = default_drafter(drafter_path, model_path)
-    target, drafter, tokenizer = load_pair(default_target(model_path), drafter_path)
+    if shard:
+        if rank_timeout <= 0:
+            raise DFlashError(f"--rank-timeout must be positive seconds, got {rank_timeout}")
+        target, drafter, tokenizer, group = load_sharded_pair(
+            default_target(model_path), drafter_path, shard)
+    else:
+        target, drafter, tokenizer = load_pair(default_target(model_path), drafter_path)
     policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
+    ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
+    echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
     stats = None
-    for response in stream_generate(
-        target, drafter, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
-        policy=policy, seed=seed, chat_template=chat_template,
-    ):
-        if stats is None:
-            for note in response.stats.notes:
-                click.echo(note, err=True)
-        stats = response.stats
-        click.echo(response.text, nl=False)
-        if verbose and response.round.drafted:
-            click.echo(f" [{response.round.accepted}/{response.round.drafted}]", nl=False, err=True)
-    click.echo()
-    click.echo("=" * 10, err=True)
-    click.echo(stats.summary(), err=True)
+    with ranks.watch():
+        for response in stream_generate(
+            target, drafter, tokenizer, prompt, max_tokens=max_tokens, sampling=sampling,
+            policy=policy, seed=seed, chat_template=chat_template, ranks=ranks,
+        ):
+            if stats is None:
+                for note in response.stats.notes:
+                    echo(note, err=True)
+            stats = response.stats
+            echo(response.text, nl=False)
+            if verbose and response.round.drafted:
+                echo(f" [{response.round.accepted}/{response.round.drafted}]", nl=False, err=True)
+    echo()
+    echo("=" * 10, err=True)
+    echo(stats.summary(), err=True)
+    if shard:
+        echo(ranks.summary(stats.rounds), err=True)
 
 
 
@@ -266,12 +283,10 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     from .decoder import build_policy
     from .load import load_pair
     from .sampling import SamplingParams
+    from .downloads import default_drafter, default_target
     from .serve import Engine, ServerConfig, run_server
     from .serve_protocol import Defaults
 
-    if model_path and not drafter_path:
-        raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
-                          "give --drafter for this model")
     if n_max is not None:
         if block_size is not None and block_size != n_max + 1:
             raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
@@ -281,7 +296,8 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
         raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
     SamplingParams(temp, top_p, top_k)  # refuse bad defaults before loading anything
-    target_path, drafter_path = _default_target(model_path), _default_drafter(drafter_path)
+    drafter_path = default_drafter(drafter_path, model_path)
+    target_path = default_target(model_path)
 
     def load():  # on the engine's thread
         target, drafter, tokenizer = load_pair(target_path, drafter_path)

@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 from .costs import load_cost_table, probe_verify_costs
+from .distributed import SingleProcess
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .policy import CostAwarePolicy, WidthPolicy, has_quantized_layers, make_policy
@@ -34,14 +35,20 @@ def speculative_rounds(
     sampling: SamplingParams,
     max_tokens: int,
     prefill_step: int = 2048,
+    ranks: SingleProcess = SingleProcess(),
 ) -> Iterator[Round]:
-    """Yield the tokens of each round; the first round is the prefill's token (nothing drafted)."""
+    """Yield the tokens of each round; the first round is the prefill's token (nothing drafted).
+
+    ranks: under a sharded target, every rank takes rank 0's drafts (`agree`) and rank 0's acceptance
+    and token with whole features (`settle`); a single process passes through (distributed.py).
+    """
     cache, draft_cache = target.make_cache(), drafter.make_cache()
 
     # Prefill: the target reads the prompt and picks the first token. The features of every prompt
     # position are context the drafter has not seen yet.
     logits, context = target.prefill(prompt, cache, prefill_step)
     anchor = pick(logits, sampling)
+    _, anchor, context = ranks.settle(prompt.size - 1, anchor, context)  # as if all prompt rows were accepted
     yield Round([anchor], drafted=0, accepted=0)
     produced = 1
 
@@ -59,16 +66,17 @@ def speculative_rounds(
             if policy.uses_confidence:
                 confidence = draft.confidence.tolist()
                 drafts = drafts[: policy.cut(width, confidence) - 1]
+        drafts, confidence = ranks.agree(drafts, confidence)
         draft_seconds = time.perf_counter() - tic
 
         # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
         logits, features = target.forward(mx.array([[anchor] + drafts]), cache)
         accepted, bonus = accept(drafts, logits[0], sampling, proposal)
+        accepted, bonus, kept = ranks.settle(accepted, bonus, features)
         policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds)
 
         # Roll back: the cache keeps anchor + accepted drafts; their features join the context.
         target.trim(cache, len(drafts) - accepted)
-        kept = features[:, : accepted + 1]
         context = kept if context is None else mx.concatenate([context, kept], axis=1)
 
         new_tokens = drafts[:accepted] + [bonus]
@@ -177,6 +185,7 @@ def stream_generate(
     force_width: bool = False,
     seed: Optional[int] = None,
     chat_template: Optional[bool] = None,
+    ranks: SingleProcess = SingleProcess(),
 ) -> Iterator[GenerationResponse]:
     """Stream text as the target accepts it. `prompt` is a string or a list of token ids."""
     if max_tokens < 1:
@@ -199,7 +208,7 @@ def stream_generate(
     )
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens)
+    rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, ranks=ranks)
     for i, rnd in enumerate(rounds):
         if i == 0:
             stats.prefill_seconds = time.perf_counter() - tic

