@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source  # noqa: E402
+from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source, unavailable_reason  # noqa: E402
 
 from mlx_dflash import kernels  # noqa: E402
 
@@ -70,29 +70,43 @@ GRID = [
 # Edge shapes: N smaller than one threadgroup, N a multiple of the threadgroup width, several tiles.
 EDGES = [(9, 64, 5, 32, 8, "f32"), (12, 256, 64, 64, 4, "f16"), (6, 512, 16, 128, 4, "bf16")]
 CASES = FULL_M + GRID + EDGES
+# The default tier: both ends of the row range and one row count between, every bits, group size and
+# dtype at least once, ragged N, partial tiles, the edge shapes. The whole grid is `-m slow`.
+QUICK = [FULL_M[0], FULL_M[-1], (11, 96, 45, 32, 8, "f16"), (16, 384, 45, 128, 8, "f32"),
+         (13, 192, 45, 64, 4, "f32"), *EDGES]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prebuilt():
-    """Compile every variant up front, two g++ processes at a time (builds are cached by hash)."""
+def _sources(cases):
     sources = []
-    for m, k, n, gs, bits, dt in CASES:
+    for m, k, n, gs, bits, dt in cases:
         x, wq, s, b = make_case(m, k, n, gs, bits, DTYPES[dt])
         kernel, call = kernels.wide_qmm_call(x, wq, s, b, gs, bits)
         sources.append(kernels.metal_source(kernel, **call))
-    build_many(sorted(set(sources)), jobs=2)
+    return sorted(set(sources))
+
+
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Compile the default-tier variants up front, two g++ processes at a time (cached by hash)."""
+    if unavailable_reason() is None:
+        build_many(_sources(QUICK), jobs=2)
+
+
+@pytest.fixture(scope="module")
+def prebuilt_grid():
+    if unavailable_reason() is None:
+        build_many(_sources(CASES), jobs=2)
 
 
 def test_grid_covers_every_supported_config():
+    for cases in (CASES, QUICK):
+        assert {c[0] for c in cases} >= {6, 16} and {c[4] for c in cases} == {4, 8}
+        assert {c[3] for c in cases} == {32, 64, 128} and {c[5] for c in cases} == set(DTYPES)
+        assert any(c[2] % 8 for c in cases) and any(c[1] % 128 for c in cases)
     assert {c[0] for c in CASES} == set(range(6, 17))
-    assert {c[4] for c in CASES} == {4, 8}
-    assert {c[3] for c in CASES} == {32, 64, 128}
-    assert {c[5] for c in CASES} == set(DTYPES)
-    assert any(c[2] % 8 for c in CASES) and any(c[1] % 128 for c in CASES)
 
 
-@pytest.mark.parametrize("m,k,n,gs,bits,dt", CASES, ids=lambda v: str(v))
-def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt):
+def check_emulated(m, k, n, gs, bits, dt):
     dtype = DTYPES[dt]
     x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
     launch = emulate(x, wq, s, b, gs, bits)
@@ -103,6 +117,32 @@ def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt):
     assert launch.stats["barriers"] == tgs * 2 * -(-k // 128)
 
 
+@pytest.mark.emulator
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", QUICK, ids=lambda v: str(v))
+def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt, prebuilt):
+    check_emulated(m, k, n, gs, bits, dt)
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", [c for c in CASES if c not in QUICK], ids=lambda v: str(v))
+def test_wide_qmm_grid_matches_quantized_matmul(m, k, n, gs, bits, dt, prebuilt_grid):
+    check_emulated(m, k, n, gs, bits, dt)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", CASES, ids=lambda v: str(v))
+def test_wide_qmm_on_metal_matches_quantized_matmul(m, k, n, gs, bits, dt):
+    """The real kernel on the GPU (compiled by Metal) against MLX's own quantized matmul in float32."""
+    dtype = DTYPES[dt]
+    x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
+    y = kernels.wide_quantized_matmul(x, wq, s, b, gs, bits)
+    assert_close(y, oracle(x, wq, s, b, gs, bits), dtype)
+    y3 = kernels.wide_quantized_matmul(x.reshape(1, m, k), wq, s, b, gs, bits)
+    assert y3.shape == (1, m, n) and mx.array_equal(y3.reshape(m, n), y)
+
+
+@pytest.mark.emulator
 def test_reverse_schedule_and_mixed_scale_dtype():
     """Threads run in the opposite order (other read/write interleavings) and float32 activations
     with bfloat16 scales/biases (their dtype only changes the generated signature)."""
@@ -111,6 +151,7 @@ def test_reverse_schedule_and_mixed_scale_dtype():
     assert_close(launch.outputs[0], oracle(x, wq, s, b, 64, 4), mx.float32)
 
 
+@pytest.mark.emulator
 def test_planted_missing_barriers_are_caught():
     """The real kernel with either barrier removed gives poison (NaN) or wrong outputs in the emulator."""
     header, body = kernels.read_metal_file("wide_qmm.metal")
@@ -132,6 +173,7 @@ def test_planted_missing_barriers_are_caught():
     assert not np.allclose(outs[1], ref, rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.emulator
 @pytest.mark.parametrize("old,new", [
     ("wrow[j] = min(feat0 + j, N - 1);", "wrow[j] = feat0 + j;"),  # ragged N: loads past the last row
     ("if (f < N) {", "if (true) {"),  # ragged N: stores past the last feature
@@ -170,10 +212,16 @@ def test_wide_qmm_call_rejects_unsupported():
             kernels.wide_qmm_call(**args)
     with pytest.raises(ValueError):
         kernels.wide_qmm_call(x, wq, s, b, 64, 2)
-    with pytest.raises(RuntimeError):  # no Metal here
+
+
+def test_wide_qmm_without_metal_says_so(monkeypatch):
+    monkeypatch.setattr(kernels, "metal_available", lambda: False)
+    x, wq, s, b = make_case(6, 128, 16, 64, 4, mx.float32)
+    with pytest.raises(RuntimeError, match="needs Metal"):
         kernels.wide_quantized_matmul(x, wq, s, b, 64, 4)
 
 
+@pytest.mark.emulator
 def test_emulator_source_roundtrip_is_exact():
     """run_source on the printed text equals run_kernel (the emulator runs exactly that text)."""
     x, wq, s, b = make_case(6, 64, 16, 32, 8, mx.float32)
@@ -188,13 +236,20 @@ def test_emulator_source_roundtrip_is_exact():
 # WideQuantizedLinear / install_wide_kernels
 
 
-def test_metal_available_is_false_here():
+def test_metal_available_follows_mlx(monkeypatch):
+    assert kernels.metal_available() is bool(mx.metal.is_available())
+
+    def broken():
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(mx.metal, "is_available", broken)
     assert kernels.metal_available() is False
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_wide_linear_equals_quantized_linear_on_cpu(bias, monkeypatch):
+def test_wide_linear_equals_quantized_linear_without_metal(bias, monkeypatch):
     calls = []
+    monkeypatch.setattr(kernels, "metal_available", lambda: False)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", lambda *a, **k: calls.append(a))
     mx.random.seed(3)
     ql = nn.QuantizedLinear(128, 48, bias=bias, group_size=64, bits=4)
@@ -204,7 +259,7 @@ def test_wide_linear_equals_quantized_linear_on_cpu(bias, monkeypatch):
     for shape in [(1, 128), (6, 128), (1, 16, 128), (2, 4, 128), (20, 128)]:
         x = mx.random.normal(shape)
         assert mx.array_equal(wl(x), ql(x))
-    assert calls == []  # CPU: always mx.quantized_matmul
+    assert calls == []  # without Metal: always mx.quantized_matmul
     assert wl["weight"] is ql["weight"] and wl["scales"] is ql["scales"] and wl["biases"] is ql["biases"]
     assert tree_flatten(wl.parameters()) == tree_flatten(ql.parameters())
     assert [k for k, _ in tree_flatten(wl.trainable_parameters())] == \
@@ -245,7 +300,8 @@ def _tiny_llama():
     return model
 
 
-def test_install_refuses_without_metal():
+def test_install_refuses_without_metal(monkeypatch):
+    monkeypatch.setattr(kernels, "metal_available", lambda: False)
     model = _tiny_llama()
     before = [(name, m) for name, m in model.named_modules()]
     assert kernels.install_wide_kernels(model) == 0
