@@ -34,9 +34,14 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-_SIMD = 32
-_THREADS = 64  # threads per threadgroup (must match NSG * SIMD in wide_qmm.metal)
-_FEATURES_PER_TG = 16  # output features per threadgroup (FPT in wide_qmm.metal)
+FEATURES_PER_THREAD = 2  # FL in wide_qmm.metal
+
+
+def wide_threads(dtype) -> int:
+    """Threads per threadgroup of the wide kernel (NT): each owns 2 output features, so a threadgroup
+    owns 512 features (1024 for float32 activations, whose x tile costs twice the bytes) and the launch
+    reads x only ceil(N / features) times (metal_kernels/README.md, traffic model)."""
+    return 512 if dtype == mx.float32 else 256
 
 
 def metal_available() -> bool:
@@ -109,12 +114,13 @@ def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int) -> tuple[Any
         raise ValueError(f"wide_quantized_matmul: {reason}")
     m, k = x.shape[0], x.shape[1]
     n = w.shape[0]
-    tgs = (n + _FEATURES_PER_TG - 1) // _FEATURES_PER_TG
+    nt = wide_threads(x.dtype)
+    tgs = -(-n // (nt * FEATURES_PER_THREAD))
     call = dict(
         inputs=[x, w, scales, biases, k, n],
-        template=[("T", x.dtype), ("R", m), ("GS", group_size), ("BITS", bits)],
-        grid=(_THREADS * tgs, 1, 1),
-        threadgroup=(_THREADS, 1, 1),
+        template=[("T", x.dtype), ("R", m), ("GS", group_size), ("BITS", bits), ("NT", nt)],
+        grid=(nt * tgs, 1, 1),
+        threadgroup=(nt, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[x.dtype],
     )

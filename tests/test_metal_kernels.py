@@ -111,10 +111,12 @@ def check_emulated(m, k, n, gs, bits, dt):
     x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
     launch = emulate(x, wq, s, b, gs, bits)
     assert_close(launch.outputs[0], oracle(x, wq, s, b, gs, bits), dtype)
-    # One pass over W: every threadgroup stages K / 128 tiles (2 barriers each), all 64 threads live.
-    tgs = -(-n // 16)
+    # Every threadgroup owns 2 * NT features and stages x in K tiles of 512 (<= 8 rows) or 256 values,
+    # with 2 barriers per tile.
+    nt = kernels.wide_threads(dtype)
+    tgs = -(-n // (2 * nt))
     assert launch.stats["threadgroups"] == tgs
-    assert launch.stats["barriers"] == tgs * 2 * -(-k // 128)
+    assert launch.stats["barriers"] == tgs * 2 * -(-k // (512 if m <= 8 else 256))
 
 
 @pytest.mark.emulator
@@ -161,7 +163,7 @@ def test_planted_missing_barriers_are_caught():
     second = body.index(barrier, first + 1)
     no_raw = body[:first] + body[first + len(barrier):]  # read x tile before it is staged
     no_war = body[:second] + body[second + len(barrier):]  # restage while others still read
-    x, wq, s, b = make_case(8, 256, 32, 64, 4, mx.float32)
+    x, wq, s, b = make_case(8, 1024, 32, 64, 4, mx.float32)  # two 512-wide x tiles
     ref = np.array(oracle(x, wq, s, b, 64, 4))
     _, call = kernels.wide_qmm_call(x, wq, s, b, 64, 4)
     outs = []
@@ -175,9 +177,9 @@ def test_planted_missing_barriers_are_caught():
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("old,new", [
-    ("wrow[j] = min(feat0 + j, N - 1);", "wrow[j] = feat0 + j;"),  # ragged N: loads past the last row
-    ("if (f < N) {", "if (true) {"),  # ragged N: stores past the last feature
-    ("if (k < K) {", "if (k < K + BK) {"),  # K tail: weights/scales past the end of the last row
+    ("const int nf = min(FL, N - f0);", "const int nf = FL;"),  # ragged N: loads/stores past the last row
+    ("  for (int j = 0; j < nf; j++) {", "  for (int j = 0; j < FL; j++) {"),  # ragged N: stores past N
+    ("const int tile = min(BK, K - k0);", "const int tile = BK;"),  # K tail: weights past the last row
 ])
 def test_planted_bounds_bugs_are_caught(old, new):
     header, body = kernels.read_metal_file("wide_qmm.metal")
@@ -200,8 +202,8 @@ def test_generated_signature():
                  "const constant int32_t& K [[buffer(4)]]", "const constant int32_t& N [[buffer(5)]]",
                  "device float16_t* y [[buffer(6)]]", "uint3 threadgroup_position_in_grid"):
         assert line in src
-    assert "<float16_t, 16, 32, 8>" in src
-    assert call["grid"] == (64 * 2, 1, 1) and call["threadgroup"] == (64, 1, 1)
+    assert "<float16_t, 16, 32, 8, 256>" in src
+    assert call["grid"] == (256, 1, 1) and call["threadgroup"] == (256, 1, 1)
 
 
 def test_wide_qmm_call_rejects_unsupported():

@@ -71,6 +71,17 @@ template <class T>
 struct vec2_ {
   T x, y;
 };
+// 4-vectors: components, [] and dot() only (what the kernels use); no swizzles or vector arithmetic.
+template <class T>
+struct vec4_ {
+  T x, y, z, w;
+  vec4_() = default;
+  vec4_(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  T& operator[](int i) { return (&x)[i]; }
+  const T& operator[](int i) const { return (&x)[i]; }
+};
+typedef vec4_<float> float4;
+typedef vec4_<uint> uint4;
 typedef vec3_<uint> uint3;
 typedef vec2_<uint> uint2;
 typedef vec3_<ushort> ushort3;
@@ -119,6 +130,8 @@ EMU_NO_TSAN void __tsan_init() {}
 EMU_NO_TSAN void __tsan_func_entry(void*) {}
 EMU_NO_TSAN void __tsan_func_exit() {}
 EMU_NO_TSAN void __tsan_vptr_update(void*, void*) {}
+// Static-local guards (`static Runtime r;`) load their guard byte atomically.
+EMU_NO_TSAN unsigned char __tsan_atomic8_load(const volatile unsigned char* a, int) { return *a; }
 // Buffers of the next launch: n address ranges [lo, hi), counters (read[n], written[n], tg[2]).
 EMU_NO_TSAN void emu_set_regions(int n, const uint64_t* los, const uint64_t* his, int64_t* read, int64_t* written,
                                  int64_t* tg) {
@@ -618,6 +631,7 @@ template <class T> inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi);
 template <class T> inline T select(T a, T b, bool c) { return c ? b : a; }
 template <class T> inline T abs(T x) { return x < T(0) ? T(-x) : x; }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float dot(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 inline half fma(half a, half b, half c) { return half(std::fma(float(a), float(b), float(c))); }
 inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }
