@@ -228,7 +228,7 @@ def _set_wide(model, on: bool, state: dict) -> None:
     if state.get("on", False) == on:
         return
     if on:
-        install_wide_kernels(model)
+        install_wide_kernels(model, route="dflash")  # measure ours, not the race gate's pick
     else:
         swaps = [(n, m.unwrap()) for n, m in model.named_modules() if isinstance(m, WideQuantizedLinear)]
         if swaps:

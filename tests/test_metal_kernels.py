@@ -279,12 +279,12 @@ def test_wide_linear_routing_with_metal_forced(monkeypatch):
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
     ql = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=8)
-    wl = kernels.WideQuantizedLinear(ql)
+    wl = kernels.WideQuantizedLinear(ql, route="dflash")
     for m in [1, 5, 6, 8, 16, 17, 32]:
         x = mx.random.normal((1, m, 64))
         assert mx.array_equal(wl(x), ql(x))
     assert calls == [6, 8, 16]
-    q2 = kernels.WideQuantizedLinear(nn.QuantizedLinear(64, 32, group_size=64, bits=2))
+    q2 = kernels.WideQuantizedLinear(nn.QuantizedLinear(64, 32, group_size=64, bits=2), route="dflash")
     q2(mx.random.normal((8, 64)))  # 2-bit: not a kernel config, stays on mx.quantized_matmul
     assert calls == [6, 8, 16]
 
@@ -329,7 +329,7 @@ def test_install_replaces_quantized_linears(monkeypatch):
 
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
-    assert kernels.install_wide_kernels(model) == len(qnames)
+    assert kernels.install_wide_kernels(model, route="dflash") == len(qnames)
     mods = dict(model.named_modules())
     assert all(type(mods[n]) is kernels.WideQuantizedLinear for n in qnames)
     assert not any(type(m) is nn.QuantizedLinear for m in mods.values())
