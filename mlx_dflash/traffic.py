@@ -101,3 +101,40 @@ def compare(m: int, k: int, n: int, group_size: int = 64, bits: int = 4, x_bytes
         out[f"mlx_{chip}_bytes"] = device_bytes(theirs)
         out[f"ours_over_mlx_{chip}_weights"] = weight_bytes(mine) / weight_bytes(theirs)
     return out
+
+
+def widths_model(shapes: list[dict], widths, x_bytes: int) -> dict:
+    """``bench widths``' modelled traffic: for each width our kernel takes (6..16), summed over the layer
+    shapes (``{"K", "N", "group_size", "bits", "count"}``), ours / unavoidable device bytes and our weight
+    bytes / MLX's on each chip family."""
+    rows = []
+    for m in widths:
+        if not 6 <= m <= 16:
+            continue
+        total = {"unavoidable": 0, "ours": 0, "ours_w": 0, **{f"mlx_w_{c}": 0 for c in CHIPS}}
+        for sh in shapes:
+            args = (m, sh["K"], sh["N"], sh["group_size"], sh["bits"], x_bytes, x_bytes)
+            mine, count = ours(*args), sh.get("count", 1)
+            total["unavoidable"] += count * unavoidable_bytes(*args)
+            total["ours"] += count * device_bytes(mine)
+            total["ours_w"] += count * weight_bytes(mine)
+            for chip in CHIPS:
+                total[f"mlx_w_{chip}"] += count * weight_bytes(mlx_path(chip, *args))
+        rows.append({"width": m, "ours_over_unavoidable": total["ours"] / total["unavoidable"],
+                     **{f"ours_over_mlx_{c}_weights": total["ours_w"] / total[f"mlx_w_{c}"] for c in CHIPS},
+                     "mlx_m3+_weight_passes": _ceil(m, QMV_WIDE_MAX_ROWS), "mlx_m1/m2_weight_passes": m})
+    return {"kind": "model", "x_bytes": x_bytes, "rows": rows,
+            "note": "modelled device bytes (every load counted, no cache), not a measurement"}
+
+
+def format_widths_model(model: dict) -> str:
+    head = ["width", "ours/unavoidable", "MLX M3+ weight passes", "ours/MLX M3+ weights",
+            "MLX M1/M2 weight passes", "ours/MLX M1/M2 weights"]
+    rows = [[str(r["width"]), f"{r['ours_over_unavoidable']:.3f}", str(r["mlx_m3+_weight_passes"]),
+             f"{r['ours_over_mlx_m3+_weights']:.3f}", str(r["mlx_m1/m2_weight_passes"]),
+             f"{r['ours_over_mlx_m1/m2_weights']:.3f}"] for r in model["rows"]]
+    if not rows:
+        return "traffic MODEL: no width in 6..16"
+    size = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
+    lines = ["  ".join(c.rjust(size[j]) for j, c in enumerate(r)) for r in [head] + rows]
+    return "\n".join([f"traffic MODEL ({model['note']}), our wide kernel vs MLX's path:"] + lines)

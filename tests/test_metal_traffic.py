@@ -6,6 +6,7 @@ and for MLX's own qmv_fast / qmv_wide (cut unmodified from the wheel). The bound
 every M in 6..16, device bytes <= 1.15x the unavoidable bytes and weight bytes <= 1/ceil(M/5) of MLX's.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -227,3 +228,22 @@ def test_compare_reports_the_ratios():
     assert 1.0 < c["ours_over_unavoidable"] <= MAX_OVER_UNAVOIDABLE and c["ours_threadgroups"] == 8
     with pytest.raises(ValueError, match="chip"):
         traffic.mlx_path("m9", 6, 64, 8, 32, 4, 2, 2)
+
+
+def test_bench_widths_prints_the_model_beside_the_timings(tmp_path):
+    from mlx_dflash.bench import run_widths_bench
+
+    lines = []
+    res = run_widths_bench(None, tmp_path, shapes=["256x512", "512x256"], widths=range(4, 9), repeats=1, warmup=0,
+                           log=lines.append)
+    model = res["traffic_model"]
+    assert model["kind"] == "model" and [r["width"] for r in model["rows"]] == [6, 7, 8]
+    expected = traffic.widths_model([{"K": 256, "N": 512, "group_size": 64, "bits": 4},
+                                     {"K": 512, "N": 256, "group_size": 64, "bits": 4}], [6, 7, 8], 4)
+    assert model["rows"] == expected["rows"]
+    assert all(r["ours_over_mlx_m3+_weights"] == 0.5 and r["mlx_m1/m2_weight_passes"] == r["width"]
+               for r in model["rows"])
+    text = lines[-1]
+    assert text.startswith("traffic MODEL (modelled device bytes") and "not a measurement" in text
+    assert len(text.splitlines()) == 2 + 3
+    assert json.loads((tmp_path / "widths.json").read_text())["traffic_model"] == model
