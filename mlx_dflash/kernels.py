@@ -71,11 +71,6 @@ def race_gate() -> RaceGate:
     return _gate[0]
 
 
-@functools.lru_cache(maxsize=1)
-def _chip() -> str:
-    return chip_name()
-
-
 def metal_available() -> bool:
     """True only when MLX has a usable Metal device."""
     try:
@@ -222,7 +217,7 @@ class WideQuantizedLinear(nn.Module):
         w, s, b, gs, bits = self["weight"], self["scales"], self["biases"], self.group_size, self.bits
         rows = x.size // x.shape[-1]
         dtype = str(x.dtype).rsplit(".", 1)[-1]
-        key = f"{_chip()}|wide_qmm|{dtype}|K{x.shape[-1]}xN{w.shape[0]}|gs{gs}|b{bits}|rows{rows}"
+        key = f"{chip_name()}|wide_qmm|{dtype}|K{x.shape[-1]}xN{w.shape[0]}|gs{gs}|b{bits}|rows{rows}"
         return race_gate().route(
             key,
             lambda: wide_quantized_matmul(x, w, s, b, gs, bits),

@@ -9,6 +9,7 @@ Each entry keeps the timings and the largest difference seen, so a verdict can b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ def cache_path() -> Path:
     return base / "race_verdicts.json"
 
 
+@functools.lru_cache(maxsize=1)
 def chip_name() -> str:
     """The GPU this process runs on (architecture string, e.g. ``applegpu_g15s``), or ``cpu``."""
     try:

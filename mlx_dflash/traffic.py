@@ -138,3 +138,33 @@ def format_widths_model(model: dict) -> str:
     size = [max(len(r[j]) for r in [head] + rows) for j in range(len(head))]
     lines = ["  ".join(c.rjust(size[j]) for j, c in enumerate(r)) for r in [head] + rows]
     return "\n".join([f"traffic MODEL ({model['note']}), our wide kernel vs MLX's path:"] + lines)
+
+
+def attention_unavoidable_bytes(b: int, hq: int, hkv: int, rows: int, keys: int, d: int, x_bytes: int) -> int:
+    """q and the output once, K and V once per kv head (a GQA group shares them)."""
+    return 2 * b * hq * rows * d * x_bytes + 2 * b * hkv * keys * d * x_bytes
+
+
+def attention_ours(b: int, hq: int, hkv: int, rows: int, keys: int, d: int, x_bytes: int) -> dict:
+    """The two launches of the multi-row attention (metal_kernels/mr_attention_*.metal), summed."""
+    from .attention_kernels import key_chunks
+
+    groups = hq // hkv
+    n_rows = b * hq * rows
+    chunks, split = key_chunks(n_rows, b * hkv, keys, d, x_bytes)
+    simdgroups = min(16, groups * rows)
+    rows_per_sg = _ceil(groups * rows, simdgroups)
+    tile = 2048 // d
+    tiles = sum(_ceil(min(keys, (c + 1) * split) - c * split, tile) for c in range(chunks))
+    partials = n_rows * chunks * (d + 2) * 4
+    return dict(
+        launches=2, threadgroups=b * hkv * chunks + n_rows, threads_per_threadgroup=32 * simdgroups,
+        threadgroup_bytes=2 * tile * d * 4, barriers=b * hkv * 2 * tiles, chunks=chunks,
+        q=b * hkv * chunks * simdgroups * rows_per_sg * d * x_bytes, k=b * hkv * keys * d * x_bytes,
+        v=b * hkv * keys * d * x_bytes, partials_written=partials,
+        partials_read=partials, out=n_rows * d * x_bytes,
+    )
+
+
+def attention_device_bytes(t: dict) -> int:
+    return t["q"] + t["k"] + t["v"] + t["partials_written"] + t["partials_read"] + t["out"]
