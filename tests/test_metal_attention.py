@@ -54,8 +54,7 @@ def check(rows, hkv, groups, d, keys, alloc, dt):
 
 # (rows, kv heads, GQA, head dim, keys attended, cache buffer length, dtype): ragged key counts, a cache
 # buffer longer than the keys attended, several key chunks.
-QUICK = [(2, 2, 1, 64, 300, 300, "f16"), (5, 1, 4, 128, 37, 64, "f32"), (9, 1, 8, 64, 290, 290, "bf16"),
-         (16, 2, 4, 128, 270, 300, "f32")]
+QUICK = [(16, 1, 4, 128, 37, 64, "f32"), (4, 1, 8, 64, 600, 620, "bf16")]  # 1 and 3 key chunks
 GRID = [(rows, 1 if g == 8 else 2, g, d, keys, keys + (rows % 3) * 7, ("f16", "bf16", "f32")[rows % 3])
         for rows in range(2, 17) for g in (1, 4, 8) for d in (64, 128)
         for keys in [rows + 3 * rows * g % 61 if (rows + g + d // 64) % 2 else 517 + rows]]
@@ -105,8 +104,12 @@ PLANTED = {
 }
 
 
+QUICK_PLANTED = ("no causal mask in the block", "wrong GQA head", "chunks not rescaled")
+
+
 @pytest.mark.emulator
-@pytest.mark.parametrize("name", PLANTED)
+@pytest.mark.parametrize("name", [n if n in QUICK_PLANTED else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in PLANTED])
 def test_planted_bugs_are_caught(name):
     file, old, new = PLANTED[name]
     rows, hkv, groups, d, keys, alloc, dt = 6, 2, 4, 64, 300, 300, "f32"  # 2 key chunks
@@ -117,6 +120,7 @@ def test_planted_bugs_are_caught(name):
     assert not np.allclose(np.array(y), np.array(oracle(q, k, v, keys)), atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.emulator
 def test_planted_read_past_the_keys_is_caught():
     q, k, v = make(4, 1, 1, 64, 300, 300, "f32")
@@ -127,7 +131,8 @@ def test_planted_read_past_the_keys_is_caught():
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("shape", [(6, 2, 4, 64, 530, 540, "bf16"), (12, 1, 8, 128, 280, 280, "f32")], ids=str)
+@pytest.mark.parametrize("shape", [(6, 2, 4, 64, 530, 540, "bf16"),
+                                   pytest.param((12, 1, 8, 128, 280, 280, "f32"), marks=pytest.mark.slow)], ids=str)
 def test_traffic_model_equals_emulator_counts(shape):
     rows, hkv, groups, d, keys, alloc, dt = shape
     q, k, v = make(*shape)

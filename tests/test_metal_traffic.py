@@ -113,7 +113,9 @@ def check_bounds(t: dict, m, k, n, gs, bits, dt) -> float:
 @pytest.mark.emulator
 def test_counts_by_hand_small_bf16():
     """M=6, K=256, N=40, group 64, 4 bits, bfloat16: one threadgroup of 256 threads (512 features)."""
-    assert run_ours(6, 256, 40, 64, 4, "bf16") == dict(
+    counts = run_ours(6, 256, 40, 64, 4, "bf16")
+    assert counts == model_of(traffic.ours, 6, 256, 40, 64, 4, "bf16")
+    assert counts == dict(
         threadgroups=1, threads_per_threadgroup=256,
         threadgroup_bytes=6 * 512 * 4,  # one 6 x 512 float tile
         barriers=2,  # one tile, staged and released
@@ -128,7 +130,9 @@ def test_counts_by_hand_small_bf16():
 def test_counts_by_hand_ragged_f16_three_threadgroups():
     """M=11, K=320 (a full and a partial 256-wide tile), N=1100 (3 threadgroups, the last partial),
     group 32, 8 bits, float16."""
-    assert run_ours(11, 320, 1100, 32, 8, "f16") == dict(
+    counts = run_ours(11, 320, 1100, 32, 8, "f16")
+    assert counts == model_of(traffic.ours, 11, 320, 1100, 32, 8, "f16")
+    assert counts == dict(
         threadgroups=3, threads_per_threadgroup=256, threadgroup_bytes=11 * 256 * 4,
         barriers=3 * 2 * 2,
         w=1100 * 320,  # 352000: one byte per 8-bit weight, once
@@ -142,9 +146,11 @@ def test_counts_by_hand_ragged_f16_three_threadgroups():
 def test_mlx_counts_by_hand():
     """MLX's own kernels, M=7 rows, K=512, N=40, group 64, 4 bits, bfloat16."""
     wide = run_mlx("qmv_wide", 7, 512, 40, 64, 4, "bf16")  # 2 row tiles of 4 (row 7 re-read in tile 2)
+    assert wide == model_of(traffic.mlx_qmv_wide, 7, 512, 40, 64, 4, "bf16")
     assert (wide["w"], wide["scales"], wide["x"], wide["y"]) == (2 * 40 * 256, 2 * 40 * 8 * 2, 40 * 2 * 4 * 512 * 2,
                                                                  7 * 40 * 2)
     fast = run_mlx("qmv_fast", 7, 512, 40, 64, 4, "bf16")  # 7 weight passes, x per 4-feature simdgroup
+    assert fast == model_of(traffic.mlx_qmv_fast, 7, 512, 40, 64, 4, "bf16")
     assert (fast["w"], fast["scales"], fast["x"]) == (7 * 40 * 256, 7 * 40 * 32 * 2, 7 * 10 * 512 * 2)
 
 
@@ -163,19 +169,14 @@ def _check_model(m, k, n, gs, bits, dt):
     check_bounds(t, m, k, n, gs, bits, dt)
 
 
-@pytest.mark.emulator
-@pytest.mark.parametrize("m,k,n,gs,bits,dt", MODEL_CASES, ids=str)
-def test_model_equals_emulator_counts(m, k, n, gs, bits, dt):
-    _check_model(m, k, n, gs, bits, dt)
-
-
 @pytest.mark.slow
 @pytest.mark.emulator
-@pytest.mark.parametrize("m,k,n,gs,bits,dt", MODEL_CASES_SLOW, ids=str)
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", MODEL_CASES + MODEL_CASES_SLOW, ids=str)
 def test_model_equals_emulator_counts_every_m(m, k, n, gs, bits, dt):
     _check_model(m, k, n, gs, bits, dt)
 
 
+@pytest.mark.slow
 @pytest.mark.emulator
 @pytest.mark.parametrize("kind,shape", [("qmv_wide", (12, 256, 44, 32, 8, "f16")),
                                         ("qmv_fast", (6, 1024, 16, 128, 8, "bf16"))])
@@ -208,7 +209,7 @@ def test_bounds_over_the_full_grid():
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_planted_weight_rereads_are_caught(rows):
     """The real kernel with fewer rows per threadgroup (1: a weight pass per row, as qmv_fast; 5: as
     MLX's qmv_wide tiles) computes the right answer and fails the bound."""
