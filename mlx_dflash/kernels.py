@@ -246,10 +246,11 @@ def _wide_capable(ql: nn.QuantizedLinear) -> bool:
 def install_wide_kernels(model: nn.Module, route: str | None = None) -> int:
     """Replace the kernel-capable ``nn.QuantizedLinear`` modules of this model instance by
     ``WideQuantizedLinear`` wrappers; returns how many were replaced (0 without Metal).
-    route: ``"auto"`` / ``"dflash"`` / ``"mlx"`` (default: env ``MLX_DFLASH_WIDE_KERNEL``, else auto)."""
-    if not metal_available():
-        return 0
+    route: ``"auto"`` / ``"dflash"`` / ``"mlx"`` (default: env ``MLX_DFLASH_WIDE_KERNEL``, else auto);
+    ``"mlx"`` installs nothing, so the quantized width rule applies again (``--force-width`` lifts it)."""
     route = route or default_route()
+    if not metal_available() or route == "mlx":
+        return 0
     swaps = [
         (name, WideQuantizedLinear(module, route))
         for name, module in model.named_modules()

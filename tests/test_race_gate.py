@@ -122,8 +122,18 @@ def test_forced_routes_skip_the_race(tmp_path, monkeypatch, route, wide):
 
 
 def test_route_from_environment(monkeypatch):
+    from mlx_dflash.target import Target
+
+    from test_metal_kernels import _tiny_llama
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setenv(kernels.ROUTE_ENV, "mlx")
     assert kernels.default_route() == "mlx"
+    target = Target(_tiny_llama())
+    assert target.install_wide_kernels() == 0 and target.wide_kernels is False  # the <= 5 rule stays
+    monkeypatch.setenv(kernels.ROUTE_ENV, "dflash")
+    assert target.install_wide_kernels() == 15 and target.wide_kernels is True
+    assert {m.route for m in target.model.modules() if isinstance(m, kernels.WideQuantizedLinear)} == {"dflash"}
     monkeypatch.setenv(kernels.ROUTE_ENV, "fastest")
     with pytest.raises(DFlashError, match="MLX_DFLASH_WIDE_KERNEL='fastest': use one of auto, dflash, mlx"):
         kernels.default_route()
