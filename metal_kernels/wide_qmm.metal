@@ -7,125 +7,109 @@
 // `mx.fast.metal_kernel`. MLX writes the `[[kernel]]` signature around the body (see
 // mlx_dflash/kernels.py). The two parts are separated by the `//@@ header` / `//@@ body` markers.
 //
-// Design choice: multi-row qmv (SIMT), not a 16-row simdgroup_matrix tile.
-//   * MLX's vector path (qmv_wide) reuses each decoded weight chunk for at most 5 rows, so 6..16 rows
-//     stream W 2-4 times; its matrix path (qmm_t) always computes a 32-row tile. Here every lane decodes
-//     its weight chunk once and applies it to all R rows, so W is read exactly once for any R <= 16,
-//     with no padded rows and no second (split-K reduce) kernel.
-//   * One kernel covers the whole 6..16 range (R is a template parameter, loops fully unrolled) and
-//     ragged N (edge features are clamped for loads and masked for stores), with no N % 32 gate.
-//   * It stays in the plain SIMT MSL subset (scalars, threadgroup array, threadgroup_barrier,
-//     simd_shuffle_down), so the exact source runs in the CPU emulator under tests/metal_emulator;
-//     a simdgroup_matrix tile needs fragment-layout emulation that does not exist yet, and its gain
-//     (MMA throughput at 12..16 rows) can only be measured on Apple hardware.
-//   * Cost: at 12..16 rows the kernel does R*8 FMAs per decoded 8-value chunk on the SIMT units, so on
-//     large GPUs it may become ALU-bound rather than bandwidth-bound; a BM=16 MMA tile is the follow-up
-//     if measurements on a Mac show that.
-//
-// Layout (threadgroup = 2 simdgroups = 64 threads, grid = 64 * ceil(N / 16) threads along x):
-//   * a simdgroup is 4 segments of 8 lanes; a segment owns 2 adjacent output features (FL), its 8 lanes
-//     split K into interleaved 8-value chunks (lane kl takes chunks kl, kl+8, ... of each tile), so the
-//     8 lanes read 32 (4-bit) or 64 (8-bit) consecutive bytes of a weight row;
-//   * a threadgroup owns 16 output features; x tiles (R x 128 values, converted to float) are staged
-//     once per threadgroup in threadgroup memory and shared by all 64 threads (<= 8 KiB at R = 16),
-//     stored chunk-interleaved (element e of chunk ch at e * 16 + ch) so that the 8 lanes of a segment
-//     read 8 consecutive words (no bank conflicts) and the 4 segments read the same words (broadcast);
-//   * per chunk: load 1 (4-bit) or 2 (8-bit) uint32 words per feature, dequantize 8 values in float,
-//     then 8 FMAs per row per feature into acc[R][FL];
-//   * end: a shuffle-down ladder (4, 2, 1) reduces each segment, lane kl == 0 stores R x FL outputs.
-// Inputs: x (R, K) T, w (N, K*BITS/32) uint32, scales/biases (N, K/GS) float16/bfloat16/float32,
-// K and N as int32 scalars; output y (R, N) T.
-// Template parameters: T (activation/output type), R (rows), GS, BITS. The scale/bias type comes from the
-// generated signature (MLX names each input-dtype combination separately).
+// Design (metal_kernels/README.md has the traffic table and the reasoning):
+//   * every weight byte, scale and bias is read from device memory once per launch, and each decoded
+//     weight is applied to all R rows (MLX's qmv_wide reuses a weight for at most 5 rows);
+//   * the activations are read once per threadgroup: a threadgroup owns FPT = 2 * NT output features
+//     (512 with 256 threads for 16-bit activations, 1024 with 512 threads for float32), so the launch
+//     reads x only ceil(N / FPT) times; that keeps device traffic within 1.15x of the unavoidable bytes
+//     (weights + scales + biases + x once + y once) at every R in 6..16 (the emulator's traffic model
+//     checks it, tests/test_metal_traffic.py);
+//   * a thread owns 2 whole output features (no cross-lane reduction): 16-byte (uint4) weight loads,
+//     one scale/bias load per group, accumulators acc[R][2] in registers (every loop over rows,
+//     features and vector lanes has a template-constant bound and `#pragma unroll`);
+//   * x is staged per K tile as float in threadgroup memory (row-major, read as float4 by every thread at
+//     the same address: a broadcast), 2 barriers per tile; tiles are 512 values for R <= 8, 256 above
+//     (16 KiB at most).
+// Inputs: x (R, K) T, w (N, K*BITS/32) uint32, scales/biases (N, K/GS), K and N as int32 scalars;
+// output y (R, N) T. Template parameters: T, R (rows), GS, BITS, NT (threads per threadgroup).
+// Grid: (NT * ceil(N / FPT), ceil(R / RB), 1) threads, threadgroup (NT, 1, 1).
 
 //@@ header
 // (no helpers: everything is in the body so that `constant` / `device` inputs both work)
 
 //@@ body
-  // ---- tuning knobs (measure on hardware before changing) ----
-  constexpr int SIMD = 32;
-  constexpr int NSG = 2;                  // simdgroups per threadgroup
-  constexpr int KL = 8;                   // lanes splitting K for one feature pair
-  constexpr int SEGS = SIMD / KL;         // segments per simdgroup
-  constexpr int FL = 2;                   // output features per segment
-  constexpr int FPT = NSG * SEGS * FL;    // output features per threadgroup (16)
-  constexpr int CV = 8;                   // K values per lane chunk
-  constexpr int CPT = 2;                  // chunks per lane per tile
-  constexpr int NCH = KL * CPT;           // chunks per tile (16)
-  constexpr int BK = NCH * CV;            // K values per staged tile (128)
-  constexpr int NT = NSG * SIMD;          // threads per threadgroup
-  constexpr int WPC = CV * BITS / 32;     // uint32 words per chunk (1 or 2)
+  constexpr int FL = 2;                     // adjacent output features per thread
+  constexpr int FPT = NT * FL;              // output features per threadgroup
+  constexpr int RB = R;                     // rows per threadgroup: all of them (grid.y == 1)
+  constexpr int STEP = 32;                  // K values per weight load step
+  constexpr int WPS = STEP * BITS / 128;    // uint4 loads per feature and step (1 or 2)
+  constexpr int VPW = 32 / BITS;            // quantized values per uint32 word
+  constexpr int BK = (RB <= 8) ? 512 : 256; // K values per staged x tile
   constexpr uint QMASK = (1u << BITS) - 1u;
   static_assert(BITS == 4 || BITS == 8, "bits must be 4 or 8");
   static_assert(GS == 32 || GS == 64 || GS == 128, "group size must be 32, 64 or 128");
   static_assert(R >= 1 && R <= 16, "rows must be 1..16");
+  static_assert(NT % 32 == 0 && NT <= 1024, "threads per threadgroup");
 
-  threadgroup float xs[R * BK];
+  threadgroup float4 xs[RB * BK / 4];  // x[r0 + r, k0 + k] at float index r * BK + k
+  threadgroup float* xsf = (threadgroup float*)xs;
 
   const int tid = int(thread_index_in_threadgroup);
-  const int lane = int(thread_index_in_simdgroup);
-  const int sg = int(simdgroup_index_in_threadgroup);
-  const int seg = lane / KL;
-  const int kl = lane % KL;
+  const int r0 = int(threadgroup_position_in_grid.y) * RB;
+  const int f0 = int(threadgroup_position_in_grid.x) * FPT + tid * FL;  // features f0 .. f0 + FL - 1
+  // Threads whose features are all past N only help stage x; features past N are neither loaded nor
+  // stored (nf counts this thread's features below N).
+  const int nf = min(FL, N - f0);
+  const int kw4 = K * BITS / 128;  // uint4 per weight row (K is a multiple of 32)
+  const int kg = K / GS;           // groups per weight row
+  const device uint4* w4 = (const device uint4*)w;
 
-  const int kw = K * BITS / 32;  // uint32 words per weight row
-  const int kg = K / GS;         // groups per weight row
-  const int feat0 = int(threadgroup_position_in_grid.x) * FPT + (sg * SEGS + seg) * FL;
-
-  // Rows past N (ragged edge) load the last valid row and are never stored: every lane stays
-  // active through the barriers and shuffles.
-  int wrow[FL];
-  for (int j = 0; j < FL; j++) {
-    wrow[j] = min(feat0 + j, N - 1);
-  }
-
-  float acc[R][FL];
-  for (int r = 0; r < R; r++) {
+  float acc[RB][FL];
+  float sc[FL] = {0.0f};  // scale and bias of the current group, per feature
+  float bi[FL] = {0.0f};
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
     for (int j = 0; j < FL; j++) {
       acc[r][j] = 0.0f;
     }
   }
 
   for (int k0 = 0; k0 < K; k0 += BK) {
-    // Stage x[:, k0:k0+BK] as float (zeros past K), chunk-interleaved: consecutive threads write
-    // consecutive words.
-    for (int d = tid; d < R * BK; d += NT) {
+    const int tile = min(BK, K - k0);
+    // Stage x[r0:r0+RB, k0:k0+tile] as float; consecutive threads read consecutive elements.
+    for (int d = tid; d < RB * BK; d += NT) {
       const int r = d / BK;
-      const int e = (d % BK) / NCH;
-      const int ch = d % NCH;
-      const int k = k0 + ch * CV + e;
-      xs[d] = (k < K) ? float(x[r * K + k]) : 0.0f;
+      const int k = d % BK;
+      xsf[d] = (k < tile && r0 + r < R) ? float(x[(r0 + r) * K + k0 + k]) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    for (int c = 0; c < CPT; c++) {
-      const int ch = c * KL + kl;  // chunk index inside the tile
-      const int k = k0 + ch * CV;
-      if (k < K) {  // K is a multiple of GS >= 32, so a chunk is entirely in or out
-        const int g = k / GS;
-        float wv[FL][CV];
+    if (nf > 0) {
+      for (int ks = 0; ks < tile; ks += STEP) {
+        const int k = k0 + ks;
+        uint4 wq[FL][WPS] = {};  // features past N stay zero (computed, never stored)
+#pragma unroll
         for (int j = 0; j < FL; j++) {
-          const float s = float(scales[wrow[j] * kg + g]);
-          const float b = float(biases[wrow[j] * kg + g]);
-          const int wbase = wrow[j] * kw + k * BITS / 32;
-          for (int p = 0; p < WPC; p++) {
-            const uint word = w[wbase + p];
-            for (int i = 0; i < 32 / BITS; i++) {
-              wv[j][p * (32 / BITS) + i] = s * float((word >> (i * BITS)) & QMASK) + b;
+          if (j < nf) {
+            if (k % GS == 0) {  // STEP divides GS: a new group starts; its scale/bias stay in registers
+              sc[j] = float(scales[(f0 + j) * kg + k / GS]);
+              bi[j] = float(biases[(f0 + j) * kg + k / GS]);
+            }
+#pragma unroll
+            for (int p = 0; p < WPS; p++) {
+              wq[j][p] = w4[(f0 + j) * kw4 + k * BITS / 128 + p];
             }
           }
         }
-        for (int r = 0; r < R; r++) {
-          float xv[CV];
-          for (int i = 0; i < CV; i++) {
-            xv[i] = xs[r * BK + i * NCH + ch];
-          }
+#pragma unroll
+        for (int q = 0; q < STEP / 4; q++) {  // 4 K values at a time
+          float4 wv[FL];
+#pragma unroll
           for (int j = 0; j < FL; j++) {
-            float a = acc[r][j];
-            for (int i = 0; i < CV; i++) {
-              a = fma(xv[i], wv[j][i], a);
+            for (int e = 0; e < 4; e++) {
+              const int v = q * 4 + e;
+              const uint word = wq[j][(v / VPW) / 4][(v / VPW) % 4];
+              wv[j][e] = sc[j] * float((word >> ((v % VPW) * BITS)) & QMASK) + bi[j];
             }
-            acc[r][j] = a;
+          }
+#pragma unroll
+          for (int r = 0; r < RB; r++) {
+            const float4 xv = xs[(r * BK + ks) / 4 + q];
+#pragma unroll
+            for (int j = 0; j < FL; j++) {
+              acc[r][j] += dot(xv, wv[j]);
+            }
           }
         }
       }
@@ -133,24 +117,10 @@
     threadgroup_barrier(mem_flags::mem_threadgroup);  // tile consumed before it is restaged
   }
 
-  // Reduce over the 8 lanes of each segment (lanes kl..kl+7 are contiguous in the simdgroup).
-  for (int r = 0; r < R; r++) {
-    for (int j = 0; j < FL; j++) {
-      float a = acc[r][j];
-      a += simd_shuffle_down(a, ushort(4));
-      a += simd_shuffle_down(a, ushort(2));
-      a += simd_shuffle_down(a, ushort(1));
-      acc[r][j] = a;
-    }
-  }
-
-  if (kl == 0) {
-    for (int j = 0; j < FL; j++) {
-      const int f = feat0 + j;
-      if (f < N) {
-        for (int r = 0; r < R; r++) {
-          y[r * N + f] = static_cast<T>(acc[r][j]);
-        }
+  for (int j = 0; j < nf; j++) {
+    for (int r = 0; r < RB; r++) {
+      if (r0 + r < R) {
+        y[(r0 + r) * N + f0 + j] = static_cast<T>(acc[r][j]);
       }
     }
   }

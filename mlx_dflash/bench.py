@@ -37,6 +37,7 @@ from .files import DTYPES, portable_path, write_atomic
 from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 from .plot import charts_available, widths_chart_png
+from .traffic import format_widths_model, widths_model
 
 WIDTHS = tuple(range(1, 17))
 CLIFF_K = 4.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
@@ -191,7 +192,7 @@ def _set_wide(model, on: bool, state: dict) -> None:
     if state.get("on", False) == on:
         return
     if on:
-        install_wide_kernels(model)
+        install_wide_kernels(model, route="dflash")  # measure ours, not the race gate's pick
     else:
         swaps = [(n, m.unwrap()) for n, m in model.named_modules() if isinstance(m, WideQuantizedLinear)]
         if swaps:
@@ -387,11 +388,19 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, f
                "machine": machine_info(), "versions": versions(), "settings": settings, "cliff_rule": CLIFF_RULE,
                "series": series, "cliff": {s["name"]: s["cliff_width"] for s in series}}
     results["cost_table"] = cost_table(results)
+    results["traffic_model"] = traffic_model(shape_list, widths, act)
     written = write_outputs(results, out_dir)
     log(format_table(results))
+    log(format_widths_model(results["traffic_model"]))
     log(f"wrote {', '.join(written)} in {out_dir}" + ("" if "widths.png" in written else
         " (no chart: pip install 'mlx-dflash[bench]' for matplotlib)"))
     return results
+
+
+def traffic_model(shape_list: list[dict], widths, act) -> dict:
+    """The modelled traffic (mlx_dflash/traffic.py) of the shapes our kernel takes, beside the timings."""
+    wide = [sh for sh in shape_list if (sh["mode"], sh["bits"], sh["group_size"], act) in WIDE_OK]
+    return widths_model(wide, widths, act.size)
 
 
 def cost_table(results: dict) -> dict:

@@ -5,8 +5,11 @@ switches to a 32-row tile (qmm_t). ``metal_kernels/wide_qmm.metal`` reads them o
 
 * ``wide_quantized_matmul`` runs that kernel (Metal only).
 * ``WideQuantizedLinear`` wraps an ``nn.QuantizedLinear`` (same parameter arrays, same parameter tree)
-  and sends 6..16-row inputs to the kernel when Metal is available; everything else, and every input on
-  CPU/CUDA, goes through ``mx.quantized_matmul`` exactly as ``nn.QuantizedLinear`` does.
+  and sends 6..16-row inputs to the kernel when Metal is available and the race gate
+  (``race_gate.py``: ours against MLX's, once per chip, shape and rows, verdict cached on disk) found it
+  faster, or when the route is forced (``route="dflash"``, env ``MLX_DFLASH_WIDE_KERNEL``); everything
+  else, and every input on CPU/CUDA, goes through ``mx.quantized_matmul`` exactly as
+  ``nn.QuantizedLinear`` does.
 * ``install_wide_kernels(model)`` swaps those modules into one model instance.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import re
 from typing import Any
 
@@ -21,15 +25,44 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .errors import DFlashError
+from .race_gate import RaceGate, chip_name
+
 MIN_ROWS = 6
 MAX_ROWS = 16
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
-_SIMD = 32
-_THREADS = 64  # threads per threadgroup (must match NSG * SIMD in wide_qmm.metal)
-_FEATURES_PER_TG = 16  # output features per threadgroup (FPT in wide_qmm.metal)
+FEATURES_PER_THREAD = 2  # FL in wide_qmm.metal
+
+
+def wide_threads(dtype) -> int:
+    """Threads per threadgroup of the wide kernel (NT): each owns 2 output features, so a threadgroup
+    owns 512 features (1024 for float32 activations, whose x tile costs twice the bytes) and the launch
+    reads x only ceil(N / features) times (metal_kernels/README.md, traffic model)."""
+    return 512 if dtype == mx.float32 else 256
+
+
+ROUTE_ENV = "MLX_DFLASH_WIDE_KERNEL"
+ROUTES = ("auto", "dflash", "mlx")  # race gate / always ours / always MLX's
+
+
+def default_route() -> str:
+    route = os.environ.get(ROUTE_ENV, "auto")
+    if route not in ROUTES:
+        raise DFlashError(f"{ROUTE_ENV}={route!r}: use one of {', '.join(ROUTES)}")
+    return route
+
+
+_gate: list[RaceGate] = []
+
+
+def race_gate() -> RaceGate:
+    """The process-wide gate (its verdict cache is read once)."""
+    if not _gate:
+        _gate.append(RaceGate())
+    return _gate[0]
 
 
 def metal_available() -> bool:
@@ -102,12 +135,13 @@ def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int) -> tuple[Any
         raise ValueError(f"wide_quantized_matmul: {reason}")
     m, k = x.shape[0], x.shape[1]
     n = w.shape[0]
-    tgs = (n + _FEATURES_PER_TG - 1) // _FEATURES_PER_TG
+    nt = wide_threads(x.dtype)
+    tgs = -(-n // (nt * FEATURES_PER_THREAD))
     call = dict(
         inputs=[x, w, scales, biases, k, n],
-        template=[("T", x.dtype), ("R", m), ("GS", group_size), ("BITS", bits)],
-        grid=(_THREADS * tgs, 1, 1),
-        threadgroup=(_THREADS, 1, 1),
+        template=[("T", x.dtype), ("R", m), ("GS", group_size), ("BITS", bits), ("NT", nt)],
+        grid=(nt * tgs, 1, 1),
+        threadgroup=(nt, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[x.dtype],
     )
@@ -128,12 +162,16 @@ def wide_quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
 
 class WideQuantizedLinear(nn.Module):
     """Drop-in for an ``nn.QuantizedLinear``: same parameter arrays (shared, not copied) under the same
-    names, same config; 6..16-row inputs use the wide kernel when Metal is available."""
+    names, same config; 6..16-row inputs use the wide kernel when Metal is available and ``route`` says
+    so: ``"auto"`` (the race gate's verdict), ``"dflash"`` (always), ``"mlx"`` (never)."""
 
-    def __init__(self, ql: nn.QuantizedLinear):
+    def __init__(self, ql: nn.QuantizedLinear, route: str = "auto"):
         super().__init__()
         if not isinstance(ql, nn.QuantizedLinear):
             raise TypeError(f"expected nn.QuantizedLinear, got {type(ql).__name__}")
+        if route not in ROUTES:
+            raise DFlashError(f"route {route!r}: use one of {', '.join(ROUTES)}")
+        self.route = route
         self.group_size = ql.group_size
         self.bits = ql.bits
         self.mode = ql.mode
@@ -167,8 +205,22 @@ class WideQuantizedLinear(nn.Module):
         )
         return reason is None
 
+    def _route(self, x) -> str:
+        if self.route != "auto":
+            return self.route
+        w, s, b, gs, bits = self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+        rows = x.size // x.shape[-1]
+        dtype = str(x.dtype).rsplit(".", 1)[-1]
+        key = f"{chip_name()}|wide_qmm|{dtype}|K{x.shape[-1]}xN{w.shape[0]}|gs{gs}|b{bits}|rows{rows}"
+        return race_gate().route(
+            key,
+            lambda: wide_quantized_matmul(x, w, s, b, gs, bits),
+            lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits),
+            x.dtype,
+        )
+
     def __call__(self, x):
-        if not self._use_wide(x):
+        if not self._use_wide(x) or self._route(x) != "dflash":
             return nn.QuantizedLinear.__call__(self, x)
         y = wide_quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         if "bias" in self:
@@ -185,13 +237,16 @@ def _wide_capable(ql: nn.QuantizedLinear) -> bool:
     )
 
 
-def install_wide_kernels(model: nn.Module) -> int:
+def install_wide_kernels(model: nn.Module, route: str | None = None) -> int:
     """Replace the kernel-capable ``nn.QuantizedLinear`` modules of this model instance by
-    ``WideQuantizedLinear`` wrappers; returns how many were replaced (0 without Metal)."""
-    if not metal_available():
+    ``WideQuantizedLinear`` wrappers; returns how many were replaced (0 without Metal).
+    route: ``"auto"`` / ``"dflash"`` / ``"mlx"`` (default: env ``MLX_DFLASH_WIDE_KERNEL``, else auto);
+    ``"mlx"`` installs nothing, so the quantized width rule applies again (``--force-width`` lifts it)."""
+    route = route or default_route()
+    if not metal_available() or route == "mlx":
         return 0
     swaps = [
-        (name, WideQuantizedLinear(module))
+        (name, WideQuantizedLinear(module, route))
         for name, module in model.named_modules()
         if type(module) is nn.QuantizedLinear and _wide_capable(module) and name
     ]
@@ -202,6 +257,9 @@ def install_wide_kernels(model: nn.Module) -> int:
 
 __all__ = [
     "MAX_ROWS",
+    "ROUTES",
+    "default_route",
+    "race_gate",
     "MIN_ROWS",
     "WideQuantizedLinear",
     "check_wide_supported",

@@ -93,3 +93,20 @@ def mlx_lm_greedy(model, prompt_ids, max_tokens):
 
     steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)
     return [int(token) for token, _ in steps]
+
+
+# Tests marked `metal` run where MLX has a Metal GPU, tests marked `emulator` where the CPU Metal emulator's
+# compiler works (Linux, g++ >= 12); elsewhere each skips with the reason (pyproject.toml registers both).
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("metal"):
+        from mlx_dflash.kernels import metal_available
+
+        if not metal_available():
+            pytest.skip("needs Metal: mx.metal.is_available() is False on this machine")
+    if item.get_closest_marker("emulator"):
+        from metal_emulator import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            pytest.skip(f"needs the Metal emulator: {reason}")

@@ -20,10 +20,13 @@ from metal_emulator import (  # noqa: E402
     cache_dir,
     parse_source,
     run_kernel,
+    unavailable_reason,
 )
 from metal_emulator.mlx_sources import quantized_header  # noqa: E402
 
-from mlx_dflash.kernels import metal_source  # noqa: E402
+from mlx_dflash.kernel_source import metal_source  # noqa: E402
+
+pytestmark = pytest.mark.emulator  # every test here runs kernels through the emulator
 
 MLX_HELPERS = ["get_pack_factor", "get_bytes_per_pack", "load_vector", "qdot", "dequantize", "qmv_fast_impl",
                "qmv_wide_impl"]
@@ -152,6 +155,8 @@ def _expected_control(x):
 
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt():
+    if unavailable_reason() is not None:
+        return  # the marker skips every test
     x, call = _small_call()
     build_many([metal_source(_small_kernel(k, b), **call) for k, (b, _) in PLANTED.items()]
                + [metal_source(_small_kernel("control", CONTROL), **call)], jobs=2)

@@ -16,9 +16,10 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source  # noqa: E402
+from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source, unavailable_reason  # noqa: E402
 
 from mlx_dflash import kernels  # noqa: E402
+from mlx_dflash.kernel_source import metal_source  # noqa: E402
 
 RTOL = {mx.float32: 1e-6, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
@@ -70,39 +71,81 @@ GRID = [
 # Edge shapes: N smaller than one threadgroup, N a multiple of the threadgroup width, several tiles.
 EDGES = [(9, 64, 5, 32, 8, "f32"), (12, 256, 64, 64, 4, "f16"), (6, 512, 16, 128, 4, "bf16")]
 CASES = FULL_M + GRID + EDGES
+# The default tier: both ends of the row range and one row count between, every bits, group size and
+# dtype at least once, ragged N, partial tiles, the edge shapes. The whole grid is `-m slow`.
+QUICK = [FULL_M[0], FULL_M[-1], (11, 96, 45, 32, 8, "f16"), (16, 384, 45, 128, 8, "f32"),
+         (13, 192, 45, 64, 4, "f32"), *EDGES]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prebuilt():
-    """Compile every variant up front, two g++ processes at a time (builds are cached by hash)."""
+def _sources(cases):
     sources = []
-    for m, k, n, gs, bits, dt in CASES:
+    for m, k, n, gs, bits, dt in cases:
         x, wq, s, b = make_case(m, k, n, gs, bits, DTYPES[dt])
         kernel, call = kernels.wide_qmm_call(x, wq, s, b, gs, bits)
-        sources.append(kernels.metal_source(kernel, **call))
-    build_many(sorted(set(sources)), jobs=2)
+        sources.append(metal_source(kernel, **call))
+    return sorted(set(sources))
+
+
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Compile the default-tier variants up front, two g++ processes at a time (cached by hash)."""
+    if unavailable_reason() is None:
+        build_many(_sources(QUICK), jobs=2)
+
+
+@pytest.fixture(scope="module")
+def prebuilt_grid():
+    if unavailable_reason() is None:
+        build_many(_sources(CASES), jobs=2)
 
 
 def test_grid_covers_every_supported_config():
+    for cases in (CASES, QUICK):
+        assert {c[0] for c in cases} >= {6, 16} and {c[4] for c in cases} == {4, 8}
+        assert {c[3] for c in cases} == {32, 64, 128} and {c[5] for c in cases} == set(DTYPES)
+        assert any(c[2] % 8 for c in cases) and any(c[1] % 128 for c in cases)
     assert {c[0] for c in CASES} == set(range(6, 17))
-    assert {c[4] for c in CASES} == {4, 8}
-    assert {c[3] for c in CASES} == {32, 64, 128}
-    assert {c[5] for c in CASES} == set(DTYPES)
-    assert any(c[2] % 8 for c in CASES) and any(c[1] % 128 for c in CASES)
 
 
-@pytest.mark.parametrize("m,k,n,gs,bits,dt", CASES, ids=lambda v: str(v))
-def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt):
+def check_emulated(m, k, n, gs, bits, dt):
     dtype = DTYPES[dt]
     x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
     launch = emulate(x, wq, s, b, gs, bits)
     assert_close(launch.outputs[0], oracle(x, wq, s, b, gs, bits), dtype)
-    # One pass over W: every threadgroup stages K / 128 tiles (2 barriers each), all 64 threads live.
-    tgs = -(-n // 16)
+    # Every threadgroup owns 2 * NT features and stages x in K tiles of 512 (<= 8 rows) or 256 values,
+    # with 2 barriers per tile.
+    nt = kernels.wide_threads(dtype)
+    tgs = -(-n // (2 * nt))
     assert launch.stats["threadgroups"] == tgs
-    assert launch.stats["barriers"] == tgs * 2 * -(-k // 128)
+    assert launch.stats["barriers"] == tgs * 2 * -(-k // (512 if m <= 8 else 256))
 
 
+@pytest.mark.emulator
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", QUICK, ids=lambda v: str(v))
+def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt, prebuilt):
+    check_emulated(m, k, n, gs, bits, dt)
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", [c for c in CASES if c not in QUICK], ids=lambda v: str(v))
+def test_wide_qmm_grid_matches_quantized_matmul(m, k, n, gs, bits, dt, prebuilt_grid):
+    check_emulated(m, k, n, gs, bits, dt)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("m,k,n,gs,bits,dt", CASES, ids=lambda v: str(v))
+def test_wide_qmm_on_metal_matches_quantized_matmul(m, k, n, gs, bits, dt):
+    """The real kernel on the GPU (compiled by Metal) against MLX's own quantized matmul in float32."""
+    dtype = DTYPES[dt]
+    x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
+    y = kernels.wide_quantized_matmul(x, wq, s, b, gs, bits)
+    assert_close(y, oracle(x, wq, s, b, gs, bits), dtype)
+    y3 = kernels.wide_quantized_matmul(x.reshape(1, m, k), wq, s, b, gs, bits)
+    assert y3.shape == (1, m, n) and mx.array_equal(y3.reshape(m, n), y)
+
+
+@pytest.mark.emulator
 def test_reverse_schedule_and_mixed_scale_dtype():
     """Threads run in the opposite order (other read/write interleavings) and float32 activations
     with bfloat16 scales/biases (their dtype only changes the generated signature)."""
@@ -111,6 +154,7 @@ def test_reverse_schedule_and_mixed_scale_dtype():
     assert_close(launch.outputs[0], oracle(x, wq, s, b, 64, 4), mx.float32)
 
 
+@pytest.mark.emulator
 def test_planted_missing_barriers_are_caught():
     """The real kernel with either barrier removed gives poison (NaN) or wrong outputs in the emulator."""
     header, body = kernels.read_metal_file("wide_qmm.metal")
@@ -120,7 +164,7 @@ def test_planted_missing_barriers_are_caught():
     second = body.index(barrier, first + 1)
     no_raw = body[:first] + body[first + len(barrier):]  # read x tile before it is staged
     no_war = body[:second] + body[second + len(barrier):]  # restage while others still read
-    x, wq, s, b = make_case(8, 256, 32, 64, 4, mx.float32)
+    x, wq, s, b = make_case(8, 1024, 32, 64, 4, mx.float32)  # two 512-wide x tiles
     ref = np.array(oracle(x, wq, s, b, 64, 4))
     _, call = kernels.wide_qmm_call(x, wq, s, b, 64, 4)
     outs = []
@@ -132,10 +176,11 @@ def test_planted_missing_barriers_are_caught():
     assert not np.allclose(outs[1], ref, rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.emulator
 @pytest.mark.parametrize("old,new", [
-    ("wrow[j] = min(feat0 + j, N - 1);", "wrow[j] = feat0 + j;"),  # ragged N: loads past the last row
-    ("if (f < N) {", "if (true) {"),  # ragged N: stores past the last feature
-    ("if (k < K) {", "if (k < K + BK) {"),  # K tail: weights/scales past the end of the last row
+    ("const int nf = min(FL, N - f0);", "const int nf = FL;"),  # ragged N: loads/stores past the last row
+    ("  for (int j = 0; j < nf; j++) {", "  for (int j = 0; j < FL; j++) {"),  # ragged N: stores past N
+    ("const int tile = min(BK, K - k0);", "const int tile = BK;"),  # K tail: weights past the last row
 ])
 def test_planted_bounds_bugs_are_caught(old, new):
     header, body = kernels.read_metal_file("wide_qmm.metal")
@@ -153,13 +198,13 @@ def test_generated_signature():
     and one template instantiation per (T, R, GS, BITS)."""
     x, wq, s, b = make_case(16, 128, 24, 32, 8, mx.float16)
     kernel, call = kernels.wide_qmm_call(x, wq, s, b, 32, 8)
-    src = kernels.metal_source(kernel, **call)
+    src = metal_source(kernel, **call)
     for line in ("const device float16_t* x [[buffer(0)]]", "const device uint32_t* w [[buffer(1)]]",
                  "const constant int32_t& K [[buffer(4)]]", "const constant int32_t& N [[buffer(5)]]",
                  "device float16_t* y [[buffer(6)]]", "uint3 threadgroup_position_in_grid"):
         assert line in src
-    assert "<float16_t, 16, 32, 8>" in src
-    assert call["grid"] == (64 * 2, 1, 1) and call["threadgroup"] == (64, 1, 1)
+    assert "<float16_t, 16, 32, 8, 256>" in src
+    assert call["grid"] == (256, 1, 1) and call["threadgroup"] == (256, 1, 1)
 
 
 def test_wide_qmm_call_rejects_unsupported():
@@ -170,15 +215,21 @@ def test_wide_qmm_call_rejects_unsupported():
             kernels.wide_qmm_call(**args)
     with pytest.raises(ValueError):
         kernels.wide_qmm_call(x, wq, s, b, 64, 2)
-    with pytest.raises(RuntimeError):  # no Metal here
+
+
+def test_wide_qmm_without_metal_says_so(monkeypatch):
+    monkeypatch.setattr(kernels, "metal_available", lambda: False)
+    x, wq, s, b = make_case(6, 128, 16, 64, 4, mx.float32)
+    with pytest.raises(RuntimeError, match="needs Metal"):
         kernels.wide_quantized_matmul(x, wq, s, b, 64, 4)
 
 
+@pytest.mark.emulator
 def test_emulator_source_roundtrip_is_exact():
     """run_source on the printed text equals run_kernel (the emulator runs exactly that text)."""
     x, wq, s, b = make_case(6, 64, 16, 32, 8, mx.float32)
     kernel, call = kernels.wide_qmm_call(x, wq, s, b, 32, 8)
-    src = kernels.metal_source(kernel, **call)
+    src = metal_source(kernel, **call)
     a = run_source(src, call["inputs"], call["output_shapes"], call["output_dtypes"], call["grid"],
                    call["threadgroup"]).outputs[0]
     assert mx.array_equal(a, run_kernel(kernel, **call).outputs[0])
@@ -188,13 +239,20 @@ def test_emulator_source_roundtrip_is_exact():
 # WideQuantizedLinear / install_wide_kernels
 
 
-def test_metal_available_is_false_here():
+def test_metal_available_follows_mlx(monkeypatch):
+    assert kernels.metal_available() is bool(mx.metal.is_available())
+
+    def broken():
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(mx.metal, "is_available", broken)
     assert kernels.metal_available() is False
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_wide_linear_equals_quantized_linear_on_cpu(bias, monkeypatch):
+def test_wide_linear_equals_quantized_linear_without_metal(bias, monkeypatch):
     calls = []
+    monkeypatch.setattr(kernels, "metal_available", lambda: False)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", lambda *a, **k: calls.append(a))
     mx.random.seed(3)
     ql = nn.QuantizedLinear(128, 48, bias=bias, group_size=64, bits=4)
@@ -204,7 +262,7 @@ def test_wide_linear_equals_quantized_linear_on_cpu(bias, monkeypatch):
     for shape in [(1, 128), (6, 128), (1, 16, 128), (2, 4, 128), (20, 128)]:
         x = mx.random.normal(shape)
         assert mx.array_equal(wl(x), ql(x))
-    assert calls == []  # CPU: always mx.quantized_matmul
+    assert calls == []  # without Metal: always mx.quantized_matmul
     assert wl["weight"] is ql["weight"] and wl["scales"] is ql["scales"] and wl["biases"] is ql["biases"]
     assert tree_flatten(wl.parameters()) == tree_flatten(ql.parameters())
     assert [k for k, _ in tree_flatten(wl.trainable_parameters())] == \
@@ -222,12 +280,12 @@ def test_wide_linear_routing_with_metal_forced(monkeypatch):
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
     ql = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=8)
-    wl = kernels.WideQuantizedLinear(ql)
+    wl = kernels.WideQuantizedLinear(ql, route="dflash")
     for m in [1, 5, 6, 8, 16, 17, 32]:
         x = mx.random.normal((1, m, 64))
         assert mx.array_equal(wl(x), ql(x))
     assert calls == [6, 8, 16]
-    q2 = kernels.WideQuantizedLinear(nn.QuantizedLinear(64, 32, group_size=64, bits=2))
+    q2 = kernels.WideQuantizedLinear(nn.QuantizedLinear(64, 32, group_size=64, bits=2), route="dflash")
     q2(mx.random.normal((8, 64)))  # 2-bit: not a kernel config, stays on mx.quantized_matmul
     assert calls == [6, 8, 16]
 
@@ -245,7 +303,8 @@ def _tiny_llama():
     return model
 
 
-def test_install_refuses_without_metal():
+def test_install_refuses_without_metal(monkeypatch):
+    monkeypatch.setattr(kernels, "metal_available", lambda: False)
     model = _tiny_llama()
     before = [(name, m) for name, m in model.named_modules()]
     assert kernels.install_wide_kernels(model) == 0
@@ -271,7 +330,7 @@ def test_install_replaces_quantized_linears(monkeypatch):
 
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
-    assert kernels.install_wide_kernels(model) == len(qnames)
+    assert kernels.install_wide_kernels(model, route="dflash") == len(qnames)
     mods = dict(model.named_modules())
     assert all(type(mods[n]) is kernels.WideQuantizedLinear for n in qnames)
     assert not any(type(m) is nn.QuantizedLinear for m in mods.values())

@@ -16,6 +16,7 @@ from .runner import (
     parse_source,
     run_kernel,
     run_source,
+    unavailable_reason,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "parse_source",
     "run_kernel",
     "run_source",
+    "unavailable_reason",
 ]

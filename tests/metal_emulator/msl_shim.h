@@ -71,10 +71,95 @@ template <class T>
 struct vec2_ {
   T x, y;
 };
+// 4-vectors: components, [] and dot() only (what the kernels use); no swizzles or vector arithmetic.
+template <class T>
+struct vec4_ {
+  T x, y, z, w;
+  vec4_() = default;
+  vec4_(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  T& operator[](int i) { return (&x)[i]; }
+  const T& operator[](int i) const { return (&x)[i]; }
+};
+typedef vec4_<float> float4;
+typedef vec4_<uint> uint4;
 typedef vec3_<uint> uint3;
 typedef vec2_<uint> uint2;
 typedef vec3_<ushort> ushort3;
 typedef vec2_<ushort> ushort2;
+
+// ------------------------------------------------------------------------------------------------
+// Traffic counting (EMU_TRAFFIC builds): the kernel is compiled with -fsanitize=thread, which makes g++
+// call __tsan_readN / __tsan_writeN(address) at every memory access; no TSan runtime is linked, these
+// definitions count the bytes that fall into a registered buffer or the threadgroup arena. They must not
+// be instrumented themselves (no_sanitize_thread), so they touch only the plain globals below.
+#ifdef EMU_TRAFFIC
+#define EMU_NO_TSAN __attribute__((no_sanitize_thread))
+namespace emu_traffic {
+static uintptr_t lo[32], hi[32], arena_lo, arena_hi, all_lo, all_hi;
+static int nbufs;
+static int64_t* read_ = nullptr;  // -> Shared::traffic.read / written / tg_read / tg_written
+static int64_t* written_ = nullptr;
+static int64_t* tg_ = nullptr;
+EMU_NO_TSAN inline __attribute__((always_inline)) void count(void* p, size_t n, int write) {
+  const uintptr_t a = (uintptr_t)p;
+  if (a - arena_lo < arena_hi - arena_lo) {
+    if (tg_) tg_[write] += (int64_t)n;
+    return;
+  }
+  if (a - all_lo >= all_hi - all_lo || !read_) return;
+  for (int i = 0; i < nbufs; i++)
+    if (a - lo[i] < hi[i] - lo[i]) {
+      (write ? written_ : read_)[i] += (int64_t)n;
+      return;
+    }
+}
+}  // namespace emu_traffic
+extern "C" {
+#define EMU_TSAN_N(N)                                                                              \
+  EMU_NO_TSAN void __tsan_read##N(void* p) { emu_traffic::count(p, N, 0); }                        \
+  EMU_NO_TSAN void __tsan_write##N(void* p) { emu_traffic::count(p, N, 1); }                       \
+  EMU_NO_TSAN void __tsan_unaligned_read##N(void* p) { emu_traffic::count(p, N, 0); }              \
+  EMU_NO_TSAN void __tsan_unaligned_write##N(void* p) { emu_traffic::count(p, N, 1); }             \
+  EMU_NO_TSAN void __tsan_volatile_read##N(void* p) { emu_traffic::count(p, N, 0); }               \
+  EMU_NO_TSAN void __tsan_volatile_write##N(void* p) { emu_traffic::count(p, N, 1); }
+EMU_TSAN_N(1) EMU_TSAN_N(2) EMU_TSAN_N(4) EMU_TSAN_N(8) EMU_TSAN_N(16)
+#undef EMU_TSAN_N
+EMU_NO_TSAN void __tsan_read_range(void* p, size_t n) { emu_traffic::count(p, n, 0); }
+EMU_NO_TSAN void __tsan_write_range(void* p, size_t n) { emu_traffic::count(p, n, 1); }
+EMU_NO_TSAN void __tsan_init() {}
+EMU_NO_TSAN void __tsan_func_entry(void*) {}
+EMU_NO_TSAN void __tsan_func_exit() {}
+EMU_NO_TSAN void __tsan_vptr_update(void*, void*) {}
+// Static-local guards (`static Runtime r;`) load their guard byte atomically.
+EMU_NO_TSAN unsigned char __tsan_atomic8_load(const volatile unsigned char* a, int) { return *a; }
+// Buffers of the next launch: n address ranges [lo, hi), counters (read[n], written[n], tg[2]).
+EMU_NO_TSAN void emu_set_regions(int n, const uint64_t* los, const uint64_t* his, int64_t* read, int64_t* written,
+                                 int64_t* tg) {
+  emu_traffic::nbufs = n < 32 ? n : 32;
+  emu_traffic::all_lo = ~uintptr_t(0);
+  emu_traffic::all_hi = 0;
+  for (int i = 0; i < emu_traffic::nbufs; i++) {
+    emu_traffic::lo[i] = (uintptr_t)los[i];
+    emu_traffic::hi[i] = (uintptr_t)his[i];
+    if (los[i] < emu_traffic::all_lo) emu_traffic::all_lo = (uintptr_t)los[i];
+    if (his[i] > emu_traffic::all_hi) emu_traffic::all_hi = (uintptr_t)his[i];
+  }
+  emu_traffic::read_ = read;
+  emu_traffic::written_ = written;
+  emu_traffic::tg_ = tg;
+}
+}
+namespace emu {
+EMU_NO_TSAN inline void note_arena(void* p, size_t n) {
+  emu_traffic::arena_lo = (uintptr_t)p;
+  emu_traffic::arena_hi = (uintptr_t)p + n;
+}
+}  // namespace emu
+#else
+namespace emu {
+inline void note_arena(void*, size_t) {}
+}  // namespace emu
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Runtime: fibers, scheduler, threadgroup memory
@@ -116,6 +201,13 @@ struct Fiber {
 
 struct Stats {
   int64_t threadgroups, switches, barriers, collectives, tg_bytes;
+};
+
+// Traffic counters (builds with EMU_TRAFFIC only): bytes loaded from / stored to each kernel buffer and to
+// threadgroup memory, counted at every access the compiled kernel makes (no cache model).
+constexpr int MAX_BUFS = 32;
+struct Traffic {
+  int64_t read[MAX_BUFS], written[MAX_BUFS], tg_read, tg_written;
 };
 
 struct Site {
@@ -205,6 +297,7 @@ struct Shared {  // lives in MAP_SHARED memory so a forked child can report back
   int status;
   Stats stats;
   char msg[2048];
+  Traffic traffic;
 };
 inline Shared*& shared() {
   static Shared* s = nullptr;
@@ -418,6 +511,7 @@ inline void run_grid(const unsigned* grid, const unsigned* tgsize, int reverse) 
   r.stacks = (char*)mmap(nullptr, STACK * MAX_THREADS, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   r.arena = (unsigned char*)std::aligned_alloc(64, ARENA);
+  note_arena(r.arena, ARENA);
   if (!r.fibers || !r.attrs || r.stacks == MAP_FAILED || !r.arena) fatal(INTERNAL, "out of memory");
   r.launch++;
   r.arena_used = 0;
@@ -537,6 +631,7 @@ template <class T> inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi);
 template <class T> inline T select(T a, T b, bool c) { return c ? b : a; }
 template <class T> inline T abs(T x) { return x < T(0) ? T(-x) : x; }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float dot(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 inline half fma(half a, half b, half c) { return half(std::fma(float(a), float(b), float(c))); }
 inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }

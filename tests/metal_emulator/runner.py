@@ -1,6 +1,6 @@
 """Run the exact Metal source of an ``mx.fast.metal_kernel`` call on the CPU.
 
-Pipeline: ``mlx_dflash.kernels.metal_source`` (MLX prints the source it would compile) -> rewrite for g++
+Pipeline: ``mlx_dflash.kernel_source.metal_source`` (MLX prints the source it would compile) -> rewrite for g++
 (threadgroup arrays -> poisoned per-threadgroup arena, instantiation line -> launcher) -> compile against
 ``msl_shim.h`` (cached by hash) -> run every threadgroup with one fiber per GPU thread (see msl_shim.h).
 """
@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,18 +23,22 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash.kernels import metal_source
+from mlx_dflash.kernel_source import metal_source
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "msl_shim.h"
 CXX = os.environ.get("CXX", "g++")
 CXXFLAGS = ["-std=c++17", "-O1", "-g1", "-fPIC", "-shared", "-fno-strict-aliasing", "-w"]
+# Traffic-counting builds: g++'s ThreadSanitizer instrumentation calls __tsan_readN/writeN at every memory
+# access; msl_shim.h defines them as byte counters (no TSan runtime is linked).
+TRAFFIC_FLAGS = ["-DEMU_TRAFFIC", "-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
 GUARD = 256  # poisoned bytes before every buffer (out-of-bounds write detection)
 PAGE = mmap.PAGESIZE
 POISON = 0xFF
 
 # Status codes of emu_run (msl_shim.h, emu::Status)
 _OK, _DIV_BARRIER, _DIV_COLLECTIVE, _DEADLOCK, _CRASH, _TG_MEMORY = 0, 1, 2, 3, 4, 5
+_TRAFFIC_OFFSET, _MAX_BUFS = 48 + 2048, 32  # emu::Shared::traffic, emu::MAX_BUFS
 
 
 class EmulatorError(RuntimeError):
@@ -256,9 +261,9 @@ def parse_source(source: str) -> ParsedKernel:
 _libs: dict[str, ctypes.CDLL] = {}
 
 
-def _build_key(cpp: str) -> str:
+def _build_key(cpp: str, flags: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (cpp, SHIM.read_text(), " ".join([CXX, *CXXFLAGS]), _compiler_version()):
+    for part in (cpp, SHIM.read_text(), " ".join([CXX, *flags]), _compiler_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -274,29 +279,55 @@ def _compiler_version() -> str:
     return _compiler_version_cache[0]
 
 
-def build(parsed: ParsedKernel) -> Path:
-    """Compile (or reuse) the shared object of one kernel variant; key = hash(source + shim + flags)."""
+def unavailable_reason() -> str | None:
+    """Why the emulator cannot run here (None when it can): it needs Linux (ucontext fibers, mmap guard
+    pages, fork) and a g++ >= 12 (`_Float16`)."""
+    if not sys.platform.startswith("linux"):
+        return f"it runs on Linux only (this is {sys.platform})"
+    if shutil.which(CXX) is None:
+        return f"compiler {CXX!r} not found (set CXX or install g++ >= 12)"
+    try:
+        version = subprocess.run([CXX, "-dumpversion"], capture_output=True, text=True, check=True).stdout
+        major = int(version.strip().split(".")[0])
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return f"cannot read the version of {CXX!r}"
+    if "clang" in _compiler_version().lower() or major < 12:
+        return f"{_compiler_version()} is not g++ >= 12"
+    return None
+
+
+def build(parsed: ParsedKernel, traffic: bool = False) -> Path:
+    """Compile (or reuse) the shared object of one kernel variant; key = hash(source + shim + flags).
+    ``traffic``: the instrumented build that counts memory traffic (compiled, then linked without TSan)."""
     if shutil.which(CXX) is None:
         raise CompileError(f"{CXX} not found")
-    out = cache_dir() / f"{_build_key(parsed.cpp)}.so"
+    flags = CXXFLAGS + (TRAFFIC_FLAGS if traffic else [])
+    out = cache_dir() / f"{_build_key(parsed.cpp, flags)}.so"
     if out.exists():
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = Path(tmp) / "kernel.cpp"
         src.write_text(parsed.cpp)
         lib = Path(tmp) / "kernel.so"
-        proc = subprocess.run([CXX, *CXXFLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CompileError(f"g++ failed for {parsed.kernel_name}:\n{proc.stderr[-6000:]}")
+        if traffic:
+            obj = Path(tmp) / "kernel.o"
+            steps = [[CXX, *[f for f in flags if f != "-shared"], "-c", str(src), "-o", str(obj)],
+                     [CXX, "-shared", str(obj), "-o", str(lib)]]
+        else:
+            steps = [[CXX, *flags, str(src), "-o", str(lib)]]
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise CompileError(f"g++ failed for {parsed.kernel_name}:\n{proc.stderr[-6000:]}")
         os.replace(lib, out)
     return out
 
 
-def build_many(sources: list[str], jobs: int = 2) -> list[Path]:
+def build_many(sources: list[str], jobs: int = 2, traffic: bool = False) -> list[Path]:
     """Compile several variants in parallel (g++ processes)."""
     parsed = [parse_source(s) for s in sources]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(build, parsed))
+        return list(pool.map(lambda p: build(p, traffic), parsed))
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -313,6 +344,9 @@ def _load(path: Path) -> ctypes.CDLL:
             ctypes.c_double,
             ctypes.c_void_p,
         ]
+        if hasattr(lib, "emu_set_regions"):
+            lib.emu_set_regions.restype = None
+            lib.emu_set_regions.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5
         _libs[key] = lib
     return _libs[key]
 
@@ -346,6 +380,9 @@ class Launch:
     outputs: list
     stats: dict
     source: str
+    # With traffic=True: {buffer name: {"space": "device" | "constant", "read": bytes, "written": bytes}}
+    # plus stats["tg_read"] / stats["tg_written"] (threadgroup-memory bytes accessed).
+    traffic: dict | None = None
 
 
 def run_source(
@@ -359,10 +396,12 @@ def run_source(
     reverse: bool = False,
     timeout_s: float = 120.0,
     use_fork: bool = True,
+    traffic: bool = False,
 ) -> Launch:
-    """Run already generated Metal source (as printed by MLX) on the given inputs."""
+    """Run already generated Metal source (as printed by MLX) on the given inputs. ``traffic``: count the
+    bytes every access moves, per buffer and for threadgroup memory (an instrumented, slower build)."""
     parsed = parse_source(source)
-    lib = _load(build(parsed))
+    lib = _load(build(parsed, traffic))
 
     # Bind buffer parameters: inputs in order, each followed by its optional _shape/_strides/_ndim.
     host = [_to_numpy(a) for a in inputs]
@@ -429,6 +468,15 @@ def run_source(
     g = (ctypes.c_uint * 3)(*[int(v) for v in (tuple(grid) + (1, 1))[:3]])
     t = (ctypes.c_uint * 3)(*[int(v) for v in (tuple(threadgroup) + (1, 1))[:3]])
     shared_addr = ctypes.addressof(ctypes.c_char.from_buffer(shared))
+    counters = None
+    if traffic:
+        idxs = sorted(sizes)
+        lo = (ctypes.c_uint64 * len(idxs))(*[base_addr + layout[i] for i in idxs])
+        hi = (ctypes.c_uint64 * len(idxs))(*[base_addr + layout[i] + max(sizes[i], 1) for i in idxs])
+        counters = idxs
+        off = _TRAFFIC_OFFSET
+        lib.emu_set_regions(len(idxs), ctypes.addressof(lo), ctypes.addressof(hi), shared_addr + off,
+                            shared_addr + off + 8 * _MAX_BUFS, shared_addr + off + 16 * _MAX_BUFS)
     for fence, _ in fences:
         _mprotect(base_addr + fence, PAGE, 0)
     try:
@@ -441,6 +489,16 @@ def run_source(
     msg = raw[48 : 48 + 2048].split(b"\0", 1)[0].decode(errors="replace")
     stats = dict(zip(("threadgroups", "switches", "barriers", "collectives", "tg_bytes"),
                      np.frombuffer(raw[8:48], np.int64).tolist()))
+    traffic_out = None
+    if counters is not None:
+        t = np.frombuffer(raw[_TRAFFIC_OFFSET:_TRAFFIC_OFFSET + 8 * (2 * _MAX_BUFS + 2)], np.int64).tolist()
+        by_index = {p.index: p for p in bufs}
+        traffic_out = {
+            by_index[idx].name: {"space": "constant" if "constant" in by_index[idx].decl.split() else "device",
+                                 "read": t[j], "written": t[_MAX_BUFS + j]}
+            for j, idx in enumerate(counters)
+        }
+        stats["tg_read"], stats["tg_written"] = t[2 * _MAX_BUFS], t[2 * _MAX_BUFS + 1]
     if status != _OK:
         error = _ERRORS.get(status, EmulatorError)
         fault = re.search(r"address (0x[0-9a-f]+)", msg)
@@ -477,7 +535,7 @@ def run_source(
         lo = layout[idx]
         arr = after[lo : lo + sizes[idx]].copy().view(npdt).reshape(shape)
         results.append(_from_numpy(arr, dtype))
-    return Launch(results, stats, source)
+    return Launch(results, stats, source, traffic_out)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -494,7 +552,8 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
 
 
 def run_kernel(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
-               init_value=None, reverse=False, timeout_s=120.0, use_fork=True, **_ignored) -> Launch:
+               init_value=None, reverse=False, timeout_s=120.0, use_fork=True, traffic=False,
+               **_ignored) -> Launch:
     """Emulate ``kernel(inputs=..., ...)`` exactly as MLX would launch it on Metal."""
     call = dict(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid,
                 threadgroup=threadgroup)
@@ -504,4 +563,4 @@ def run_kernel(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgrou
         call["init_value"] = init_value
     source = metal_source(kernel, **call)
     return run_source(source, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value=init_value,
-                      reverse=reverse, timeout_s=timeout_s, use_fork=use_fork)
+                      reverse=reverse, timeout_s=timeout_s, use_fork=use_fork, traffic=traffic)

@@ -1,0 +1,197 @@
+"""The multi-row (2..16 query rows) block attention kernels, run through the CPU Metal emulator against
+mx.fast.scaled_dot_product_attention (float32 oracle, the same causal block mask), with planted bugs, in
+the traffic model, and routed through the race gate."""
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from metal_emulator import OutOfBoundsError, run_kernel  # noqa: E402
+
+from mlx_dflash import attention_kernels as attn  # noqa: E402
+from mlx_dflash import traffic  # noqa: E402
+from mlx_dflash.race_gate import RaceGate  # noqa: E402
+
+DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
+ATOL = {"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}  # output rounding (values ~1) + summation order
+
+
+def make(rows, hkv, groups, d, keys, alloc, dt, seed=0):
+    a, b, c = mx.random.split(mx.random.key(seed * 1009 + rows * 31 + keys), 3)
+    dtype = DTYPES[dt]
+    q = mx.random.normal((1, hkv * groups, rows, d), key=a).astype(dtype)
+    k = mx.random.normal((1, hkv, alloc, d), key=b).astype(dtype)
+    v = mx.random.normal((1, hkv, alloc, d), key=c).astype(dtype)
+    return q, k, v
+
+
+def emulate(q, k, v, keys, kernels=None, traffic_=False):
+    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys)
+    k1, k2 = kernels or (k1, k2)
+    first = run_kernel(k1, **c1, traffic=traffic_)
+    second = run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}, traffic=traffic_)
+    return second.outputs[0].reshape(q.shape), first, second, (c1, c2)
+
+
+def oracle(q, k, v, keys):
+    f = mx.float32
+    return attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), q.shape[-1] ** -0.5, keys)
+
+
+def check(rows, hkv, groups, d, keys, alloc, dt):
+    q, k, v = make(rows, hkv, groups, d, keys, alloc, dt)
+    y, first, _, (c1, _) = emulate(q, k, v, keys)
+    assert y.dtype == q.dtype
+    err = np.abs(np.array(y.astype(mx.float32)) - np.array(oracle(q, k, v, keys)))
+    assert np.isfinite(err).all() and err.max() <= ATOL[dt], err.max()
+    return first, c1
+
+
+# (rows, kv heads, GQA, head dim, keys attended, cache buffer length, dtype): ragged key counts, a cache
+# buffer longer than the keys attended, several key chunks.
+QUICK = [(16, 1, 4, 128, 37, 64, "f32"), (4, 1, 8, 64, 600, 620, "bf16")]  # 1 and 3 key chunks
+GRID = [(rows, 1 if g == 8 else 2, g, d, keys, keys + (rows % 3) * 7, ("f16", "bf16", "f32")[rows % 3])
+        for rows in range(2, 17) for g in (1, 4, 8) for d in (64, 128)
+        for keys in [rows + 3 * rows * g % 61 if (rows + g + d // 64) % 2 else 517 + rows]]
+
+
+def test_grid_covers_the_issue():
+    assert {c[0] for c in GRID} == set(range(2, 17)) and {c[2] for c in GRID} == {1, 4, 8}
+    assert {c[3] for c in GRID} == {64, 128} and any(c[4] < c[5] for c in GRID)
+    assert any(c[4] % 64 for c in GRID) and any(attn.key_chunks(1, 1, c[4], c[3], 2)[0] > 1 for c in GRID)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("rows,hkv,groups,d,keys,alloc,dt", QUICK, ids=str)
+def test_block_attention_matches_sdpa(rows, hkv, groups, d, keys, alloc, dt):
+    first, call = check(rows, hkv, groups, d, keys, alloc, dt)
+    chunks = call["grid"][2]
+    assert first.stats["threadgroups"] == hkv * chunks
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+@pytest.mark.parametrize("rows,hkv,groups,d,keys,alloc,dt", GRID, ids=str)
+def test_block_attention_grid_matches_sdpa(rows, hkv, groups, d, keys, alloc, dt):
+    check(rows, hkv, groups, d, keys, alloc, dt)
+
+
+def _planted(file, old, new):
+    header, body = attn.read_metal_file(file)
+    assert body.count(old) == 1, old
+    if "partial" in file:
+        return mx.fast.metal_kernel(
+            name="planted_partial", input_names=["q", "k", "v", "scale", "S", "SPLIT"], output_names=["o_part", "ml"],
+            source=body.replace(old, new), header=header, ensure_row_contiguous=False)
+    return mx.fast.metal_kernel(name="planted_combine", input_names=["o_part", "ml", "NC"], output_names=["out"],
+                                source=body.replace(old, new), header=header, ensure_row_contiguous=False)
+
+
+PLANTED = {
+    "no causal mask in the block": ("mr_attention_partial.metal", "const int last = S - L + qr % L;",
+                                    "const int last = S - 1;"),
+    "wrong GQA head": ("mr_attention_partial.metal", "(hkv * G + qr / L) * q_strides[1]", "(hkv + qr / L) * q_strides[1]"),
+    "missing barrier after staging": ("mr_attention_partial.metal", "    threadgroup_barrier(mem_flags::mem_threadgroup);\n#pragma unroll",
+                                      "#pragma unroll"),
+    "chunks not rescaled": ("mr_attention_combine.metal", "const float wgt = metal::exp(mls[2 * c] - mx_);",
+                            "const float wgt = 1.0f;"),
+    "online softmax not rescaled": ("mr_attention_partial.metal", "l[t] = l[t] * corr + p;", "l[t] = l[t] + p;"),
+}
+
+
+QUICK_PLANTED = ("no causal mask in the block", "wrong GQA head", "chunks not rescaled")
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("name", [n if n in QUICK_PLANTED else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in PLANTED])
+def test_planted_bugs_are_caught(name):
+    file, old, new = PLANTED[name]
+    rows, hkv, groups, d, keys, alloc, dt = 6, 2, 4, 64, 300, 300, "f32"  # 2 key chunks
+    q, k, v = make(rows, hkv, groups, d, keys, alloc, dt)
+    (k1, _), (k2, _) = attn.attention_calls(q, k, v, d ** -0.5, keys)
+    planted = _planted(file, old, new)
+    y = emulate(q, k, v, keys, kernels=(planted, k2) if "partial" in file else (k1, planted))[0]
+    assert not np.allclose(np.array(y), np.array(oracle(q, k, v, keys)), atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.emulator
+def test_planted_read_past_the_keys_is_caught():
+    q, k, v = make(4, 1, 1, 64, 300, 300, "f32")
+    planted = _planted("mr_attention_partial.metal", "const int k_hi = min(S, k_lo + SPLIT);",
+                       "const int k_hi = k_lo + SPLIT;")
+    with pytest.raises(OutOfBoundsError):
+        emulate(q, k, v, 300, kernels=(planted, attn.combine_kernel()))
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("shape", [(6, 2, 4, 64, 530, 540, "bf16"),
+                                   pytest.param((12, 1, 8, 128, 280, 280, "f32"), marks=pytest.mark.slow)], ids=str)
+def test_traffic_model_equals_emulator_counts(shape):
+    rows, hkv, groups, d, keys, alloc, dt = shape
+    q, k, v = make(*shape)
+    _, first, second, _ = emulate(q, k, v, keys, traffic_=True)
+    t1, t2 = first.traffic, second.traffic
+    x_bytes = q.dtype.size
+    model = traffic.attention_ours(1, hkv * groups, hkv, rows, keys, d, x_bytes)
+    assert t1["q"]["read"] == model["q"]
+    assert (t1["k"]["read"], t1["v"]["read"]) == (model["k"], model["v"])  # each key once per kv head
+    assert t1["o_part"]["written"] + t1["ml"]["written"] == model["partials_written"]
+    assert t2["o_part"]["read"] + t2["ml"]["read"] == model["partials_read"]
+    assert t2["out"]["written"] == model["out"]
+    assert first.stats["barriers"] == model["barriers"]
+    assert first.stats["threadgroups"] + second.stats["threadgroups"] == model["threadgroups"]
+
+
+def test_traffic_model_for_the_published_shapes():
+    """K/V are read once per kv head, not once per query head; the partials stay within their share."""
+    for hq, hkv in ((32, 8), (32, 32), (16, 2)):
+        for d in (64, 128):
+            for rows in range(2, 17):
+                for keys in (512, 4096, 32768):
+                    t = traffic.attention_ours(1, hq, hkv, rows, keys, d, 2)
+                    base = traffic.attention_unavoidable_bytes(1, hq, hkv, rows, keys, d, 2)
+                    assert t["k"] + t["v"] == 2 * hkv * keys * d * 2
+                    if t["chunks"] > 1:  # more chunks only while their partials stay within the share
+                        assert t["partials_written"] <= attn.MAX_PARTIAL_SHARE * (t["k"] + t["v"]) * 1.01
+                    if keys >= 4096 and hkv < hq:  # long caches: K/V dominate, partials are the overhead
+                        assert traffic.attention_device_bytes(t) <= 1.4 * base
+
+
+def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
+    """Metal forced, a CPU stand-in for our kernel: the gate races once per (shape, rows, cache bin)."""
+    class Timer:
+        races = 0
+
+        def __call__(self, calls):
+            Timer.races += 1
+            return {"dflash": 1.0, "mlx": 2.0}
+
+    ran = []
+
+    def stand_in(q, k, v, scale, keys):
+        ran.append(q.shape[2])
+        return attn.reference_attention(q, k, v, scale, keys)
+
+    gate = RaceGate(tmp_path / "v.json", timer=Timer())
+    monkeypatch.setattr(attn, "metal_available", lambda: True)
+    monkeypatch.setattr(attn, "multi_row_attention", stand_in)
+    monkeypatch.setattr(attn, "race_gate", lambda: gate)
+    q, k, v = make(8, 2, 4, 64, 100, 100, "f32")
+    ref = attn.reference_attention(q, k, v, 0.125, 100)
+    for _ in range(2):
+        assert mx.allclose(attn.block_attention(q, k, v, 0.125, 100), ref)
+    assert Timer.races == 1 and ran == [8, 8, 8]  # race (numerics), then two routed calls
+    (key,) = gate.verdicts
+    assert key.endswith("|mr_attention|float32|B1|Hq8|Hkv2|D64|keys<=128|rows8")
+    assert mx.allclose(attn.block_attention(q[:, :, :1], k, v, 0.125, 100), attn.reference_attention(
+        q[:, :, :1], k, v, 0.125, 100))  # one row: MLX's, no race
+    assert Timer.races == 1
+    attn.block_attention(q, k, v, 0.125, 100, route="mlx")
+    assert ran == [8, 8, 8]
