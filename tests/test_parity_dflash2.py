@@ -9,13 +9,14 @@ The reference module comes from the wheel exactly as in test_parity_torch.py.
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from mlx.utils import tree_flatten
 
 from dflash2_tiny import H, VOCAB, randomize, tiny_config
 from mlx_dflash.config import parse_config
 from mlx_dflash.drafter import Borrowed, init_drafter
-from test_parity_torch import reference  # noqa: F401  (the fixture)
+from conftest import TORCH_MISSING
+
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 N_FEAT = 5 * H

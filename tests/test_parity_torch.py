@@ -1,11 +1,9 @@
 """Our MLX drafter against z-lab's PyTorch DFlashDraftModel (PyPI dflash==0.1.0), same weights.
 
 The reference module is extracted from the published wheel (sha256-checked) and imported from that
-file; the package itself is not installed (its exact pins would fight ours, and it installs a
+file (the `reference` fixture in conftest.py); the package itself is not installed (its exact pins would fight ours, and it installs a
 `dflash` command of its own).
 """
-
-import importlib.util
 
 import mlx.core as mx
 import numpy as np
@@ -14,27 +12,13 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash.config import parse_config
 from mlx_dflash.drafter import Borrowed, init_drafter
-from mlx_dflash.downloads import cache_dir, fetch_pypi_member
+from conftest import TORCH_MISSING
 
-torch = pytest.importorskip(
-    "torch", reason="the parity tests need PyTorch, which is not installed: pip install -e '.[parity]' "
-    "(on Linux first the CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)")
+torch = pytest.importorskip("torch", reason=TORCH_MISSING)
 
-DFLASH_MODEL_SHA256 = "f55b7fe0a4c0b3073e0f9cdce547cce29f4b8e2168c4d2818760007c43b7651e"
 # float32 end to end; differences come from summation order only.
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 H, VOCAB = 64, 97
-
-
-@pytest.fixture(scope="module")
-def reference():
-    dest = cache_dir() / "downloads" / "dflash-0.1.0" / "model.py"
-    if not dest.exists():
-        fetch_pypi_member("dflash", "0.1.0", "dflash/model.py", DFLASH_MODEL_SHA256, dest)
-    spec = importlib.util.spec_from_file_location("zlab_dflash_model", dest)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny_config(**overrides):
