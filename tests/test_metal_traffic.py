@@ -244,7 +244,7 @@ def test_bench_widths_prints_the_model_beside_the_timings(tmp_path):
     assert model["rows"] == expected["rows"]
     assert all(r["ours_over_mlx_m3+_weights"] == 0.5 and r["mlx_m1/m2_weight_passes"] == r["width"]
                for r in model["rows"])
-    text = lines[-1]
+    text = next(line for line in lines if line.startswith("traffic MODEL"))
     assert text.startswith("traffic MODEL (modelled device bytes") and "not a measurement" in text
     assert len(text.splitlines()) == 2 + 3
     assert json.loads((tmp_path / "widths.json").read_text())["traffic_model"] == model
