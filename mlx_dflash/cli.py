@@ -267,7 +267,7 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     from .decoder import build_policy
     from .load import load_pair
     from .sampling import SamplingParams
-    from .serve import Engine, ServerConfig, run_server
+    from .serve import Engine, ServerConfig, bind, run_server
     from .serve_protocol import Defaults
 
     if model_path and not drafter_path:
@@ -282,6 +282,7 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
         raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
     SamplingParams(temp, top_p, top_k)  # refuse bad defaults before loading anything
+    sock = bind(host, port)
     target_path, drafter_path = _default_target(model_path), _default_drafter(drafter_path)
 
     def load():  # on the engine's thread
@@ -294,7 +295,7 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
 
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k),
                           api_key=api_key, max_body_bytes=max_body_bytes)
-    run_server(Engine(load, max_queue), config, host, port)
+    run_server(Engine(load, max_queue), config, sock)
 
 
 

@@ -389,6 +389,11 @@ def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
                         (["--n-max", "3", "--block-size", "2"], "disagree")]:
         r = runner.invoke(main, ["serve", *args])
         assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = runner.invoke(main, ["serve", "--port", str(taken.getsockname()[1])])
+    assert r.exit_code == 1 and "pass another --port" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def _free_port():
