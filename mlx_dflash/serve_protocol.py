@@ -42,6 +42,7 @@ class Defaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -99,8 +100,10 @@ def _common(body, defaults: Defaults, served_model: str) -> dict:
     temperature = _field(body, "temperature", _is_number, "a number", defaults.temperature)
     top_p = _field(body, "top_p", _is_number, "a number", defaults.top_p)
     top_k = _field(body, "top_k", _is_int, "an integer (0 disables it)", defaults.top_k)
+    min_p = _field(body, "min_p", _is_number, "a number (0 disables it)", defaults.min_p)
     try:
-        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k)
+        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                                  min_p=float(min_p))
     except DFlashError as e:
         raise APIError(400, str(e), param=str(e).split()[0]) from None
     n = _field(body, "n", _is_int, "an integer", 1)

@@ -24,6 +24,7 @@ from mlx_lm.models import llama
 
 from mlx_dflash.cli import main
 from mlx_dflash.decoder import build_policy, generate
+from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.drafter import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.sampling import SamplingParams
@@ -36,10 +37,10 @@ CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(smollm2_path):
+def tiny_pair():
     from mlx_lm.utils import load_tokenizer
 
-    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer = load_tokenizer(ensure_smollm2("float32"))  # the tokenizer files only: the model stays random
     mx.random.seed(0)
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152)
@@ -77,8 +78,8 @@ def running(pair, max_queue=16, **config):
         assert not thread.is_alive()
 
 
-def client(url, key="unused", **kw):
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
+def client(url, key="unused", timeout=60):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 def raw(url, path, body=None, method=None, headers=None):
@@ -172,6 +173,9 @@ def test_per_request_sampling_seed_top_k_and_temperature(tiny_pair, served):
     want, _, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=6,
                           sampling=SamplingParams(temperature=0.7, top_p=0.9), seed=5)
     assert chat_text(c, max_tokens=6, temperature=0.7, top_p=0.9, seed=5)[0] == want
+    want, _, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=6,
+                          sampling=SamplingParams(temperature=1.0, min_p=0.2), seed=6)
+    assert chat_text(c, max_tokens=6, temperature=1.0, seed=6, extra_body={"min_p": 0.2})[0] == want
 
 
 GOOD = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
@@ -186,6 +190,8 @@ BAD_INPUT = [
     ("/v1/chat/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {**GOOD, "top_k": -1}, 400, "top_k"),
+    ("/v1/chat/completions", {**GOOD, "min_p": 1.5}, 400, "min_p"),
+    ("/v1/chat/completions", {**GOOD, "min_p": "low"}, 400, "min_p"),
     ("/v1/chat/completions", {**GOOD, "seed": 1.5}, 400, "seed"),
     ("/v1/chat/completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("/v1/chat/completions", {**GOOD, "stop": 3}, 400, "stop"),
@@ -389,6 +395,11 @@ def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
                         (["--n-max", "3", "--block-size", "2"], "disagree")]:
         r = runner.invoke(main, ["serve", *args])
         assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = runner.invoke(main, ["serve", "--port", str(taken.getsockname()[1])])
+    assert r.exit_code == 1 and "pass another --port" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def _free_port():
@@ -424,7 +435,7 @@ def test_real_pair_greedy_equals_generate_and_mlx_lm(smollm2):
                     break
             except OSError:
                 time.sleep(0.2)
-        c = client(url)
+        c = client(url, timeout=600)  # a shared 2-core machine can be very slow
         name = c.models.list().data[0].id
         messages = [{"role": "user", "content": prompt}]
         r = c.chat.completions.create(model=name, messages=messages)
