@@ -158,6 +158,7 @@ def test_long_cache_is_really_long(tiny_model, tmp_path):
     assert res["cost_table"]["by_cache_length"]["4096"] == verify[4096]["median_seconds"]
 
 
+@pytest.mark.slow  # real timings: a loaded machine can bend the line
 @pytest.mark.skipif(metal_available(), reason="the CPU has no cliff; on Metal there is one to find")
 def test_cpu_matmul_is_linear_without_cliff(tmp_path):
     res = run_widths_bench(None, tmp_path, shapes=["1024x1024"], repeats=5, log=None)
