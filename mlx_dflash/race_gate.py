@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+
+from .files import cache_dir, write_json
 
 OURS, MLX = "dflash", "mlx"
 ROUTES = (OURS, MLX)
@@ -28,9 +28,7 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
 
 def cache_path() -> Path:
-    root = os.environ.get("MLX_DFLASH_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "mlx-dflash"
-    return base / "race_verdicts.json"
+    return cache_dir() / "race_verdicts.json"
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,19 +41,6 @@ def chip_name() -> str:
     except Exception:  # pragma: no cover - builds without device_info
         pass
     return "cpu"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """The file is complete or absent (temporary file beside it, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def median_times(calls: dict[str, Callable[[], mx.array]], repeats: int = 7) -> dict[str, float]:
@@ -113,5 +98,6 @@ class RaceGate:
         if not same:
             print(f"mlx-dflash: our kernel disagrees with MLX's for {key} (relative error {err:.3g}); "
                   "using MLX's", file=sys.stderr)
-        write_atomic(self.path, (json.dumps(self.verdicts, indent=1, sort_keys=True) + "\n").encode())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, self.verdicts, indent=1, sort_keys=True)
         return verdict
