@@ -102,7 +102,7 @@ class PipelineStage(Target):
         # model.layers is cut short on every stage but the first-layer one; the count itself survives.
         return getattr(self._inner, "num_hidden_layers", None) or self._inner.args.num_hidden_layers
 
-    def forward(self, ids: mx.array, cache: list):
+    def _run(self, ids: mx.array, cache: list):  # under both forward (verify) and prefill
         with self._recording() as sink:
             logits = self.model(ids, cache=cache)
         if not self.layer_ids:
