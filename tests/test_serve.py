@@ -20,35 +20,23 @@ import mlx.core as mx
 import openai
 import pytest
 from click.testing import CliRunner
-from mlx_lm.models import llama
 
 from mlx_dflash.cli import main
 from mlx_dflash.decoder import build_policy, generate
-from mlx_dflash.downloads import ensure_smollm2
-from mlx_dflash.drafter import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.serve import Engine, ServerConfig, make_app
 from mlx_dflash.serve_protocol import StopMatcher
-from mlx_dflash.target import Target
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def tiny_pair():
-    from mlx_lm.utils import load_tokenizer
-
-    tokenizer = load_tokenizer(ensure_smollm2("float32"))  # the tokenizer files only: the model stays random
-    mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    target = Target(model)
-    drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=4, num_target_features=2), seed=0)
-    return target, drafter.bind(target), tokenizer
+def tiny_pair(tiny_chat_pair):
+    """conftest's random llama with SmolLM2's tokenizer and its untrained drafter, as (target, drafter, tokenizer)."""
+    target, tokenizer, drafter = tiny_chat_pair
+    return target, drafter, tokenizer
 
 
 @contextlib.contextmanager
@@ -113,14 +101,15 @@ def test_chat_and_completions_equal_the_decoder_streamed_or_not(tiny_pair, serve
     target, drafter, tokenizer = tiny_pair
     url, _ = served
     c = client(url)
-    want, _, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=16)
+    want, _, want_stats = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=16)
     text, r = chat_text(c)
     assert text == want and r.choices[0].finish_reason == "length"
     prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
         len(prompt_ids), 16, len(prompt_ids) + 16)
     stats = r.model_extra["dflash"]
-    assert stats["rounds"] == 15 and sum(stats["accepted_lengths"].values()) == 15 and stats["block_size"] == 4
+    assert stats["rounds"] == want_stats.rounds == sum(stats["accepted_lengths"].values())
+    assert stats["block_size"] == drafter.block_size
 
     streamed, chunks = chat_text(c, stream=True, stream_options={"include_usage": True})
     assert streamed == want and len(chunks) > 3
