@@ -155,8 +155,12 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
 @click.option("--quant-predicate", default=None, help="Targets: mlx_lm.convert's mixed-precision recipe.")
 @click.option("--revision", default=None, help="Targets: hub revision to convert.")
 @click.option("--trust-remote-code", is_flag=True, help="Targets: passed to mlx_lm.convert.")
+@click.option("--draft-vocab", default=None, type=int,
+              help="Drafters: draft only over the N most frequent tokens of --vocab-data (0 drops a stored one).")
+@click.option("--vocab-data", default=None, type=click.Path(dir_okay=False),
+              help="Drafters: the target's responses (a `train --data` JSONL) that rank the tokens.")
 def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype, overwrite, q_mode,
-            quant_predicate, revision, trust_remote_code):
+            quant_predicate, revision, trust_remote_code, draft_vocab, vocab_data):
     """Convert a drafter or a target into an MLX directory, optionally pre-quantized."""
     from .convert import convert_drafter, convert_target
 
@@ -167,9 +171,14 @@ def convert(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dty
                                          trust_remote_code=trust_remote_code or None).items() if v is not None}
     if drafter_src and passthrough:
         raise DFlashError(f"--{next(iter(passthrough)).replace('_', '-')} applies to --model conversions only")
-    fn = convert_drafter if drafter_src else convert_target
-    out = fn(drafter_src or model_src, out_dir, quantize=quantize, q_bits=q_bits,
-             q_group_size=q_group_size, dtype=dtype, overwrite=overwrite, **passthrough)
+    if model_src and (draft_vocab is not None or vocab_data):
+        raise DFlashError("--draft-vocab and --vocab-data apply to --drafter conversions only")
+    if drafter_src:
+        out = convert_drafter(drafter_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
+                              dtype=dtype, overwrite=overwrite, draft_vocab=draft_vocab, vocab_data=vocab_data)
+    else:
+        out = convert_target(model_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
+                             dtype=dtype, overwrite=overwrite, **passthrough)
     click.echo(f"wrote {out}")
 
 

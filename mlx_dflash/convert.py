@@ -29,7 +29,8 @@ from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__
 from .config import config_to_dict, load_config
-from .drafter import BORROWED_KEYS, load_strict, new_drafter, quantize_like_checkpoint, read_weights
+from .draft_vocab import response_token_counts, select_draft_vocab
+from .drafter import BORROWED_KEYS, load_strict, new_drafter, pop_draft_vocab, quantize_like_checkpoint, read_weights
 from .errors import DFlashError
 from .files import DTYPES, safetensors_files, staged_dir, write_json
 from .load import resolve
@@ -127,15 +128,19 @@ def _quantized_modules(model: nn.Module) -> list:
 
 def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
                     dtype: Optional[str] = None, overwrite: bool = False,
-                    max_shard_gb: int = MAX_FILE_SIZE_GB) -> Path:
+                    max_shard_gb: int = MAX_FILE_SIZE_GB, draft_vocab: Optional[int] = None,
+                    vocab_data=None) -> Path:
     """Convert a DFlash drafter (local directory or hub repo id) into an MLX drafter directory.
 
     dtype: float16 | bfloat16 | float32 (default: each tensor keeps its source dtype). With
     `quantize`, every linear layer is stored `q_bits`-bit affine-quantized (groups of
     `q_group_size`); norms, DFlash 2 convolution base taps and selector codebooks stay float (see the
-    module docstring). Returns the output path.
+    module docstring). draft_vocab: store a draft vocabulary of this many tokens, the most frequent in
+    the target's responses in `vocab_data` (draft_vocab.py); 0 drops the source's. Returns the output path.
     """
     _check_args(quantize, q_bits, q_group_size, dtype)
+    if (draft_vocab is None) != (vocab_data is None) and draft_vocab != 0:
+        raise DFlashError("--draft-vocab N and --vocab-data FILE go together (the target's responses rank the tokens)")
     path = resolve(str(src), "drafter")
     revision = _hub_revision(str(src), path)
     source = str(path.resolve()) if revision is None else str(src)
@@ -152,10 +157,16 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
                    for k, v in weights.items()}
 
     model = new_drafter(config)
+    source_vocab = pop_draft_vocab(weights, config, where=str(path))
     weights = model.sanitize(weights, where=str(path))
     if source_quant:
         quantize_like_checkpoint(model, source_quant, weights)
     load_strict(model, weights, where=str(path))  # names any missing or unexpected tensor
+    if draft_vocab:
+        counts = response_token_counts(vocab_data)
+        model.set_draft_vocab(select_draft_vocab(counts, draft_vocab, config.vocab_size), where=str(vocab_data))
+    elif draft_vocab is None:
+        model.set_draft_vocab(source_vocab, where=str(path))
     if quantize:
         _check_group_size(model, q_group_size)
         nn.quantize(model, group_size=q_group_size, bits=q_bits, mode="affine",
@@ -164,8 +175,10 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
     mx.eval(out_weights)
 
     cfg = config_to_dict(config)
-    for key in ("quantization", "quantization_config", "mlx_dflash"):
+    for key in ("quantization", "quantization_config", "mlx_dflash", "draft_vocab"):
         cfg.pop(key, None)
+    if model.draft_vocab is not None:
+        cfg["draft_vocab"] = model.draft_vocab.size
     modules = _quantized_modules(model)
     if modules:
         q = source_quant or {"bits": q_bits, "group_size": q_group_size, "mode": "affine"}

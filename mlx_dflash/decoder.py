@@ -20,6 +20,9 @@ from .sampling import SamplingParams, accept, pick
 from .target import Target
 
 
+NO_DRAFTS = mx.zeros((0,), dtype=mx.int32)
+
+
 @dataclass
 class Round:
     tokens: list  # tokens this round emits (accepted drafts, then the target's own token)
@@ -57,12 +60,14 @@ def speculative_rounds(
 
         # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; the
         # policy may cut that on the drafter's confidence. A sampled draft brings its proposal q.
+        # Nothing is evaluated here unless the policy reads the confidence: otherwise the drafter
+        # runs in the same evaluation as the verify below, one host round trip per round.
         tic = time.perf_counter()
-        drafts, confidence, proposal = [], [], None
+        drafts, confidence, proposal = NO_DRAFTS, [], None
         if width > 1:
             draft = drafter.draft(anchor, context, draft_cache, policy.block_size, width, sampling)
             context = None  # the drafter's cache holds it now
-            drafts, proposal = draft.tokens, draft.proposal
+            drafts, proposal = draft.ids, draft.proposal
             if policy.uses_confidence:
                 confidence = draft.confidence.tolist()
                 drafts = drafts[: policy.cut(width, confidence) - 1]
@@ -70,8 +75,9 @@ def speculative_rounds(
         draft_seconds = time.perf_counter() - tic
 
         # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
-        logits, features = target.forward(mx.array([[anchor] + drafts]), cache)
-        accepted, bonus = accept(drafts, logits[0], sampling, proposal)
+        block = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])
+        logits, features = target.forward(block[None], cache)
+        drafts, accepted, bonus = accept(drafts, logits[0], sampling, proposal)
         accepted, bonus, kept = ranks.settle(accepted, bonus, features)
         policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds)
 

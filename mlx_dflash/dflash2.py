@@ -137,7 +137,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         walk = self.walk(hidden, block[:, 0], 0.0 if sampling.greedy else sampling.temperature)
         confidence = mx.take_along_axis(walk.probs[0], walk.chosen[0][:, None], axis=-1)[:, 0]
         proposal = None if sampling.greedy else (walk.candidates[0], walk.probs[0])
-        return Draft(walk.tokens[0].tolist(), confidence, proposal)
+        return Draft(walk.tokens[0], confidence, proposal)
 
     def sanitize(self, weights: dict, where: str) -> dict:
         """Published names -> ours (the codebooks gain `.weight`), checking what would otherwise fail

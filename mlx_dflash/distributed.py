@@ -173,7 +173,7 @@ class SingleProcess:
     rank = 0
     comm_seconds = 0.0
 
-    def agree(self, drafts: list, confidence: list) -> tuple:
+    def agree(self, drafts: mx.array, confidence: list) -> tuple:
         return drafts, confidence
 
     def settle(self, accepted: int, token: int, features):
@@ -212,12 +212,13 @@ class Ranks(SingleProcess):
         self._beat = time.monotonic()
         return array
 
-    def agree(self, drafts: list, confidence: list) -> tuple:
+    def agree(self, drafts: mx.array, confidence: list) -> tuple:
         # Token ids travel as float32: exact up to 2**24, far past any vocabulary.
+        drafts = drafts.tolist()
         n, m = len(drafts), len(confidence)
         got = self._from_rank0([n, m, *drafts, *confidence])
         n, m = int(got[0]), int(got[1])
-        return [int(t) for t in got[2 : 2 + n]], got[2 + n : 2 + n + m]
+        return mx.array([int(t) for t in got[2 : 2 + n]], dtype=mx.int32), got[2 + n : 2 + n + m]
 
     def settle(self, accepted: int, token: int, features):
         got = self._from_rank0([accepted, token])

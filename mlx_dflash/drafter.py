@@ -28,17 +28,25 @@ from .files import safetensors_files
 
 # Keys some early uploads carried; the drafter uses the target's embedding and head instead.
 BORROWED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+# An optional draft vocabulary (draft_vocab.py): the token ids the drafter may propose, stored beside the
+# weights; config.json's `draft_vocab` gives its size.
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
 @dataclass
 class Draft:
-    """One drafter pass: proposals for block positions 1..n."""
+    """One drafter pass: proposals for block positions 1..n. Arrays stay lazy: unless someone reads them
+    first, the decoder evaluates the drafter together with the verify that judges its drafts."""
 
-    tokens: list
-    confidence: mx.array  # [n] the drafter's probability of each drafted token (lazy: read only when used)
+    ids: mx.array  # [n] drafted token ids
+    confidence: mx.array  # [n] the drafter's probability of each drafted token
     # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
     # None when every draft is a point mass (argmax proposals).
     proposal: Optional[tuple] = None
+
+    @property
+    def tokens(self) -> list:
+        return self.ids.tolist()
 
 
 @dataclass
@@ -46,6 +54,8 @@ class Borrowed:
     embed: Callable  # token ids -> embeddings (the target's table, mask row included)
     head: Callable  # hidden -> logits (the target's head, tied or not, quantized or not)
     embed_scale: float
+    head_rows: Optional[Callable] = None  # token ids -> a head computing only those ids' logits
+    draft_head: Optional[Callable] = None  # head_rows(the draft vocabulary), when there is one
 
 
 class Attention(nn.Module):
@@ -175,6 +185,30 @@ class DFlashDraftModel(nn.Module):
         # Borrowed from the target by bind(). A plain object, so the target's modules never join the
         # drafter's module tree (saving, quantizing or training the drafter leaves them alone).
         self._borrowed: Optional[Borrowed] = None
+        self._draft_vocab: Optional[mx.array] = None  # token ids the drafts come from (None: all)
+
+    @property
+    def draft_vocab(self) -> Optional[mx.array]:
+        return self._draft_vocab
+
+    def set_draft_vocab(self, ids, where: str = "the draft vocabulary"):
+        """Draft only over these token ids (None: the whole vocabulary). The target still verifies against
+        its full vocabulary, so this changes speed and acceptance, never the output."""
+        if ids is not None:
+            ids = check_draft_vocab(ids, self.config.vocab_size, where)
+            if self.config.is_dflash2:
+                raise DFlashError(f"{where}: draft vocabularies apply to DFlash v1 drafters only (a DFlash 2 "
+                                  "candidate selector ranks the whole vocabulary)")
+        self._draft_vocab = ids
+        if self._borrowed is not None:
+            self._borrowed.draft_head = None if ids is None else self._head_rows(ids)
+
+    def _head_rows(self, ids: mx.array) -> Callable:
+        rows = self._borrowed.head_rows(ids) if self._borrowed.head_rows is not None else None
+        if rows is not None:
+            return rows
+        head = self._borrowed.head  # a head that cannot be sliced: the whole head, then the columns
+        return lambda hidden: mx.take(head(hidden), ids, axis=-1)
 
     @property
     def block_size(self) -> int:
@@ -193,7 +227,8 @@ class DFlashDraftModel(nn.Module):
         target.check_drafter(self.config)
         # The raw table times input_embedding_scale, as the PyTorch reference trains it (reference 1.6).
         scale = self.config.input_embedding_scale
-        self._borrowed = Borrowed(target.embed_tokens, target.output_head, scale)
+        self._borrowed = Borrowed(target.embed_tokens, target.output_head, scale, target.output_head_rows)
+        self.set_draft_vocab(self._draft_vocab)
         return self
 
     def make_cache(self) -> list:
@@ -211,7 +246,22 @@ class DFlashDraftModel(nn.Module):
         return self.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        out = self._borrowed.head(hidden) * self.config.output_multiplier
+        return self._transform(self._borrowed.head(hidden))
+
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """Logits over the draft vocabulary (column i is token draft_vocab[i]); the whole vocabulary
+        without one. Only the rows of the target's head that can be drafted are read."""
+        if self._borrowed.draft_head is None:
+            return self.logits(hidden)
+        return self._transform(self._borrowed.draft_head(hidden))
+
+    def draft_tokens(self, draft_logits: mx.array) -> mx.array:
+        """The argmax token ids of draft logits."""
+        best = mx.argmax(draft_logits, axis=-1)
+        return best if self._draft_vocab is None else self._draft_vocab[best]
+
+    def _transform(self, out: mx.array) -> mx.array:
+        out = out * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             out = mx.tanh(out / cap) * cap
@@ -224,19 +274,23 @@ class DFlashDraftModel(nn.Module):
     def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
         """Drafts for block positions 1..width-1 from one pass over [anchor, MASK * (block_size - 1)];
         `context` (the target feature rows new since the last call) joins the cache. v1 proposes its argmax at every
-        temperature (point masses: see sampling.py)."""
+        temperature (point masses: see sampling.py). With a draft vocabulary, confidence is the
+        probability within it."""
         block = mx.array([[anchor] + [self.mask_token_id] * (block_size - 1)])
-        logits = self.logits(self.hidden(block, context, cache)[:, 1:width])[0]
+        logits = self.draft_logits(self.hidden(block, context, cache)[:, 1:width])[0]
         confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
-        return Draft(mx.argmax(logits, axis=-1).tolist(), confidence)
+        return Draft(self.draft_tokens(logits), confidence)
 
     def sanitize(self, weights: dict, where: str) -> dict:
         """Checkpoint tensor names -> this module tree's names."""
         return {k: v for k, v in weights.items() if k not in BORROWED_KEYS}
 
     def checkpoint_weights(self) -> dict:
-        """This drafter's tensors under the names published checkpoints use."""
-        return dict(tree_flatten(self.parameters()))
+        """This drafter's tensors under the names published checkpoints use (and its draft vocabulary)."""
+        weights = dict(tree_flatten(self.parameters()))
+        if self._draft_vocab is not None:
+            weights[DRAFT_VOCAB_KEY] = self._draft_vocab
+        return weights
 
 
 def read_weights(path: Path) -> dict:
@@ -258,13 +312,46 @@ def drafter_from_dir(path: Path) -> DFlashDraftModel:
         raise DFlashError(f"{path} has no config.json: it is not a DFlash drafter directory (config.json + *.safetensors)")
     config = parse_config(json.loads(config_file.read_text()), where=str(config_file))
     model = new_drafter(config)
-    weights = model.sanitize(read_weights(path), where=str(path))
+    weights = read_weights(path)
+    draft_vocab = pop_draft_vocab(weights, config, where=str(path))
+    weights = model.sanitize(weights, where=str(path))
     quantization = config.raw.get("quantization")
     if quantization:
         quantize_like_checkpoint(model, quantization, weights)
     load_strict(model, weights, where=str(path))
+    model.set_draft_vocab(draft_vocab, where=str(path))
     model.eval()
     return model
+
+
+def pop_draft_vocab(weights: dict, config: DFlashConfig, where: str) -> Optional[mx.array]:
+    """Take the draft vocabulary out of a checkpoint's tensors; config.json's `draft_vocab` must agree."""
+    ids = weights.pop(DRAFT_VOCAB_KEY, None)
+    size = config.raw.get("draft_vocab")
+    if ids is None and size is None:
+        return None
+    if ids is None:
+        raise DFlashError(f"{where}: config.json sets draft_vocab {size} but the weights have no {DRAFT_VOCAB_KEY} "
+                          "tensor; drop draft_vocab from config.json or re-run `mlx-dflash convert --draft-vocab`")
+    if size is None or size != ids.size:
+        raise DFlashError(f"{where}: the {DRAFT_VOCAB_KEY} tensor holds {ids.size} ids but config.json's draft_vocab "
+                          f"is {size}: the directory was edited by hand; re-run `mlx-dflash convert --draft-vocab`")
+    return ids
+
+
+def check_draft_vocab(ids, vocab_size: int, where: str) -> mx.array:
+    """Distinct token ids inside the vocabulary, as a 1-D int32 array."""
+    ids = mx.array(ids)
+    if ids.ndim != 1 or ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
+        raise DFlashError(f"{where}: a draft vocabulary is a non-empty 1-D list of token ids, got shape "
+                          f"{tuple(ids.shape)} of {ids.dtype}")
+    values = ids.tolist()
+    bad = [t for t in values if not 0 <= t < vocab_size]
+    if bad:
+        raise DFlashError(f"{where}: draft vocabulary token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    if len(set(values)) != len(values):
+        raise DFlashError(f"{where}: the draft vocabulary lists some token ids twice")
+    return ids.astype(mx.int32)
 
 
 def new_drafter(config: DFlashConfig) -> DFlashDraftModel:

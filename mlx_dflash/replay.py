@@ -18,6 +18,12 @@ def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
     return drafter.logits(hidden[:, 1:])
 
 
+def block_drafts(drafter: DFlashDraftModel, features, block_ids, anchors):
+    """The drafted tokens [A, B-1] of those blocks, as decoding proposes them (within its draft vocabulary)."""
+    hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)
+    return drafter.draft_tokens(drafter.draft_logits(hidden[:, 1:]))
+
+
 class TargetFeatures:
     """The frozen target's features of each sequence, computed once and kept: they never change."""
 
@@ -52,8 +58,7 @@ def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> d
         anchors = np.arange(start, len(ids) - 1)
         block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
         block_ids[:, 0] = ids[anchors]
-        logits = block_logits(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
-        return np.array(mx.argmax(logits, -1))
+        return np.array(block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors)))
 
     return replay_greedy(drafts_of, sequences, widths)
 

@@ -79,7 +79,10 @@ def pick(logits: mx.array, params: SamplingParams) -> int:
 
 def greedy_accept(drafts: list, target_logits: mx.array) -> tuple:
     """(number of drafts kept, bonus token). target_logits [n+1, V]; row i judges drafts[i]."""
-    choices = mx.argmax(target_logits, axis=-1).tolist()
+    return _kept_prefix(drafts, mx.argmax(target_logits, axis=-1).tolist())
+
+
+def _kept_prefix(drafts: list, choices: list) -> tuple:
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
         accepted += 1
@@ -137,11 +140,16 @@ def candidate_rejection_accept(drafts: list, p: mx.array, candidates: mx.array, 
     return accepted, sample(residual)
 
 
-def accept(drafts: list, target_logits: mx.array, params: SamplingParams, proposal=None) -> tuple:
-    """The acceptance rule for this sampling mode. proposal: None for point-mass (argmax) drafts, or
-    (candidates, q) for drafts sampled over candidate sets (see candidate_rejection_accept)."""
+def accept(drafts: mx.array, target_logits: mx.array, params: SamplingParams, proposal=None) -> tuple:
+    """(drafts as a list, number kept, next token) by this sampling mode's rule. drafts [n] may still be
+    unevaluated: greedy evaluates them and the target's choices together, and brings both back at once.
+    proposal: None for point-mass (argmax) drafts, or (candidates, q) for drafts sampled over candidate
+    sets (see candidate_rejection_accept)."""
+    n = drafts.size
     if params.greedy:
-        return greedy_accept(drafts, target_logits)
+        both = mx.concatenate([drafts, mx.argmax(target_logits, axis=-1).astype(drafts.dtype)]).tolist()
+        return (both[:n], *_kept_prefix(both[:n], both[n:]))
+    drafts, p = drafts.tolist(), target_probs(target_logits, params)
     if proposal is not None:
-        return candidate_rejection_accept(drafts, target_probs(target_logits, params), *proposal)
-    return rejection_accept(drafts, target_probs(target_logits, params))
+        return (drafts, *candidate_rejection_accept(drafts, p, *proposal))
+    return (drafts, *rejection_accept(drafts, p))

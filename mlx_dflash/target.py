@@ -75,10 +75,36 @@ class Target:
 
     @property
     def output_head(self):
+        head = self._head_module()
+        return head.as_linear if head is self._inner.embed_tokens else head
+
+    def output_head_rows(self, ids: mx.array):
+        """A head computing only the logits of tokens `ids` (a drafter's draft vocabulary): those rows of
+        the output head's weights, copied once, so a call reads len(ids) rows instead of the whole table.
+        None when the head is not a plain (quantized) linear or tied embedding."""
+        head = self._head_module()
+        quantized = isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        if not quantized and type(head) not in (nn.Linear, nn.Embedding):
+            return None
+        rows = {k: head[k][ids] for k in ("weight", "scales", "biases", "bias") if k in head}
+        mx.eval(rows)
+        bias = rows.get("bias")
+
+        def head_rows(x):
+            if quantized:
+                out = mx.quantized_matmul(x, rows["weight"], scales=rows["scales"], biases=rows.get("biases"),
+                                          transpose=True, group_size=head.group_size, bits=head.bits, mode=head.mode)
+            else:
+                out = x @ rows["weight"].T
+            return out if bias is None else out + bias
+
+        return head_rows
+
+    def _head_module(self):
         head = getattr(self.model, "lm_head", None)
         if head is None:
             head = getattr(getattr(self.model, "language_model", None), "lm_head", None)
-        return head if head is not None else self._inner.embed_tokens.as_linear
+        return head if head is not None else self._inner.embed_tokens
 
     @property
     def text_args(self):

@@ -323,7 +323,7 @@ def test_rejection_with_the_selector_q_emits_the_target_distribution(params):
     tokens, cands, probs = np.array(walk.tokens).tolist(), walk.candidates, walk.probs
     first, second, kept = [], [], 0
     for b in range(TRIALS):
-        accepted, token = accept(tokens[b], logits, params, (cands[b], probs[b]))
+        _, accepted, token = accept(mx.array(tokens[b]), logits, params, (cands[b], probs[b]))
         first.append(tokens[b][0] if accepted else token)
         if accepted:
             kept += 1

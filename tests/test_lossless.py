@@ -74,6 +74,10 @@ class OracleDrafter:
         ids = hidden[..., 0].astype(mx.int32)
         return (mx.arange(self.vocab) == ids[..., None]).astype(mx.float32) * 10
 
+    draft_logits = logits  # no draft vocabulary
+    draft_tokens = DFlashDraftModel.draft_tokens
+    _draft_vocab = None
+
 
 def expected_acceptance(n_tokens, width, errors):
     """Accepted-draft counts per round when drafts are right except at `errors` (generated indices)."""

@@ -1,0 +1,153 @@
+"""Draft vocabulary sizes: acceptance and drafting time of one drafter over the N most frequent tokens.
+
+    python bench/draft_vocab.py --vocab-data RESPONSES.jsonl --heldout FILE --first 7000 [--sizes 2048 4096 8192]
+
+For each size N (and the whole vocabulary): the draft vocabulary is the N most frequent tokens of the
+target's responses in --vocab-data (mlx_dflash.draft_vocab, as `mlx-dflash convert --draft-vocab N
+--vocab-data FILE` chooses it), set on the drafter in memory. Measured:
+* tau (tokens per round, bonus included) at each verify width, greedy decoding replayed exactly on the
+  target's own answers to the held-out prompts (mlx_dflash.replay.decoding_acceptance; one held-out set
+  per --heldout, answers cached like bench/acceptance.py's);
+* coverage: the share of the held-out answers' tokens inside the draft vocabulary;
+* the drafter's pass (`drafter.draft`, evaluated) at each width: median wall time over --repeats rounds,
+  every size timed in one shuffled order per repeat, against a --context-token context.
+Writes draft_vocab.json and a markdown table into --out (atomically); prints the table.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from mlx_dflash.bench import machine_info, versions  # noqa: E402
+from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, read_samples  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set  # noqa: E402
+from mlx_dflash.draft_vocab import coverage, response_token_counts, select_draft_vocab  # noqa: E402
+from mlx_dflash.drafter import drafter_from_dir  # noqa: E402
+from mlx_dflash.files import portable_path, write_atomic  # noqa: E402
+from mlx_dflash.load import load_target  # noqa: E402
+from mlx_dflash.replay import decoding_acceptance  # noqa: E402
+from mlx_dflash.sampling import SamplingParams  # noqa: E402
+
+FULL = "full"
+
+
+def heldout_sequences(target, tokenizer, spec: str, first: int, count: int, max_tokens: int) -> list:
+    """(ids, response start) of the target's greedy answers to prompts first..first+count of a set or file."""
+    prompt_file = ensure_prompt_set(spec) if spec in PROMPT_SETS else spec
+    prompts = read_prompts(prompt_file)[first : first + count]
+    answers = cache_dir() / "data" / f"heldout-{Path(spec).stem}-{first}-{max_tokens}.jsonl"
+    generate_responses(target.model, tokenizer, prompts, answers, max_tokens=max_tokens, batch_size=32,
+                       log=lambda m: print(m, file=sys.stderr))
+    samples = sorted(read_samples(answers), key=lambda s: s["index"])[: len(prompts)]
+    return list(iter_sequences(samples))
+
+
+def draft_seconds(drafter, target, ids: list, widths, repeats: int, sizes: dict, seed: int) -> dict:
+    """{size: {width: median seconds of one evaluated drafter pass}}, sizes shuffled per repeat."""
+    cache = target.make_cache()
+    _, context = target.prefill(mx.array(ids), cache)
+    greedy, rng = SamplingParams(), random.Random(seed)
+    times = {name: {w: [] for w in widths} for name in sizes}
+    anchor = ids[-1]
+    for _ in range(repeats + 1):  # the first pass warms up
+        order = list(sizes)
+        rng.shuffle(order)
+        for name in order:
+            drafter.set_draft_vocab(sizes[name])
+            for w in widths:
+                draft_cache = drafter.make_cache()
+                mx.eval(drafter.draft(anchor, context, draft_cache, drafter.block_size, 2, greedy).confidence)
+                one = context[:, -1:]
+                tic = time.perf_counter()
+                mx.eval(drafter.draft(anchor, one, draft_cache, drafter.block_size, w, greedy).confidence)
+                times[name][w].append(time.perf_counter() - tic)
+    return {name: {w: statistics.median(t[1:]) for w, t in per.items()} for name, per in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="target (default: SmolLM2-135M-Instruct from PyPI)")
+    ap.add_argument("--drafter", help="drafter directory (default: the shipped one)")
+    ap.add_argument("--vocab-data", required=True, help="the target's responses that rank the tokens (train --data)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--heldout", nargs="+", default=["mt-bench"], help="prompt sets or files for the held-out tau")
+    ap.add_argument("--first", type=int, nargs="+", default=[0], help="first prompt of each --heldout")
+    ap.add_argument("--num-prompts", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--context-tokens", type=int, default=300)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/draft-vocab"))
+    args = ap.parse_args(argv)
+    firsts = args.first + [args.first[-1]] * (len(args.heldout) - len(args.first))
+
+    target, tokenizer = load_target(default_target(args.model))
+    drafter_dir = default_drafter(args.drafter, args.model)
+    drafter = drafter_from_dir(drafter_dir).bind(target)
+    counts = response_token_counts(args.vocab_data)
+    vocab = drafter.config.vocab_size
+    sizes = {str(n): select_draft_vocab(counts, n, vocab) for n in sorted(args.sizes) if n < vocab}
+    sizes[FULL] = None
+
+    heldout = {f"{Path(spec).stem}[{first}:{first + args.num_prompts}]":
+               heldout_sequences(target, tokenizer, spec, first, args.num_prompts, args.max_tokens)
+               for spec, first in zip(args.heldout, firsts)}
+    acceptance, covered = {}, {}
+    for set_name, sequences in heldout.items():
+        held_counts = response_token_counts_of(sequences)
+        for name, ids in sizes.items():
+            drafter.set_draft_vocab(ids)
+            result = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths))
+            acceptance.setdefault(set_name, {})[name] = {str(w): r["tau"] for w, r in result.items()}
+            covered.setdefault(set_name, {})[name] = 1.0 if ids is None else coverage(held_counts, ids.tolist())
+
+    context_ids = [t for ids, _ in next(iter(heldout.values())) for t in ids][: args.context_tokens]
+    seconds = draft_seconds(drafter, target, context_ids, args.widths, args.repeats, sizes, seed=0)
+
+    results = {"machine": machine_info(), "versions": versions(), "drafter": portable_path(drafter_dir),
+               "vocab_data": portable_path(args.vocab_data), "vocab_data_tokens": sum(counts.values()),
+               "distinct_tokens_seen": len(counts), "max_tokens": args.max_tokens, "widths": args.widths,
+               "repeats": args.repeats, "context_tokens": len(context_ids), "tau": acceptance,
+               "coverage": covered, "draft_seconds": seconds}
+    table = markdown(results, list(sizes))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "draft_vocab.json", json.dumps(results, indent=1) + "\n")
+    write_atomic(args.out / "draft_vocab.md", table + "\n")
+    print(table)
+    return 0
+
+
+def response_token_counts_of(sequences) -> dict:
+    counts = {}
+    for ids, start in sequences:
+        for t in ids[start:]:
+            counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+def markdown(results: dict, names: list) -> str:
+    widths = results["widths"]
+    head = ["draft vocabulary"]
+    for set_name in results["tau"]:
+        head += [f"{set_name} coverage"] + [f"{set_name} tau w{w}" for w in widths]
+    head += [f"draft ms w{w}" for w in widths]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name in names:
+        row = [name]
+        for set_name, per in results["tau"].items():
+            row += [f"{results['coverage'][set_name][name]:.3f}"] + [f"{per[name][str(w)]:.2f}" for w in widths]
+        row += [f"{results['draft_seconds'][name][w] * 1e3:.1f}" for w in widths]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
