@@ -18,8 +18,9 @@ caches, other head dims (e.g. 256) - goes to mlx-lm's own function, unchanged.
 
 Families whose attention calls that function from a decoder layer's direct child are routed (llama,
 mistral, qwen2, qwen3, qwen3_moe, the full-attention layers of qwen3_5 / qwen3_5_moe / qwen3_next,
-gemma3's global layers, ...); those whose attention calls ``mx.fast.scaled_dot_product_attention``
-itself or sits deeper are left as they are.
+gemma3's global layers, ...) wherever the call fits; gpt-oss (sinks) and MLA layers (a score array as
+the mask) are wired but always fall back; families whose attention calls
+``mx.fast.scaled_dot_product_attention`` itself, or sits deeper than a layer's child, are left as they are.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def prefilled(family, route=None):
 def test_attention_sites_per_family():
     assert [n for _, n in va.attention_sites(tiny_model("llama").model.layers)] == ["self_attn"] * 2
     hybrid = tiny_model("qwen3_5").language_model.model.layers
-    assert [(i, n) for i, layer in enumerate(hybrid) for l, n in va.attention_sites([layer])] == [
+    assert [(i, n) for i, layer in enumerate(hybrid) for _, n in va.attention_sites([layer])] == [
         (1, "self_attn"), (3, "self_attn")]  # full-attention layers only, not the GatedDeltaNet ones
     assert len(va.attention_sites(tiny_model("gpt_oss").model.layers)) == 2  # wired; its sinks keep MLX's
 
@@ -205,8 +205,8 @@ def test_mlx_lm_is_untouched(forced):
         target.forward(mx.array([[1, 2, 3]]), cache)
     assert llama.Attention.__call__ is call and llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert dict(vars(llama)) == module_globals and "scaled_dot_product_attention" not in vars(llama.Attention)
-    assert [layer.self_attn for layer in target.model.model.layers] == attention
-    assert all(type(a) is llama.Attention for a in attention)
+    assert all(layer.self_attn is a and type(a) is llama.Attention
+               for layer, a in zip(target.model.model.layers, attention, strict=True))
 
 
 # Attention modules our kernel serves per verify: gemma3's sliding layers pass a window mask, gpt-oss
