@@ -11,7 +11,8 @@ order so drift and contention spread over all widths; wall and process CPU time 
 * the full target verify, `Target.forward` of `width` tokens on a cache already holding a prefix of
   `short_cache` and `long_cache` positions (random keys/values of the model's shapes and dtype: the
   cost does not depend on their values; the offset is checked before every timed call);
-* MLX's kernels ("mlx") and, where they can run (Metal), ours ("dflash": `install_wide_kernels`).
+* MLX's kernels ("mlx") and, where they can run (Metal), ours ("dflash": `install_wide_kernels`, and in
+  the verify the multi-row attention kernel, `Target.install_attention_kernel`).
 It writes `widths.json`, `cost_table.json` (for the decoder, see `load_cost_table`) and `widths.png`.
 """
 
@@ -222,6 +223,7 @@ def _verify_case(target, cache, length: int, wide: bool, state: dict, widths, of
 
     def measure(w):
         _set_wide(target.model, wide, state)
+        target.install_attention_kernel("dflash" if wide else "mlx")  # ours forced, not the race gate's pick
         offset = next(c.offset for c in cache if hasattr(c, "offset"))  # hybrids: cache[0] is recurrent
         offsets.add(offset)
         if offset != length:

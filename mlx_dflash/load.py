@@ -60,10 +60,12 @@ def load_drafter(path_or_repo: str) -> DFlashDraftModel:
 def load_pair(target_path: str, drafter_path: str, wide_kernels: bool = True):
     """(Target, drafter bound to it, tokenizer), with the pair checked for compatibility.
 
-    wide_kernels: on Metal, verify 6..16 rows of a quantized target with our one-pass kernel.
+    wide_kernels: on Metal, verify 6..16 rows of a quantized target with our one-pass kernel, and route
+    the verify forward's 2..16-row attention to our multi-row kernel (each where the race gate picks it).
     """
     target, tokenizer = load_target(target_path)
     if wide_kernels:
         target.install_wide_kernels()
+        target.install_attention_kernel()
     drafter = load_drafter(drafter_path).bind(target)
     return target, drafter, tokenizer

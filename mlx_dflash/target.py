@@ -4,7 +4,8 @@ It runs the model's own forward and returns every row's logits together with the
 decoder layers the drafter listens to (reference 1.3), and rolls the caches back after a partial
 acceptance: KV caches are trimmed, recurrent layers of hybrid targets are rewound exactly (rollback.py).
 Capturing works by composition: for the length of one forward call, the chosen entries of the model
-instance's layer list are wrapped by recorders and then put back. No mlx-lm class is patched.
+instance's layer list are wrapped by recorders and then put back; the verify forward's attention modules
+are wrapped the same way to reach our multi-row kernel (verify_attention.py). No mlx-lm class is patched.
 """
 
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from .config import DFlashConfig
 from .errors import DFlashError
 from .rollback import find_recurrent, taping
+from .verify_attention import install_sites, routing
 
 
 class _Recorder:
@@ -58,6 +60,7 @@ class Target:
         self._inner = _find_inner(model)
         self.layer_ids = tuple(layer_ids)
         self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
+        self._attention = ([], "mlx")  # (sites, route) of the verify forward's attention (verify_attention.py)
         self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
 
     def install_wide_kernels(self) -> int:
@@ -67,6 +70,13 @@ class Target:
         count = install_wide_kernels(self.model)
         self.wide_kernels = self.wide_kernels or count > 0
         return count
+
+    def install_attention_kernel(self, route: str | None = None) -> int:
+        """Route the verify forward's attention (2..16 query rows) to our Metal kernel where the race gate
+        finds it faster. route: auto / dflash / mlx (default: env MLX_DFLASH_ATTENTION_KERNEL, else auto).
+        Returns the attention modules routed (0 off Metal or for "mlx")."""
+        self._attention = install_sites(self._inner.layers, route)
+        return len(self._attention[0])
 
     # What the drafter borrows.
     @property
@@ -209,10 +219,11 @@ class Target:
         """Run ids [1, L] through the model. Returns (logits [1, L, V], features [1, L, n*H]).
 
         Features are the captured layer outputs concatenated in `layer_ids` order, the order the
-        drafter's `fc` expects. On a hybrid target the call is taped, so that `trim` can rewind it.
+        drafter's `fc` expects. On a hybrid target the call is taped, so that `trim` can rewind it; with
+        `install_attention_kernel`, its attention runs through our multi-row kernel where that is faster.
         """
         sites = self._recurrent if cache is not None else []
-        with taping(sites) as tapes:
+        with taping(sites) as tapes, routing(*self._attention):
             logits, features = self._run(ids, cache)
         self._pending = (cache, ids.shape[1], tapes) if tapes else None
         return logits, features
