@@ -16,7 +16,7 @@ from .distributed import SingleProcess
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .policy import CostAwarePolicy, WidthPolicy, has_quantized_layers, make_policy
-from .sampling import SamplingParams, accept, pick
+from .sampling import SamplingParams, accept, choose, pick
 from .target import Target
 
 
@@ -56,6 +56,17 @@ def speculative_rounds(
     produced = 1
 
     while produced < max_tokens:
+        # The policy may skip the drafter for a while: plain target steps, overlapped as mlx-lm's own.
+        plain = 0 if ranks.lockstep else policy.plain_steps(remaining=max_tokens - produced)
+        if plain:
+            tic = time.perf_counter()
+            for token, features in plain_steps(target, cache, anchor, plain, sampling):
+                context = features if context is None else mx.concatenate([context, features], axis=1)
+                yield Round([token], drafted=0, accepted=0)
+            policy.observe_plain(plain, time.perf_counter() - tic)
+            produced, anchor = produced + plain, token
+            continue
+
         width = policy.width(remaining=max_tokens - produced)
 
         # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; the
@@ -89,6 +100,27 @@ def speculative_rounds(
         produced += len(new_tokens)
         yield Round(new_tokens, drafted=len(drafts), accepted=accepted)
         anchor = bonus  # the next round's anchor; it enters the cache with the next verify
+
+
+def plain_steps(target: Target, cache: list, anchor: int, n: int, sampling: SamplingParams) -> Iterator[tuple]:
+    """n steps of the target alone from `anchor`: yields (token, features of the row that chose it).
+
+    As mlx-lm's generate_step does, each step's forward is built and started before the host reads the
+    token before it, so building the graph overlaps the computation. The last token is not run here: it
+    is the next anchor, and enters the cache with the next forward."""
+
+    def step(token: mx.array) -> tuple:
+        logits, features = target.forward(token.reshape(1, 1), cache)
+        target.trim(cache, 0)  # nothing to roll back: drops a hybrid target's tapes
+        next_token = choose(logits[0, -1], sampling)
+        mx.async_eval(next_token, features)
+        return next_token, features
+
+    current = step(mx.array([anchor]))
+    for i in range(n):
+        upcoming = step(current[0]) if i + 1 < n else None
+        yield current[0].item(), current[1]
+        current = upcoming
 
 
 @dataclass

@@ -172,6 +172,7 @@ class SingleProcess:
 
     rank = 0
     comm_seconds = 0.0
+    lockstep = False  # ranks must take every round together (no pipelined plain steps)
 
     def agree(self, drafts: mx.array, confidence: list) -> tuple:
         return drafts, confidence
@@ -185,6 +186,8 @@ class SingleProcess:
 
 class Ranks(SingleProcess):
     """The ranks of one sharded run, kept in step at two points per round (see the module docstring)."""
+
+    lockstep = True
 
     def __init__(self, group: mx.distributed.Group, block_size: int, partial_features: bool,
                  timeout: float = DEFAULT_RANK_TIMEOUT):

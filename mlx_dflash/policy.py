@@ -50,6 +50,14 @@ class WidthPolicy:
         """Most rows to verify this round, when at most `remaining` more tokens may be emitted."""
         return max(1, min(self.max_width, self.block_size, remaining))
 
+    def plain_steps(self, remaining: int) -> int:
+        """How many plain target steps (no drafter) to take now instead of a round; 0: a round.
+        Drafting off (width 1) is plain steps all the way."""
+        return remaining if self.max_width == 1 else 0
+
+    def observe_plain(self, tokens: int, seconds: float):
+        """What a run of plain steps cost."""
+
     def cut(self, width: int, confidence: list) -> int:
         """The width after the confidence controls; confidence[k] is the top-1 probability of draft k+1."""
         drafts = width - 1
@@ -122,7 +130,8 @@ class CostAwarePolicy(WidthPolicy):
 
     Drafting itself must pay too: the policy keeps running averages of tokens per second in rounds that
     drafted and in plain target steps, and while drafting is the slower of the two it skips the drafter
-    (a plain step, width 1), drafting again every PROBE_EVERY rounds to re-measure.
+    for PROBE_EVERY - 1 plain steps (pipelined, as fast as the target alone), then drafts one round to
+    re-measure.
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
     costs do not drift with context length within a run (the running averages follow slow drift).
@@ -141,20 +150,25 @@ class CostAwarePolicy(WidthPolicy):
         self.trials = np.zeros(self.BINS)
         self.drafting_rate = None  # tokens/s of rounds that ran the drafter
         self.plain_rate = 1.0 / self.verify_seconds[1]  # tokens/s of plain target steps (table, then observed)
-        self.skipped = 0  # plain steps since the drafter last ran
+        self.probe_next = False  # the last call planned plain steps: draft once now
 
     @property
     def uses_confidence(self) -> bool:
         return True
 
-    def width(self, remaining: int) -> int:
-        width = super().width(remaining)
+    def plain_steps(self, remaining: int) -> int:
+        if self.max_width == 1:
+            return remaining
         drafting_loses = self.drafting_rate is not None and self.drafting_rate < self.plain_rate
-        if width > 1 and drafting_loses and self.skipped < self.PROBE_EVERY - 1:
-            self.skipped += 1
-            return 1
-        self.skipped = 0
-        return width
+        if drafting_loses and not self.probe_next:
+            self.probe_next = True
+            return min(self.PROBE_EVERY - 1, remaining)
+        self.probe_next = False
+        return 0
+
+    def observe_plain(self, tokens: int, seconds: float):
+        a = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
+        self.plain_rate = (1 - a) * self.plain_rate + a * tokens / seconds
 
     def calibrated(self, confidence: float) -> float:
         b = min(int(confidence * self.BINS), self.BINS - 1)

@@ -72,9 +72,14 @@ def sample(probs: mx.array) -> int:
 
 def pick(logits: mx.array, params: SamplingParams) -> int:
     """One token from one row of target logits: greedy, or mlx-lm's own draw."""
+    return choose(logits, params).item()
+
+
+def choose(logits: mx.array, params: SamplingParams) -> mx.array:
+    """`pick`, unevaluated: the token as a lazy array (for steps that overlap the host, as mlx-lm's)."""
     if params.greedy:
-        return mx.argmax(logits, axis=-1).item()
-    return categorical_sampling(filtered_logprobs(logits, params), params.temperature).item()
+        return mx.argmax(logits, axis=-1)
+    return categorical_sampling(filtered_logprobs(logits, params), params.temperature)
 
 
 def greedy_accept(drafts: list, target_logits: mx.array) -> tuple:

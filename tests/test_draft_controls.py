@@ -9,7 +9,7 @@ from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import CostAwarePolicy, interpolate_costs, make_policy
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.sampling import SamplingParams, pick
 
 
 def test_p_min_cuts_before_the_first_low_confidence_position():
@@ -107,11 +107,51 @@ def test_every_control_stays_lossless_on_the_real_model(smollm2, random_drafter,
 def test_auto_width_stops_drafting_while_it_does_not_pay():
     cost = {w: 0.10 for w in range(1, 17)}
     policy = CostAwarePolicy(16, 16, cost)
-    assert policy.width(100) == 16  # nothing measured yet: draft
+    assert policy.plain_steps(100) == 0 and policy.width(100) == 16  # nothing measured yet: draft
     policy.observe([0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)  # 5 tokens/s
-    policy.observe([], drafted=0, accepted=0, draft_seconds=0.0, verify_seconds=0.1)  # plain: 10 tokens/s
-    widths = [policy.width(100) for _ in range(16)]
-    assert widths == ([1] * 7 + [16]) * 2  # plain steps, with a drafting probe every 8th round
+    policy.observe_plain(1, 0.1)  # plain: 10 tokens/s
+    # Seven plain steps, then one drafting probe, while drafting loses; never more steps than remain.
+    assert [policy.plain_steps(100) for _ in range(4)] == [7, 0, 7, 0]
+    assert policy.plain_steps(3) == 3
+    assert policy.plain_steps(3) == 0 and policy.width(3) == 3
     policy.observe([0.9] * 15, drafted=15, accepted=15, draft_seconds=0.1, verify_seconds=0.1)  # 80 tokens/s
     policy.observe([0.9] * 15, drafted=15, accepted=15, draft_seconds=0.1, verify_seconds=0.1)
-    assert [policy.width(100) for _ in range(4)] == [16] * 4  # drafting pays again: keep drafting
+    assert [policy.plain_steps(100) for _ in range(4)] == [0] * 4  # drafting pays again: keep drafting
+    # Plain steps that turn slow make drafting win again.
+    policy.observe_plain(7, 7.0)
+    assert policy.plain_rate < 3 and policy.plain_steps(100) == 0
+
+
+def test_plain_steps_equal_rounds_of_width_one(tiny_chat_pair):
+    """The pipelined plain steps give the tokens, features and cache of one-row verify rounds."""
+    from mlx_dflash.decoder import plain_steps
+
+    target, tokenizer, drafter = tiny_chat_pair
+    ids = chat_ids(tokenizer, "Say hello.")
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8)):
+        results = []
+        for pipelined in (True, False):
+            mx.random.seed(5)
+            cache = target.make_cache()
+            logits, _ = target.prefill(mx.array(ids), cache)
+            anchor, tokens, features = 11, [], []
+            if pipelined:
+                for token, f in plain_steps(target, cache, anchor, 12, sampling):
+                    tokens.append(token)
+                    features.append(f)
+            else:
+                for _ in range(12):
+                    logits, f = target.forward(mx.array([[anchor]]), cache)
+                    anchor = pick(logits[0, -1], sampling)
+                    tokens.append(anchor)
+                    features.append(f)
+            results.append((tokens, mx.concatenate(features, axis=1), cache[0].offset))
+        (t1, f1, o1), (t2, f2, o2) = results
+        assert t1 == t2 and o1 == o2 == len(ids) + 12
+        assert mx.allclose(f1, f2, atol=1e-5).item()
+
+
+def test_drafting_off_runs_only_plain_steps():
+    policy = make_policy(16, 1)
+    assert policy.plain_steps(40) == 40
+    assert make_policy(16, 2).plain_steps(40) == 0
