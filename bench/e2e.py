@@ -159,7 +159,11 @@ def add_peer(pairs: dict, model_path: str, drafter_path: str, quantize: int, wan
     """Attach z-lab's loop, drafter and own target instance to each pair (pair["zlab"]). wanted: True
     (fail if it cannot be had), None (attach when the wheel can be fetched, else say why), False."""
     info = {"package": f"{PEER_PACKAGE}=={PEER_VERSION}", "member": PEER_MEMBER, "sha256": MODEL_MLX_SHA256,
-            "used": False}
+            "used": False, "call": "stream_generate(model, draft, tokenizer, prompt ids, block_size=w, max_tokens)",
+            "timing": "the same definition, from the responses it yields (first token's to the last's)",
+            "composition": "snapshot_download of our private copy of the module resolves local directories only; "
+                           "its drafter loads from a staged copy of ours (published tensor names); its own "
+                           "mlx-lm instance of the target"}
     if wanted is False:
         return info
     try:
