@@ -153,6 +153,20 @@ def test_peer_rows_follow_our_widths_capped_by_the_block():
     assert not [r for r in e2e.configurations(16) if r["kind"] == "zlab"]
 
 
+def test_peer_left_out_with_a_message_unless_asked_for(monkeypatch):
+    def unreachable():
+        raise DFlashError("pip download dflash==0.1.0 failed: no network")
+
+    monkeypatch.setattr(e2e, "import_model_mlx", unreachable)
+    said, pairs = [], {"float": {}}
+    info = e2e.add_peer(pairs, "model", "drafter", 0, None, said.append)
+    assert not info["used"] and "no network" in info["reason_left_out"] and pairs == {"float": {}}
+    assert "z-lab peer left out" in said[0] and "--no-peer" in said[0]
+    with pytest.raises(DFlashError, match="no network"):
+        e2e.add_peer(pairs, "model", "drafter", 0, True, said.append)
+    assert not e2e.add_peer(pairs, "model", "drafter", 0, False, said.append)["used"] and len(said) == 1
+
+
 # End to end at smoke size on the real pair (slow).
 
 @pytest.mark.slow
