@@ -59,23 +59,30 @@ def test_oracle_run_is_the_target_alone_with_every_draft_accepted(tiny_chat_pair
 
 # z-lab's loop (the published file, from PyPI) on a tiny random pair of its own.
 
-@pytest.fixture(scope="module")
-def zlab_tiny(tiny_chat_pair, tmp_path_factory):
-    """z-lab's module, its drafter loaded from a saved tiny drafter directory (with a borrowed head tensor
-    it has no name for), and a tiny target of its own (z-lab's loop wraps its layers for good)."""
+def tiny_llama(seed):
+    """A random llama over SmolLM2's vocabulary (conftest's tiny target, one instance per caller: z-lab's
+    loop wraps its layers for good)."""
     from mlx_lm.utils import _get_classes
 
-    from mlx_dflash.train import save_checkpoint
-
-    _, tokenizer, _ = tiny_chat_pair
     config = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152,
                   tie_word_embeddings=True)
     model_class, args_class = _get_classes(config)
-    mx.random.seed(11)
+    mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def zlab_tiny(tiny_chat_pair, tmp_path_factory):
+    """z-lab's module, its drafter loaded from a saved tiny drafter directory (with a borrowed head tensor
+    it has no name for), and a tiny target of its own."""
+    from mlx_dflash.train import save_checkpoint
+
+    _, tokenizer, _ = tiny_chat_pair
+    model = tiny_llama(11)
     drafter = init_drafter(drafter_config_for(Target(model), num_layers=1, block_size=8, num_target_features=2),
                            seed=3)
     folder = tmp_path_factory.mktemp("tiny-drafter") / "drafter"
@@ -110,6 +117,19 @@ def test_zlab_loop_matches_the_target_alone(zlab_tiny, width):
     # tau: tokens per verify round, all tokens but the prefill's
     assert got["tau"] == pytest.approx((got["generated_tokens"] - 1) / got["rounds"])
     assert got["decode_tps"] > 0
+
+
+def test_zlab_loop_on_a_quantized_target_matches_it_alone(zlab_tiny):
+    import mlx.nn as nn
+
+    module, _, draft, tokenizer, _ = zlab_tiny
+    model = tiny_llama(11)
+    nn.quantize(model, group_size=64, bits=4)  # before z-lab's first call, as load_zlab_target does
+    ids, n = chat_ids(tokenizer, PROMPT), 12
+    want = e2e.run_target_alone(model, tokenizer, ids, n)
+    got = zlab_peer.run_zlab(module, model, draft, tokenizer, ids, n, 4)
+    assert got["tokens"] == want["tokens"]
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
 
 
 # The summaries.
