@@ -115,7 +115,7 @@ class OracleDrafter(nn.Module):
         start = self._seen - self._prompt_len + 1  # generated index of block position 1
         tokens = self._continuation[start:start + width - 1]
         tokens += [0] * (width - 1 - len(tokens))  # past the continuation: never reached by a capped width
-        draft = Draft(tokens, mx.ones((width - 1,)))
+        draft = Draft(mx.array(tokens, dtype=mx.int32), mx.ones((width - 1,)))
         self.draft_seconds += time.perf_counter() - tic
         self.draft_calls += 1
         return draft
