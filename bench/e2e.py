@@ -78,6 +78,7 @@ SCHEMA = "mlx-dflash/bench-e2e/1"
 FIXED_WIDTHS = (2, 4, 5, 8, 16)
 P_MINS = (0.3, 0.7)
 BASELINE = "target alone"
+FULL_VOCAB = " (whole vocabulary)"
 PEER = "z-lab"
 
 
@@ -122,9 +123,9 @@ def run_target_alone(model, tokenizer, ids: list, max_tokens: int) -> dict:
             "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
 
 
-def run_dflash(pair: dict, policy, ids: list, max_tokens: int) -> dict:
+def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
-    _, tokens, stats = generate(pair["target"], pair["drafter"], pair["tokenizer"], ids, max_tokens=max_tokens,
+    _, tokens, stats = generate(pair["target"], drafter or pair["drafter"], pair["tokenizer"], ids, max_tokens=max_tokens,
                                 policy=copy.deepcopy(policy))
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
             "finish_reason": stats.finish_reason, "prefill_seconds": stats.prefill_seconds,
@@ -143,6 +144,9 @@ def load_pairs(model_path: str, drafter_path: str, quantize: int, wide_kernels: 
 
     target, drafter, tokenizer = load_pair(model_path, drafter_path, wide_kernels=wide_kernels)
     pairs = {"float": {"target": target, "drafter": drafter, "tokenizer": tokenizer, "precision": "float"}}
+    if drafter.draft_vocab is not None:  # a second copy drafting over the whole vocabulary, for comparison
+        pairs["float"]["drafter_full"] = load_drafter(drafter_path).bind(target)
+        pairs["float"]["drafter_full"].set_draft_vocab(None)
     if quantize:
         qtarget, qtok = load_target(model_path)
         nn.quantize(qtarget.model, group_size=64, bits=quantize)
@@ -185,7 +189,7 @@ def add_peer(pairs: dict, model_path: str, drafter_path: str, quantize: int, wan
     return info
 
 
-def configurations(block_size: int, peer: bool = False) -> list[dict]:
+def configurations(block_size: int, peer: bool = False, full_vocab: bool = False) -> list[dict]:
     """The rows, in table order (before the precision is attached)."""
     rows = [{"name": BASELINE, "kind": "target"}]
     rows += [{"name": f"width {w}", "kind": "dflash", "block_size": w, "force_width": True, "p_min": 0.0,
@@ -197,13 +201,16 @@ def configurations(block_size: int, peer: bool = False) -> list[dict]:
     if peer:
         rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
                  for w in FIXED_WIDTHS if w <= block_size]
+    if full_vocab:  # the same drafter without its draft vocabulary: what the vocabulary buys
+        rows += [{**row, "name": row["name"] + FULL_VOCAB, "full_vocab": True} for row in rows
+                 if row["name"] in ("width 2", "width 4", "width auto")]
     return rows
 
 
 def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
     configs = []
     for phase, pair in pairs.items():
-        for row in configurations(pair["drafter"].block_size, peer="zlab" in pair):
+        for row in configurations(pair["drafter"].block_size, peer="zlab" in pair, full_vocab="drafter_full" in pair):
             cfg = {**row, "phase": phase, "key": f"{row['name']} [{phase}]"}
             if row["kind"] == "dflash":
                 table = cost_tables.get(phase) if row["auto"] else None
@@ -231,7 +238,8 @@ def run_config(cfg: dict, pairs: dict, ids: dict, max_tokens: int) -> dict:
         z = pair["zlab"]
         return run_zlab(z["module"], z["model"], z["draft"], z["tokenizer"], ids[cfg["phase"]], max_tokens,
                         cfg["block_size"])
-    return run_dflash(pair, cfg["policy"], ids[cfg["phase"]], max_tokens)
+    return run_dflash(pair, cfg["policy"], ids[cfg["phase"]], max_tokens,
+                      pair["drafter_full"] if cfg.get("full_vocab") else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,6 +270,7 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
         ratios = [statistics.median(x["decode_tps"] for x in per_prompt[p]) / base_phase[p]
                   for p in sorted(per_prompt) if base_phase.get(p)]
         checked = [r for r in mine if r["identical"] is not None]
+        round_ms = [1e3 * r["decode_seconds"] / r["rounds"] for r in mine if r.get("rounds")]
         widths = {}
         for r in mine:
             for w, n in r["widths"].items():
@@ -276,15 +285,22 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
             "tau_median": statistics.median(taus) if taus else 0.0, "tau_mean": statistics.fmean(taus) if taus else 0.0,
             "identical": sum(bool(r["identical"]) for r in checked), "checked": len(checked),
             "widths_used": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
+            "ms_per_round_median": statistics.median(round_ms) if round_ms else None,
         })
     return out
+
+
+def is_fixed_width(s: dict) -> bool:
+    """One of our fixed-width rows as shipped (not auto, not the whole-vocabulary comparison)."""
+    return (s["kind"] == "dflash" and s["name"].startswith("width ") and s["name"] != "width auto"
+            and not s["name"].endswith(FULL_VOCAB))
 
 
 def auto_vs_best_fixed(summary: list[dict]) -> dict:
     """Per phase: the fixed width with the highest median tokens/s, and width auto's median against it."""
     out = {}
     for phase in dict.fromkeys(s["phase"] for s in summary):
-        fixed = [s for s in summary if s["phase"] == phase and s["name"].startswith("width ") and s["name"] != "width auto"]
+        fixed = [s for s in summary if s["phase"] == phase and is_fixed_width(s)]
         auto = [s for s in summary if s["phase"] == phase and s["name"] == "width auto"]
         if fixed and auto:
             best = max(fixed, key=lambda s: s["decode_tps_median"])
@@ -300,7 +316,7 @@ def versus_zlab(summary: list[dict]) -> dict:
     for phase in dict.fromkeys(s["phase"] for s in summary):
         rows = [s for s in summary if s["phase"] == phase]
         peer = [s for s in rows if s["kind"] == "zlab"]
-        ours = [s for s in rows if s["kind"] == "dflash" and s["name"].startswith("width ") and s["name"] != "width auto"]
+        ours = [s for s in rows if is_fixed_width(s)]
         auto = [s for s in rows if s["name"] == "width auto"]
         if not peer:
             continue
@@ -319,15 +335,16 @@ def versus_zlab(summary: list[dict]) -> dict:
 
 
 def markdown_table(summary: list[dict]) -> str:
-    lines = ["| configuration | tokens/s median | ratio | tau mean | outputs identical |",
-             "| --- | ---: | ---: | ---: | --- |"]
+    lines = ["| configuration | tokens/s median | ratio | tau mean | ms per round | outputs identical |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for s in summary:
         name = s["name"] + ("" if s["phase"] == "float" else f" ({s['phase']})")
         if s["clamped"]:
             name += f" (clamped to {s['max_width']})"
         ratio = f"{s['ratio_vs_target']:.2f}x" if s["ratio_vs_target"] is not None else "-"
         ident = "reference" if s["kind"] == "target" else f"{s['identical']}/{s['checked']}"
-        lines.append(f"| {name} | {s['decode_tps_median']:.1f} | {ratio} | {s['tau_mean']:.2f} | {ident} |")
+        per_round = f"{s['ms_per_round_median']:.0f}" if s.get("ms_per_round_median") else "-"
+        lines.append(f"| {name} | {s['decode_tps_median']:.1f} | {ratio} | {s['tau_mean']:.2f} | {per_round} | {ident} |")
     return "\n".join(lines)
 
 

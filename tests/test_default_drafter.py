@@ -44,7 +44,9 @@ def test_default_drafter_ships_small_in_bf16():
     assert files == ["config.json", "model.safetensors"], files
     assert (path / "model.safetensors").stat().st_size < 20 * 2**20
     weights = mx.load(str(path / "model.safetensors"))
+    vocab = weights.pop("draft_vocab_ids")  # its draft vocabulary (token ids)
     assert weights and all(v.dtype == mx.bfloat16 for v in weights.values())
+    assert vocab.dtype == mx.int32 and len(set(vocab.tolist())) == vocab.size == drafter_from_dir(path).draft_vocab.size
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
