@@ -5,7 +5,9 @@ order (the decoder's batch size is 1); a bounded queue feeds it and answers 503 
 a `Job`: the engine pushes its text to the request's asyncio queue round by round, and checks the job's
 cancel flag after every round, so a client that goes away stops its generation at the next round.
 
-The wire format (parsing, stop strings, response bodies) is in serve_protocol.py.
+The wire format (parsing, stop strings, response bodies) is in serve_protocol.py; a sharded target
+(`--shard`, rank 0's engine and the other ranks' loop) in serve_sharded.py, through the Engine's hooks
+(_next_job, _responses, _ended_early, fatal_errors).
 """
 
 import asyncio

@@ -145,10 +145,10 @@ class ShardedServer:
             except openai.APIConnectionError:
                 time.sleep(0.3)
 
-    def finish(self, timeout=60):
-        """[(exit status, stderr lines, seconds to exit)] of both ranks, once each has stopped."""
+    def finish(self, timeout=60, ranks=(0, 1)):
+        """[(exit status, stderr lines, seconds to exit)] of these ranks, once each has stopped."""
         out, tic = [], time.monotonic()
-        for p in self.ranks:
+        for p in (self.ranks[r] for r in ranks):
             try:
                 _, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - tic)))
             except Exception:
@@ -218,7 +218,8 @@ def test_two_rank_server_answers_like_one_process(tmp_path, qwen2_pair, mode):
         assert chat(c, stream=True) == want["chat"]
         time.sleep(3)  # idle: rank 0's beats keep the others waiting, not timing out
         assert completion(c) == want["greedy"]
-        server.ranks[0].send_signal(signal.SIGINT)  # Ctrl-C
+        for rank in server.ranks:  # Ctrl-C in a terminal: every local rank gets SIGINT
+            rank.send_signal(signal.SIGINT)
         (code0, err0, _), (code1, err1, seconds) = server.finish()
     finally:
         server.kill()
@@ -245,7 +246,7 @@ def test_killing_rank1_stops_rank0_with_one_line(tmp_path, qwen2_pair, mode, whe
             with pytest.raises(openai.APIError, match="lost contact with the other ranks"):
                 for _ in stream:
                     pass
-        (code0, err0, seconds), _ = server.finish(timeout=60)
+        ((code0, err0, seconds),) = server.finish(timeout=60, ranks=(0,))
     finally:
         server.kill()
     assert code0 == 1
@@ -266,3 +267,18 @@ def test_a_refused_pair_is_one_line_from_rank0_and_both_ranks_exit_1(tmp_path):
     assert results[0][1] == ["error: --shard pipeline: mlx-lm's 'qwen3' models have no pipeline support; "
                              "try --shard tensor"], results[0][1]
     assert results[1][1] == [], results[1][1]
+
+
+@pytest.mark.slow
+def test_a_hung_rank1_stops_the_idle_rank0_after_the_rank_timeout(tmp_path, qwen2_pair):
+    server = ShardedServer(tmp_path, qwen2_pair, "tensor", "--rank-timeout", "5")
+    try:
+        assert completion(server.client, max_tokens=4)
+        server.ranks[1].send_signal(signal.SIGSTOP)  # alive, sockets open, answering nothing
+        ((code0, err0, seconds),) = server.finish(timeout=60, ranks=(0,))
+    finally:
+        server.kill()
+    assert code0 == 1
+    assert err0[-1] == ("error: rank 0: no round finished in 5 s: another rank has stopped answering "
+                        "(see its own output); giving up"), err0[-5:]
+    assert seconds < 30
