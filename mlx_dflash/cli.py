@@ -349,7 +349,26 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
                           api_key=api_key, max_body_bytes=max_body_bytes)
     if shard:
         from .serve_sharded import ShardedEngine as Engine
-    run_server(Engine(load, max_queue), config, sock)
+    engine = Engine(load, max_queue)  # a load error ends here, in one line, as for other commands
+    try:
+        run_server(engine, config, sock)
+    except DFlashError as e:  # a sharded server lost a rank
+        click.echo(f"error: {e}", err=True)
+        _leave(1)
+    _leave(0)
+
+
+def _leave(status: int):
+    """End the process now, without the interpreter's teardown: with MLX 0.32.4 that teardown can abort
+    ("terminate called without an active exception", about 1 exit in 3 here) once a thread other than the
+    main one has run MLX work, as the server's engine thread has."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 
