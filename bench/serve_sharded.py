@@ -23,8 +23,10 @@ import os
 import signal
 import socket
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,8 +120,8 @@ def main() -> int:
     model, drafter = smollm2_as_qwen2(), default_drafter_dir()
     check_relayout(model, PROMPTS[0])
     out_dir = Path(args.out_root) / args.name
-    log_dir = out_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="serve-sharded-"))  # the ranks' logs: kept (and named) on failure
     prompts = PROMPTS[: args.num_prompts]
     configs = {DRAFTING: [], PLAIN: ["--block-size", "1"]}
     requests, exits = {name: [] for name in configs}, []
@@ -145,7 +147,8 @@ def main() -> int:
                           decode_tokens_per_s_median=statistics.median(r["decode_tokens_per_s"] for r in reqs),
                           tau=round(sum(r["tau"] * r["rounds"] for r in reqs) / sum(r["rounds"] for r in reqs), 3))
     result = dict(schema=SCHEMA, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  machine=machine_info(), versions=versions(), settings=vars(args), load_average=os.getloadavg(),
+                  machine=machine_info(), versions=versions(),
+                  settings={k: v for k, v in vars(args).items() if k != "out_root"}, load_average=os.getloadavg(),
                   rows=rows, ratio_on_over_off=round(rows[DRAFTING]["tokens_per_s"] / rows[PLAIN]["tokens_per_s"], 3),
                   exits=exits, mismatches=mismatches, requests=requests)
     write_json(out_dir / "serve_sharded.json", result, indent=1)
@@ -158,6 +161,10 @@ def main() -> int:
     bad_exit = any(code != 0 for e in exits for code in e["exit_codes"])
     if mismatches:
         print(f"GREEDY ANSWERS DIFFER with drafting on and off for {mismatches}", file=sys.stderr)
+    if bad_exit:
+        print(f"a rank did not exit 0; its log is in {log_dir}", file=sys.stderr)
+    else:
+        shutil.rmtree(log_dir)
     return 1 if mismatches or bad_exit else 0
 
 
