@@ -71,10 +71,10 @@ shard_options = _options(
 )
 
 
-def _rank_timeout(seconds: float) -> float:
+def _rank_timeout(seconds: float) -> None:
     if seconds <= 0:
         raise DFlashError(f"--rank-timeout must be positive seconds, got {seconds}")
-    return seconds
+
 
 def _verify_width(block_size, n_max, width_mode, cost_table):
     """--block-size from --n-max, refusing flags that contradict each other."""
