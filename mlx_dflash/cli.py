@@ -63,6 +63,18 @@ width_options = _options(
                  help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe)."),
 )
 
+shard_options = _options(
+    click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
+                 help="Split the target over the ranks of an mlx.launch run (rank 0 prints / listens)."),
+    click.option("--rank-timeout", default=300.0, show_default=True, type=float,
+                 help="With --shard: give up when no round finishes for this many seconds (a hung rank)."),
+)
+
+
+def _rank_timeout(seconds: float) -> None:
+    if seconds <= 0:
+        raise DFlashError(f"--rank-timeout must be positive seconds, got {seconds}")
+
 
 def _verify_width(block_size, n_max, width_mode, cost_table):
     """--block-size from --n-max, refusing flags that contradict each other."""
@@ -92,10 +104,7 @@ def prepare():
 @width_options
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
-@click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
-              help="Split the target over the ranks of an mlx.launch run (rank 0 prints).")
-@click.option("--rank-timeout", default=300.0, show_default=True, type=float,
-              help="With --shard: give up when no round finishes for this many seconds (a hung rank).")
+@shard_options
 def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
              force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose, shard, rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
@@ -111,8 +120,7 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     drafter_path = default_drafter(drafter_path, model_path)
     if shard:
-        if rank_timeout <= 0:
-            raise DFlashError(f"--rank-timeout must be positive seconds, got {rank_timeout}")
+        _rank_timeout(rank_timeout)
         target, drafter, tokenizer, group = load_sharded_pair(
             default_target(model_path), drafter_path, shard)
     else:
@@ -295,14 +303,18 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
 @click.option("--max-tokens", default=256, show_default=True, type=int, help="Default for requests without max_tokens.")
 @sampling_options
 @width_options
+@shard_options
 def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, max_body_bytes, max_tokens, temp,
-          top_p, top_k, min_p, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table):
+          top_p, top_k, min_p, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table, shard,
+          rank_timeout):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
-    --max-tokens and the sampling flags are the defaults of requests that leave those fields out."""
+    --max-tokens and the sampling flags are the defaults of requests that leave those fields out.
+    With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from pathlib import Path
 
     from .decoder import build_policy
+    from .distributed import Ranks, launched_group, load_sharded_pair
     from .load import load_pair
     from .sampling import SamplingParams
     from .downloads import default_drafter, default_target
@@ -313,21 +325,59 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
         raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
     SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
-    sock = bind(host, port)
+    rank = 0
+    if shard:
+        _rank_timeout(rank_timeout)
+        rank = launched_group("serve").rank()
+    sock = bind(host, port) if rank == 0 else None  # only rank 0 listens
     drafter_path = default_drafter(drafter_path, model_path)
     target_path = default_target(model_path)
 
-    def load():  # on the engine's thread
-        target, drafter, tokenizer = load_pair(target_path, drafter_path)
+    def load():  # on the engine's thread (rank 0), or the main one (the others)
+        if not shard:
+            target, drafter, tokenizer = load_pair(target_path, drafter_path)
+        else:
+            target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path, shard, "serve")
         policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto",
                               cost_table)
-        for note in policy.notes:
+        for note in policy.notes if rank == 0 else ():
             click.echo(note, err=True)
-        return target, drafter, tokenizer, policy
+        if not shard:
+            return target, drafter, tokenizer, policy
+        return target, drafter, tokenizer, policy, Ranks(group, policy.block_size, shard == "pipeline", rank_timeout)
 
+    if rank != 0:
+        import signal
+
+        from .serve_sharded import follow
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
+        follow(*load())
+        return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k, min_p),
                           api_key=api_key, max_body_bytes=max_body_bytes)
-    run_server(Engine(load, max_queue), config, sock)
+    if shard:
+        from .serve_sharded import ShardedEngine as Engine
+    engine = Engine(load, max_queue)  # a load error ends here, in one line, as for other commands
+    try:
+        run_server(engine, config, sock)
+    except DFlashError as e:  # a sharded server lost a rank
+        click.echo(f"error: {e}", err=True)
+        _leave(1)
+    _leave(0)
+
+
+def _leave(status: int):
+    """End the process now, without the interpreter's teardown: with MLX 0.32.4 that teardown can abort
+    ("terminate called without an active exception", about 1 exit in 3 here) once a thread other than the
+    main one has run MLX work, as the server's engine thread has."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 

@@ -37,12 +37,12 @@ SHARD_MODES = ("tensor", "pipeline")
 DEFAULT_RANK_TIMEOUT = 300.0  # seconds without a finished round before a rank gives up on the others
 
 
-def launched_group() -> mx.distributed.Group:
+def launched_group(command: str = "generate") -> mx.distributed.Group:
     """The group this process was launched into; refuses a lone process (nothing to shard over)."""
     group = mx.distributed.init()
     if group.size() < 2:
         raise DFlashError("--shard needs several ranks: start the command with mlx.launch, e.g. "
-                          "`mlx.launch --backend ring -n 2 -- mlx-dflash generate ... --shard tensor`")
+                          f"`mlx.launch --backend ring -n 2 -- mlx-dflash {command} ... --shard tensor`")
     return group
 
 
@@ -127,11 +127,11 @@ def load_sharded_target(model_dir: Path, mode: str, group: mx.distributed.Group)
     return PipelineStage(model), tokenizer
 
 
-def load_sharded_pair(target_path: str, drafter_path: str, mode: str):
+def load_sharded_pair(target_path: str, drafter_path: str, mode: str, command: str = "generate"):
     """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run."""
     from .load import load_drafter, resolve
 
-    group = launched_group()
+    group = launched_group(command)
     with said_once(group), lost_rank_errors(group.rank()):  # sharded_load ends in a collective
         model_dir = resolve(target_path, "target model")
         check_shardable(model_dir, mode, group.size())
@@ -151,6 +151,14 @@ def said_once(group):
         raise
 
 
+class RankLost(DFlashError):
+    """Another rank of the group has gone: this one cannot go on."""
+
+
+class GenerationStopped(Exception):
+    """Rank 0 ended the current generation before the decoder did (serve: its client left, a stop string)."""
+
+
 @contextmanager
 def lost_rank_errors(rank: int):
     """A backend's error about a lost peer (the ring's "[ring] connection to a peer was lost") as one line,
@@ -161,7 +169,7 @@ def lost_rank_errors(rank: int):
         message = str(e).splitlines()[0] if str(e) else ""
         if not message.startswith(("[ring]", "[jaccl]", "[mpi]", "[nccl]")):
             raise
-        error = DFlashError(f"rank {rank}: lost contact with the other ranks ({message}); "
+        error = RankLost(f"rank {rank}: lost contact with the other ranks ({message}); "
                             "another rank has stopped: see its own output")
         error.quiet = False
         raise error from None
@@ -215,13 +223,24 @@ class Ranks(SingleProcess):
         self._beat = time.monotonic()
         return array
 
+    def share(self, array: mx.array) -> mx.array:
+        """Rank 0's `array` on every rank (the others pass zeros of the same shape and dtype)."""
+        return self._timed(mx.distributed.all_sum(array, group=self.group))
+
     def agree(self, drafts: mx.array, confidence: list) -> tuple:
         # Token ids travel as float32: exact up to 2**24, far past any vocabulary.
         drafts = drafts.tolist()
         n, m = len(drafts), len(confidence)
         got = self._from_rank0([n, m, *drafts, *confidence])
+        if got[0] < 0:  # rank 0 sent stop() in place of this round's drafts
+            raise GenerationStopped()
         n, m = int(got[0]), int(got[1])
         return mx.array([int(t) for t in got[2 : 2 + n]], dtype=mx.int32), got[2 + n : 2 + n + m]
+
+    def stop(self):
+        """On rank 0, after a round, to end the generation early: the other ranks, which have gone on to
+        the next round, get it in place of that round's drafts (`agree` raises GenerationStopped)."""
+        self._from_rank0([-1])
 
     def settle(self, accepted: int, token: int, features):
         got = self._from_rank0([accepted, token])

@@ -5,7 +5,9 @@ order (the decoder's batch size is 1); a bounded queue feeds it and answers 503 
 a `Job`: the engine pushes its text to the request's asyncio queue round by round, and checks the job's
 cancel flag after every round, so a client that goes away stops its generation at the next round.
 
-The wire format (parsing, stop strings, response bodies) is in serve_protocol.py.
+The wire format (parsing, stop strings, response bodies) is in serve_protocol.py; a sharded target
+(`--shard`, rank 0's engine and the other ranks' loop) in serve_sharded.py, through the Engine's hooks
+(_next_job, _responses, _ended_early, fatal_errors).
 """
 
 import asyncio
@@ -84,8 +86,12 @@ class Engine:
     (a DFlashError for a bad pair) are raised here, before anything is served.
     """
 
+    fatal_errors: tuple = ()  # errors after which the engine stops (none for one process)
+
     def __init__(self, load, max_queue: int = 16):
         self.max_queue = max_queue
+        self.failure: Optional[Exception] = None  # why the engine stopped, if it did
+        self.on_failure = None  # called (from the engine thread) when it does
         self.waiting = 0  # submitted, not yet started
         self.completed = self.cancelled = 0
         self._durations = deque(maxlen=8)  # recent request seconds, for Retry-After
@@ -100,6 +106,8 @@ class Engine:
 
     def submit(self, job: Job):
         with self._lock:
+            if self.failure is not None:
+                raise APIError(503, f"the server is stopping: {self.failure}")
             if self.waiting >= self.max_queue:
                 raise APIError(503, f"the server is busy: {self.waiting} requests are waiting already "
                                f"(--max-queue {self.max_queue}); retry later", code="queue_full",
@@ -117,13 +125,22 @@ class Engine:
 
     def _run(self, load):
         try:
-            self.target, self.drafter, self.tokenizer, self.policy = load()
+            self._take(load())
         except BaseException as e:  # handed to the constructor, on the caller's thread
             self._load_error = e
             return
         finally:
             self._loaded.set()
-        while (job := self._jobs.get()) is not None:
+        self._serve()
+
+    def _take(self, loaded):
+        self.target, self.drafter, self.tokenizer, self.policy = loaded
+
+    def _next_job(self) -> Optional[Job]:
+        return self._jobs.get()
+
+    def _serve(self):
+        while (job := self._next_job()) is not None:
             with self._lock:
                 self.waiting -= 1
             with job.lock:
@@ -138,6 +155,10 @@ class Engine:
                 self.completed += outcome.finish_reason != "cancelled"
                 self.cancelled += outcome.finish_reason == "cancelled"
                 job.emit("done", outcome)
+            except self.fatal_errors as e:
+                job.emit("error", APIError(500, str(e)))
+                self._fail(e)
+                return
             except DFlashError as e:
                 job.emit("error", APIError(400, str(e)))
             except Exception as e:  # a bug: the log gets the traceback, the client one line
@@ -148,15 +169,24 @@ class Engine:
                 self._durations.append(time.perf_counter() - tic)
                 mx.clear_cache()
 
+    def _fail(self, error: Exception):
+        """The engine cannot go on (a sharded server lost a rank): refuse what waits and stop the server."""
+        with self._lock:
+            self.failure = error
+            while not self._jobs.empty():
+                if (job := self._jobs.get_nowait()) is not None:
+                    job.emit("error", APIError(503, f"the server is stopping: {error}"))
+            self.waiting = 0
+        if self.on_failure is not None:
+            self.on_failure()
+
     def _generate(self, job: Job) -> Outcome:
         req, tic = job.request, time.perf_counter()
         queued = tic - job.submitted
         detokenizer = self.tokenizer.detokenizer  # a fresh one per call
         stops = StopMatcher(req.stop)
         tokens, finish, stats = 0, None, GenerationStats(prompt_tokens=len(job.prompt_ids))
-        responses = stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids,
-                                    max_tokens=req.max_tokens, sampling=req.sampling, policy=self.policy,
-                                    seed=req.seed)
+        responses = self._responses(job)
         try:
             for response in responses:
                 stats, text = response.stats, []
@@ -184,7 +214,17 @@ class Engine:
                     break
         finally:
             responses.close()
+        if not stats.finish_reason:  # a stop string or a cancel ended it before the decoder did
+            self._ended_early()
         return Outcome(finish, len(job.prompt_ids), tokens, stats, queued, time.perf_counter() - tic)
+
+    def _responses(self, job: Job):
+        req = job.request
+        return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, max_tokens=req.max_tokens,
+                               sampling=req.sampling, policy=self.policy, seed=req.seed)
+
+    def _ended_early(self):
+        pass  # one process: closing the generator was all
 
     def prompt_ids(self, req: GenerationRequest) -> list:
         """The prompt's token ids: chat messages through the tokenizer's chat template, text as it is."""
@@ -422,7 +462,9 @@ def bind(host: str, port: int):
 
 
 def run_server(engine: Engine, config: ServerConfig, sock):
-    """Serve on a bound socket until interrupted (Ctrl-C)."""
+    """Serve on a bound socket until interrupted (Ctrl-C or SIGTERM: a clean stop, exit status 0)."""
+    import signal
+
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -430,7 +472,16 @@ def run_server(engine: Engine, config: ServerConfig, sock):
     host, port = sock.getsockname()[:2]
     log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
              + (" (API key required)" if config.api_key else ""))
+    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
+    # this one ignores it, so that the engine still closes (a sharded one tells the other ranks to stop).
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stop_signals}
     try:
         server.run(sockets=[sock])
     finally:
         engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if engine.failure is not None:
+        raise engine.failure

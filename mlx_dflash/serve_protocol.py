@@ -111,7 +111,7 @@ def _common(body, defaults: Defaults, served_model: str) -> dict:
         raise APIError(400, f"'n' must be 1: this server generates one choice per request, got {n}", param="n")
     if body.get("logprobs") not in (None, False, 0):
         raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
-    seed = _field(body, "seed", _is_int, "an integer")
+    seed = _field(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
     stop = body.get("stop")
     if stop is None:
         stop = []

@@ -1,0 +1,284 @@
+"""`mlx-dflash serve --shard tensor|pipeline`: rank 0 listens, the other ranks follow its requests.
+
+Default tier: the request header's encoding, the refusals, and when rank 0 tells the others that a
+generation ended early. Slow tier: 2-rank servers over the ring backend on loopback (the ranks started by
+hand, as mlx.launch does, so that a test holds each one's exit status), driven with the `openai` client and
+compared with a single-process server on the same pair.
+"""
+
+import asyncio
+import signal
+import time
+
+import mlx.core as mx
+import openai
+import pytest
+from click.testing import CliRunner
+from mlx_lm import load
+
+from mlx_dflash.cli import main
+from mlx_dflash.decoder import build_policy, generate
+from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.serve import Engine, Job
+from mlx_dflash.serve_protocol import Defaults, parse_completion
+from mlx_dflash.serve_sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, Header, RanksOutOfStep
+from mlx_dflash.target import Target
+from sharded_models import CLI, save_random_drafter, save_tiny_target, start_ranks
+from test_serve import client, running
+
+PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+# Default tier.
+
+def test_header_round_trips_exact_values():
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05)  # not exact in float32
+    for header in (Header(REQUEST, 256, 31, sampling, 2**64 - 1), Header(REQUEST, 1, 1, SamplingParams(), 0),
+                   Header(REQUEST, 5, 2), Header(BEAT), Header(SHUTDOWN)):
+        words = header.encode()
+        assert words.dtype == mx.int32 and words.shape == (HEADER_WORDS,)
+        assert Header.decode(words) == header
+    assert Header.decode(Header(REQUEST, 5, 2).encode()).seed is None  # no seed is not seed 0
+    summed = Header(REQUEST, 9, 4, sampling, 3).encode() + mx.zeros(HEADER_WORDS, dtype=mx.int32)
+    assert Header.decode(summed) == Header(REQUEST, 9, 4, sampling, 3)  # what the others' zeros leave
+
+
+def test_a_malformed_header_is_an_out_of_step_error():
+    with pytest.raises(RanksOutOfStep, match="malformed request header from rank 0"):
+        Header.decode(mx.full(HEADER_WORDS, 7, dtype=mx.int32))
+    with pytest.raises(RanksOutOfStep, match="the ranks are out of step"):
+        Header.decode(Header(REQUEST, 0, 3).encode())
+
+
+def test_serve_shard_without_a_launch_is_one_line_before_listening(tmp_path):
+    args = ["serve", "--model", str(tmp_path), "--shard", "tensor", "--port", "1"]  # port 1: never bound
+    result = CliRunner().invoke(main, args)
+    assert (result.exit_code, result.output.strip()) == (1, (
+        "error: --shard needs several ranks: start the command with mlx.launch, e.g. "
+        "`mlx.launch --backend ring -n 2 -- mlx-dflash serve ... --shard tensor`"))
+    result = CliRunner().invoke(main, [*args, "--rank-timeout", "-1"])
+    assert (result.exit_code, result.output.strip()) == (1, "error: --rank-timeout must be positive seconds, got -1.0")
+
+
+class RecordingEngine(Engine):
+    """Counts the generations rank 0 would have to stop on the other ranks."""
+
+    ended_early = 0
+
+    def _ended_early(self):
+        self.ended_early += 1
+
+
+def test_rank0_signals_an_early_end_exactly_when_the_decoder_had_not_finished(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    engine = RecordingEngine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)))
+    full, _, _ = generate(target, drafter, tokenizer, PROMPT, max_tokens=12)
+
+    async def run(body, cancel_after_text=False):
+        req = parse_completion({"prompt": PROMPT, **body}, Defaults(), "tiny")
+        job = Job(req, PROMPT)
+        engine.submit(job)
+        if cancel_after_text:
+            assert (await job.events.get())[0] == "text"
+            await job.cancel()
+        await job.finished.wait()
+        return job.outcome.finish_reason
+
+    try:
+        assert asyncio.run(run({"max_tokens": 12})) == "length" and engine.ended_early == 0
+        assert asyncio.run(run({"max_tokens": 12, "stop": full[2:6]})) == "stop" and engine.ended_early == 1
+        assert asyncio.run(run({"max_tokens": 4000}, cancel_after_text=True)) == "cancelled"
+        assert engine.ended_early == 2
+        # A stop string completed by the decoder's last round: the decoder finished too, nothing to signal.
+        assert full.find(full[-2:]) == len(full) - 2
+        assert asyncio.run(run({"max_tokens": 12, "stop": full[-2:]})) == "stop" and engine.ended_early == 2
+    finally:
+        engine.close()
+
+
+def test_seed_outside_64_bits_is_a_400():
+    from mlx_dflash.serve_protocol import APIError
+
+    for seed in (-1, 2**64):
+        with pytest.raises(APIError, match="'seed' must be an integer from 0 to 2\\*\\*64 - 1") as e:
+            parse_completion({"prompt": "x", "seed": seed}, Defaults(), "tiny")
+        assert e.value.status == 400
+
+
+# Two ranks over loopback.
+
+@pytest.fixture(scope="module")
+def qwen2_pair(tmp_path_factory):
+    """(target dir, drafter dir, (Target, drafter, tokenizer) loaded in this process) of a tiny random qwen2."""
+    from mlx_dflash.downloads import ensure_smollm2
+
+    root = tmp_path_factory.mktemp("sharded-serve")
+    target_dir = save_tiny_target(root / "qwen2", "qwen2", ensure_smollm2("float32"))
+    drafter_dir = save_random_drafter(root / "drafter", target_dir)
+    model, tokenizer = load(str(target_dir))
+    target = Target(model)
+    return target_dir, drafter_dir, (target, drafter_from_dir(drafter_dir).bind(target), tokenizer)
+
+
+class ShardedServer:
+    """Both ranks of `mlx-dflash serve --shard MODE`, started by hand; rank 0 listens on a free port."""
+
+    def __init__(self, tmp_path, pair, mode, *extra):
+        from sharded_models import free_port
+
+        target_dir, drafter_dir, _ = pair
+        self.port = free_port(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ranks = start_ranks([*CLI, "serve", "--model", str(target_dir), "--drafter", str(drafter_dir),
+                                  "--model-name", "tiny", "--port", str(self.port), "--shard", mode, *extra],
+                                 tmp_path / "hostfile.json")
+        self.client = client(self.url, timeout=300)
+        deadline = time.monotonic() + 300
+        while True:
+            assert all(p.poll() is None for p in self.ranks), self.finish(0)
+            assert time.monotonic() < deadline, "the sharded server did not start"
+            try:
+                self.client.models.list()
+                return
+            except openai.APIConnectionError:
+                time.sleep(0.3)
+
+    def finish(self, timeout=60, ranks=(0, 1)):
+        """[(exit status, stderr lines, seconds to exit)] of these ranks, once each has stopped."""
+        out, tic = [], time.monotonic()
+        for p in (self.ranks[r] for r in ranks):
+            try:
+                _, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - tic)))
+            except Exception:
+                p.kill()
+                _, err = p.communicate()
+                out.append((None, err.strip().splitlines(), None))
+                continue
+            out.append((p.returncode, err.strip().splitlines(), time.monotonic() - tic))
+        return out
+
+    def kill(self):
+        for p in self.ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def completion(c, stream=False, **kw):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, **kw}
+    if stream:
+        return "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw))
+    return c.completions.create(**kw).choices[0].text
+
+
+def chat(c, stream=False, **kw):
+    kw = {"model": "tiny", "messages": CHAT, "max_tokens": 16, **kw}
+    if stream:
+        return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
+                       if ch.choices)
+    return c.chat.completions.create(**kw).choices[0].message.content
+
+
+def cancel_mid_stream(c, chunks=3):
+    """Start a long streamed answer, read a few chunks, and hang up."""
+    stream = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=5000, stream=True)
+    for i, _ in enumerate(stream):
+        if i + 1 == chunks:
+            break
+    stream.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_two_rank_server_answers_like_one_process(tmp_path, qwen2_pair, mode):
+    target, drafter, tokenizer = qwen2_pair[2]
+    _, greedy_ids, _ = generate(target, drafter, tokenizer, PROMPT, max_tokens=24)
+    with running(qwen2_pair[2]) as (url, _):  # the single-process server on the same pair
+        alone = client(url)
+        want = dict(greedy=completion(alone), chat=chat(alone),
+                    sampled=completion(alone, temperature=1.0, seed=7, max_tokens=24),
+                    top_k=chat(alone, temperature=0.8, extra_body={"top_k": 20}, seed=3))
+    assert want["greedy"] == tokenizer.decode(greedy_ids[:16])
+    assert want["sampled"] != tokenizer.decode(greedy_ids)  # sampling did sample
+
+    server = ShardedServer(tmp_path, qwen2_pair, mode)
+    try:
+        c = server.client
+        assert completion(c) == want["greedy"]
+        assert completion(c, stream=True) == want["greedy"]  # two requests in sequence, streamed or not
+        assert chat(c, stream=True) == chat(c) == want["chat"]
+        assert completion(c, temperature=1.0, seed=7, max_tokens=24) == want["sampled"]
+        assert chat(c, stream=True, temperature=0.8, extra_body={"top_k": 20}, seed=3) == want["top_k"]
+        stop = want["greedy"][5:9]  # rank 0 ends this one before the decoder does
+        assert completion(c, stop=stop) == want["greedy"][: want["greedy"].index(stop)]
+        cancel_mid_stream(c)
+        assert completion(c) == want["greedy"]  # the ranks are still in step
+        assert chat(c, stream=True) == want["chat"]
+        time.sleep(3)  # idle: rank 0's beats keep the others waiting, not timing out
+        assert completion(c) == want["greedy"]
+        for rank in server.ranks:  # Ctrl-C in a terminal: every local rank gets SIGINT
+            rank.send_signal(signal.SIGINT)
+        (code0, err0, _), (code1, err1, seconds) = server.finish()
+    finally:
+        server.kill()
+    assert (code0, code1) == (0, 0), (err0[-5:], err1[-5:])
+    assert seconds < 30
+    assert not any(line.startswith("error") or "Traceback" in line for line in err0 + err1), err0 + err1
+    cancelled = [line for line in err0 if "finish=cancelled" in line]
+    assert len(cancelled) == 1 and int(cancelled[0].split("completion=")[1].split()[0]) < 5000, err0
+    assert sum(" 200 id=" in line for line in err0) == 11 and not any(" 200 id=" in line for line in err1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,when", [("tensor", "mid-stream"), ("pipeline", "idle")])
+def test_killing_rank1_stops_rank0_with_one_line(tmp_path, qwen2_pair, mode, when):
+    server = ShardedServer(tmp_path, qwen2_pair, mode)
+    try:
+        c = server.client
+        assert completion(c, max_tokens=4)
+        if when == "mid-stream":
+            stream = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=100000, stream=True)
+            next(iter(stream))
+        server.ranks[1].kill()
+        if when == "mid-stream":
+            with pytest.raises(openai.APIError, match="lost contact with the other ranks"):
+                for _ in stream:
+                    pass
+        ((code0, err0, seconds),) = server.finish(timeout=60, ranks=(0,))
+    finally:
+        server.kill()
+    assert code0 == 1
+    assert err0[-1] == ("error: rank 0: lost contact with the other ranks ([ring] connection to a peer was lost); "
+                        "another rank has stopped: see its own output"), err0[-5:]
+    assert seconds < 30 and "Traceback" not in "\n".join(err0)
+
+
+@pytest.mark.slow
+def test_a_refused_pair_is_one_line_from_rank0_and_both_ranks_exit_1(tmp_path):
+    from mlx_dflash.downloads import ensure_smollm2
+
+    target_dir = save_tiny_target(tmp_path / "qwen3", "qwen3", ensure_smollm2("float32"))
+    ranks = start_ranks([*CLI, "serve", "--model", str(target_dir), "--drafter", str(tmp_path / "none"),
+                         "--shard", "pipeline", "--port", "0"], tmp_path / "hostfile.json")
+    results = [(p.wait(timeout=120), p.stderr.read().strip().splitlines()) for p in ranks]
+    assert [code for code, _ in results] == [1, 1]
+    assert results[0][1] == ["error: --shard pipeline: mlx-lm's 'qwen3' models have no pipeline support; "
+                             "try --shard tensor"], results[0][1]
+    assert results[1][1] == [], results[1][1]
+
+
+@pytest.mark.slow
+def test_a_hung_rank1_stops_the_idle_rank0_after_the_rank_timeout(tmp_path, qwen2_pair):
+    server = ShardedServer(tmp_path, qwen2_pair, "tensor", "--rank-timeout", "5")
+    try:
+        assert completion(server.client, max_tokens=4)
+        server.ranks[1].send_signal(signal.SIGSTOP)  # alive, sockets open, answering nothing
+        ((code0, err0, seconds),) = server.finish(timeout=60, ranks=(0,))
+    finally:
+        server.kill()
+    assert code0 == 1
+    assert err0[-1] == ("error: rank 0: no round finished in 5 s: another rank has stopped answering "
+                        "(see its own output); giving up"), err0[-5:]
+    assert seconds < 30
