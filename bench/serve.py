@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import openai  # noqa: E402
 
 from e2e import GSM8K, GSM8K_OFFSET  # noqa: E402
-from mlx_dflash.bench import _write_atomic, machine_info, versions  # noqa: E402
+from mlx_dflash.bench import machine_info, versions  # noqa: E402
+from mlx_dflash.files import write_atomic as _write_atomic  # noqa: E402
 from mlx_dflash.data import read_prompts  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-serve/1"
