@@ -117,6 +117,11 @@ class Target:
         return head if head is not None else self._inner.embed_tokens
 
     @property
+    def activation_dtype(self) -> mx.Dtype:
+        """The dtype of the hidden states (the embedding's output)."""
+        return self.embed_tokens(mx.array([0])).dtype
+
+    @property
     def text_args(self):
         """The language model's configuration (multimodal wrappers nest it under language_model)."""
         return getattr(getattr(self.model, "language_model", None), "args", None) or self.model.args
