@@ -128,9 +128,11 @@ class CostAwarePolicy(WidthPolicy):
     verify_seconds[w], from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced
     by running averages of the verify times this run observes.
 
-    Drafting itself must pay too: the policy keeps running averages of tokens per second in rounds that
-    drafted and in plain target steps, and while drafting is the slower of the two it skips the drafter
-    for PROBE_EVERY - 1 plain steps (pipelined, as fast as the target alone), then drafts one round to
+    Drafting itself must pay too: the policy keeps running averages of the tokens per second it expects
+    from the rounds it drafts (the rate of the width it chose, from calibrated confidence and measured
+    costs: far steadier than the tokens a single round happened to get) and of the tokens per second of
+    plain target steps, and while drafting is the slower of the two it skips the drafter for
+    PROBE_EVERY - 1 plain steps (pipelined, as fast as the target alone), then drafts one round to
     re-measure.
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
@@ -148,7 +150,7 @@ class CostAwarePolicy(WidthPolicy):
         self.draft_seconds = 0.0
         self.hits = np.zeros(self.BINS)
         self.trials = np.zeros(self.BINS)
-        self.drafting_rate = None  # tokens/s of rounds that ran the drafter
+        self.drafting_rate = None  # tokens/s expected of rounds that run the drafter
         self.plain_rate = 1.0 / self.verify_seconds[1]  # tokens/s of plain target steps (table, then observed)
         self.probe_next = False  # the last call planned plain steps: draft once now
 
@@ -187,15 +189,16 @@ class CostAwarePolicy(WidthPolicy):
             w: self.expected_tokens(confidence, w) / (self.draft_seconds + self.verify_seconds[w])
             for w in range(1, width + 1)
         }
-        return max(rates, key=rates.get)
+        best = max(rates, key=rates.get)
+        a = self.SMOOTHING
+        rate = rates[best]
+        self.drafting_rate = rate if self.drafting_rate is None else (1 - a) * self.drafting_rate + a * rate
+        return best
 
     def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds):
         a = self.SMOOTHING
-        rate = (accepted + 1) / (draft_seconds + verify_seconds)
-        if confidence:  # the drafter ran this round (whatever width was then verified)
-            self.drafting_rate = rate if self.drafting_rate is None else (1 - a) * self.drafting_rate + a * rate
-        else:
-            self.plain_rate = (1 - a) * self.plain_rate + a * rate
+        if not confidence:  # a one-row round that did not draft (one token left)
+            self.plain_rate = (1 - a) * self.plain_rate + a * (accepted + 1) / (draft_seconds + verify_seconds)
         if drafted:
             self.draft_seconds = draft_seconds if not self.draft_seconds else (1 - a) * self.draft_seconds + a * draft_seconds
         w = drafted + 1
