@@ -20,9 +20,6 @@ from .sampling import SamplingParams, accept, choose, pick
 from .target import Target
 
 
-NO_DRAFTS = mx.zeros((0,), dtype=mx.int32)
-
-
 @dataclass
 class Round:
     tokens: list  # tokens this round emits (accepted drafts, then the target's own token)
@@ -74,7 +71,8 @@ def speculative_rounds(
         # Nothing is evaluated here unless the policy reads the confidence: otherwise the drafter
         # runs in the same evaluation as the verify below, one host round trip per round.
         tic = time.perf_counter()
-        drafts, confidence, proposal = NO_DRAFTS, [], None
+        # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
+        drafts, confidence, proposal = mx.zeros((0,), dtype=mx.int32), [], None
         if width > 1:
             draft = drafter.draft(anchor, context, draft_cache, policy.block_size, width, sampling)
             context = None  # the drafter's cache holds it now
