@@ -15,6 +15,7 @@ Writes draft_vocab.json and a markdown table into --out (atomically); prints the
 """
 
 import argparse
+from collections import Counter
 import json
 import random
 import statistics
@@ -33,7 +34,7 @@ from mlx_dflash.draft_vocab import coverage, response_token_counts, select_draft
 from mlx_dflash.drafter import drafter_from_dir  # noqa: E402
 from mlx_dflash.files import portable_path, write_atomic  # noqa: E402
 from mlx_dflash.load import load_target  # noqa: E402
-from mlx_dflash.replay import decoding_acceptance  # noqa: E402
+from mlx_dflash.replay import TargetFeatures, decoding_acceptance  # noqa: E402
 from mlx_dflash.sampling import SamplingParams  # noqa: E402
 
 FULL = "full"
@@ -101,11 +102,12 @@ def main(argv=None) -> int:
                heldout_sequences(target, tokenizer, spec, first, args.num_prompts, args.max_tokens)
                for spec, first in zip(args.heldout, firsts)}
     acceptance, covered = {}, {}
+    features = TargetFeatures(target)  # each answer's target pass once, for every size
     for set_name, sequences in heldout.items():
-        held_counts = response_token_counts_of(sequences)
+        held_counts = Counter(t for ids, start in sequences for t in ids[start:])
         for name, ids in sizes.items():
             drafter.set_draft_vocab(ids)
-            result = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths))
+            result = decoding_acceptance(drafter, features, sequences, widths=tuple(args.widths))
             acceptance.setdefault(set_name, {})[name] = {str(w): r["tau"] for w, r in result.items()}
             covered.setdefault(set_name, {})[name] = 1.0 if ids is None else coverage(held_counts, ids.tolist())
 
@@ -123,14 +125,6 @@ def main(argv=None) -> int:
     write_atomic(args.out / "draft_vocab.md", table + "\n")
     print(table)
     return 0
-
-
-def response_token_counts_of(sequences) -> dict:
-    counts = {}
-    for ids, start in sequences:
-        for t in ids[start:]:
-            counts[t] = counts.get(t, 0) + 1
-    return counts
 
 
 def markdown(results: dict, names: list) -> str:

@@ -58,7 +58,8 @@ def speculative_rounds(
         if plain:
             tic = time.perf_counter()
             for token, features in plain_steps(target, cache, anchor, plain, sampling):
-                context = features if context is None else mx.concatenate([context, features], axis=1)
+                if policy.max_width > 1:  # a drafter will read these rows (drafting off: none ever will)
+                    context = features if context is None else mx.concatenate([context, features], axis=1)
                 yield Round([token], drafted=0, accepted=0)
             policy.observe_plain(plain, time.perf_counter() - tic)
             produced, anchor = produced + plain, token

@@ -169,8 +169,8 @@ class CostAwarePolicy(WidthPolicy):
         return 0
 
     def observe_plain(self, tokens: int, seconds: float):
-        a = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
-        self.plain_rate = (1 - a) * self.plain_rate + a * tokens / seconds
+        weight = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
+        self.plain_rate = running(self.plain_rate, tokens / seconds, weight)
 
     def calibrated(self, confidence: float) -> float:
         b = min(int(confidence * self.BINS), self.BINS - 1)
@@ -190,24 +190,27 @@ class CostAwarePolicy(WidthPolicy):
             for w in range(1, width + 1)
         }
         best = max(rates, key=rates.get)
-        a = self.SMOOTHING
-        rate = rates[best]
-        self.drafting_rate = rate if self.drafting_rate is None else (1 - a) * self.drafting_rate + a * rate
+        self.drafting_rate = running(self.drafting_rate, rates[best], self.SMOOTHING)
         return best
 
     def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds):
         a = self.SMOOTHING
         if not confidence:  # a one-row round that did not draft (one token left)
-            self.plain_rate = (1 - a) * self.plain_rate + a * (accepted + 1) / (draft_seconds + verify_seconds)
+            self.plain_rate = running(self.plain_rate, (accepted + 1) / (draft_seconds + verify_seconds), a)
         if drafted:
-            self.draft_seconds = draft_seconds if not self.draft_seconds else (1 - a) * self.draft_seconds + a * draft_seconds
+            self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
         w = drafted + 1
-        self.verify_seconds[w] = (1 - a) * self.verify_seconds[w] + a * verify_seconds
+        self.verify_seconds[w] = running(self.verify_seconds[w], verify_seconds, a)
         # Drafts up to the first rejection were judged; later ones say nothing.
         for k in range(min(accepted + 1, drafted)):
             b = min(int(confidence[k] * self.BINS), self.BINS - 1)
             self.trials[b] += 1
             self.hits[b] += k < accepted
+
+
+def running(average: Optional[float], value: float, weight: float) -> float:
+    """A running average moved `weight` of the way to `value` (the value itself when there is none yet)."""
+    return value if average is None else (1 - weight) * average + weight * value
 
 
 def interpolate_costs(table: dict, max_width: int) -> dict:

@@ -61,22 +61,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def tiny_llama(seed: int, vocab_size: int = 49152):
+    """A random 4-layer llama (mlx-lm's class) over SmolLM2's vocabulary, weights scaled up so its greedy
+    text is not one repeated token."""
+    from mlx_lm.utils import _get_classes
+
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size,
+                  tie_word_embeddings=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))  # livelier than init
+    mx.eval(model.parameters())
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_pair(tmp_path_factory):
     """(Target, tokenizer, drafter): a random 4-layer llama over SmolLM2's vocabulary with SmolLM2's
     tokenizer (chat template, stop tokens, detokenizer), and an untrained block-8 drafter bound to it."""
-    from mlx_lm.utils import _get_classes, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(ensure_smollm2("float32"))  # the tokenizer files only: fast
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                  vocab_size=len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 49152,
-                  tie_word_embeddings=True)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(7)
-    model = model_class(args_class.from_dict(config))
-    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))  # livelier than init
-    mx.eval(model.parameters())
+    model = tiny_llama(7, len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 49152)
     target = Target(model)
     drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2), seed=0)
     return target, tokenizer, drafter.bind(target)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import e2e  # noqa: E402
 import oracle  # noqa: E402
 import zlab_peer  # noqa: E402
+from conftest import tiny_llama  # noqa: E402
 from conftest import chat_ids  # noqa: E402
 from mlx_dflash.drafter import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
@@ -58,22 +58,6 @@ def test_oracle_run_is_the_target_alone_with_every_draft_accepted(tiny_chat_pair
 
 
 # z-lab's loop (the published file, from PyPI) on a tiny random pair of its own.
-
-def tiny_llama(seed):
-    """A random llama over SmolLM2's vocabulary (conftest's tiny target, one instance per caller: z-lab's
-    loop wraps its layers for good)."""
-    from mlx_lm.utils import _get_classes
-
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152,
-                  tie_word_embeddings=True)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
 
 @pytest.fixture(scope="module")
 def zlab_tiny(tiny_chat_pair, tmp_path_factory):

@@ -97,6 +97,13 @@ def test_head_rows_of_an_unknown_head_is_none_and_the_drafter_falls_back(pair):
             return x
 
     assert _Stub(Odd()).output_head_rows(mx.array([1])) is None
+    _, _, drafter = pair
+    drafter._borrowed.head_rows = lambda ids: None  # a target whose head cannot be sliced
+    vocab = [49151, 3, 1000, 77]
+    drafter.set_draft_vocab(vocab)
+    hidden = mx.random.normal((1, 5, drafter.config.hidden_size))
+    np.testing.assert_allclose(np.array(drafter.draft_logits(hidden)), np.array(drafter.logits(hidden))[..., vocab],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_drafts_are_the_argmax_inside_the_draft_vocabulary(pair):
