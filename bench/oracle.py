@@ -133,7 +133,7 @@ def greedy_continuation(model, ids: list, n: int) -> list:
 
 def run_oracle(target, oracle, tokenizer, ids: list, continuation: list, width: int, max_tokens: int) -> dict:
     oracle.set_continuation(len(ids), continuation)
-    policy = build_policy(target, oracle, width, force_width=True)
+    policy = build_policy(target, oracle, width, force_width=True, prompt_lookup=False)
     _, tokens, stats = generate(target, oracle, tokenizer, ids, max_tokens=max_tokens, policy=policy)
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
             "finish_reason": stats.finish_reason, "decode_seconds": stats.decode_seconds,

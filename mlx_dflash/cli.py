@@ -61,6 +61,8 @@ width_options = _options(
                  help="auto: per round, the width with the most expected tokens per second."),
     click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
                  help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe)."),
+    click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
+                 help="Where the drafter's first draft is unsure, draft what followed the context's last tokens."),
 )
 
 shard_options = _options(
@@ -106,7 +108,8 @@ def prepare():
 @click.option("--verbose", is_flag=True, help="Print per-round acceptance to stderr.")
 @shard_options
 def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, block_size,
-             force_width, n_max, p_min, n_min, width_mode, cost_table, chat_template, verbose, shard, rank_timeout):
+             force_width, n_max, p_min, n_min, width_mode, cost_table, prompt_lookup, chat_template, verbose, shard,
+             rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
     from .decoder import build_policy, stream_generate
     from .distributed import Ranks, SingleProcess, load_sharded_pair
@@ -125,7 +128,8 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
             default_target(model_path), drafter_path, shard)
     else:
         target, drafter, tokenizer = load_pair(default_target(model_path), drafter_path)
-    policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table)
+    policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto", cost_table,
+                          prompt_lookup)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
     stats = None
@@ -305,8 +309,8 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
 @width_options
 @shard_options
 def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, max_body_bytes, max_tokens, temp,
-          top_p, top_k, min_p, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table, shard,
-          rank_timeout):
+          top_p, top_k, min_p, block_size, force_width, n_max, p_min, n_min, width_mode, cost_table, prompt_lookup,
+          shard, rank_timeout):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
     --max-tokens and the sampling flags are the defaults of requests that leave those fields out.
@@ -339,7 +343,7 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
         else:
             target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path, shard, "serve")
         policy = build_policy(target, drafter, block_size, force_width, p_min, n_min, width_mode == "auto",
-                              cost_table)
+                              cost_table, prompt_lookup)
         for note in policy.notes if rank == 0 else ():
             click.echo(note, err=True)
         if not shard:

@@ -15,6 +15,7 @@ from .costs import load_cost_table, probe_verify_costs
 from .distributed import SingleProcess
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
+from .lookup import PromptLookup, looked_up_count, with_lookup
 from .policy import CostAwarePolicy, WidthPolicy, has_quantized_layers, make_policy
 from .sampling import SamplingParams, accept, choose, pick
 from .target import Target
@@ -25,6 +26,7 @@ class Round:
     tokens: list  # tokens this round emits (accepted drafts, then the target's own token)
     drafted: int  # drafted tokens the target verified
     accepted: int  # of those, how many it kept
+    looked_up: int = 0  # of those, how many prompt lookup proposed (lookup.py)
 
 
 def speculative_rounds(
@@ -43,6 +45,7 @@ def speculative_rounds(
     and token with whole features (`settle`); a single process passes through (distributed.py).
     """
     cache, draft_cache = target.make_cache(), drafter.make_cache()
+    history = PromptLookup(prompt.tolist())  # prompt + emitted tokens, indexed for lookup
 
     # Prefill: the target reads the prompt and picks the first token. The features of every prompt
     # position are context the drafter has not seen yet.
@@ -50,6 +53,7 @@ def speculative_rounds(
     anchor = pick(logits, sampling)
     _, anchor, context = ranks.settle(prompt.size - 1, anchor, context)  # as if all prompt rows were accepted
     yield Round([anchor], drafted=0, accepted=0)
+    history.extend([anchor])
     produced = 1
 
     while produced < max_tokens:
@@ -61,26 +65,30 @@ def speculative_rounds(
                 if policy.max_width > 1:  # a drafter will read these rows (drafting off: none ever will)
                     context = features if context is None else mx.concatenate([context, features], axis=1)
                 yield Round([token], drafted=0, accepted=0)
+                history.extend([token])
             policy.observe_plain(plain, time.perf_counter() - tic)
             produced, anchor = produced + plain, token
             continue
 
         width = policy.width(remaining=max_tokens - produced)
 
-        # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; the
-        # policy may cut that on the drafter's confidence. A sampled draft brings its proposal q.
-        # Nothing is evaluated here unless the policy reads the confidence: otherwise the drafter
-        # runs in the same evaluation as the verify below, one host round trip per round.
+        # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; where
+        # its first draft is unsure, prompt lookup's copy of the context may replace it. The policy
+        # may cut that on the confidence. A sampled draft brings its proposal q. Nothing is evaluated
+        # here unless the policy reads the confidence: otherwise the drafter runs in the same
+        # evaluation as the verify below, one host round trip per round.
         tic = time.perf_counter()
         # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
-        drafts, confidence, proposal = mx.zeros((0,), dtype=mx.int32), [], None
+        drafts, confidence, proposal, draft = mx.zeros((0,), dtype=mx.int32), [], None, None
         if width > 1:
             draft = drafter.draft(anchor, context, draft_cache, policy.block_size, width, sampling)
+            if policy.prompt_lookup:
+                draft = with_lookup(draft, history.propose(width - 1))
             context = None  # the drafter's cache holds it now
             drafts, proposal = draft.ids, draft.proposal
             if policy.uses_confidence:
                 confidence = draft.confidence.tolist()
-                drafts = drafts[: policy.cut(width, confidence) - 1]
+                drafts = drafts[: policy.cut(width, confidence, looked_up_count(draft)) - 1]
         drafts, confidence = ranks.agree(drafts, confidence)
         draft_seconds = time.perf_counter() - tic
 
@@ -89,7 +97,9 @@ def speculative_rounds(
         logits, features = target.forward(block[None], cache)
         drafts, accepted, bonus = accept(drafts, logits[0], sampling, proposal)
         accepted, bonus, kept = ranks.settle(accepted, bonus, features)
-        policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds)
+        looked_up = min(looked_up_count(draft), len(drafts))  # already evaluated with the drafts
+        policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds,
+                       looked_up)
 
         # Roll back: the cache keeps anchor + accepted drafts; their features join the context.
         target.trim(cache, len(drafts) - accepted)
@@ -97,7 +107,8 @@ def speculative_rounds(
 
         new_tokens = drafts[:accepted] + [bonus]
         produced += len(new_tokens)
-        yield Round(new_tokens, drafted=len(drafts), accepted=accepted)
+        yield Round(new_tokens, drafted=len(drafts), accepted=accepted, looked_up=looked_up)
+        history.extend(new_tokens)
         anchor = bonus  # the next round's anchor; it enters the cache with the next verify
 
 
@@ -129,6 +140,7 @@ class GenerationStats:
     rounds: int = 0  # verify rounds (the prefill's first token is not one)
     accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
     widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
+    looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_gb: float = 0.0
@@ -159,7 +171,8 @@ class GenerationStats:
             f"generation: {self.generated_tokens} tokens, {self.decode_tps:.1f} tokens/s, "
             f"{self.rounds} rounds, tau {self.tau:.2f} (block {self.block_size}, verify width <= {self.max_width})",
             f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
-            "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths)),
+            "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths))
+            + f"; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
             f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",
         ]
         return "\n".join(lines)
@@ -174,9 +187,10 @@ class GenerationResponse:
 
 
 def build_policy(target, drafter, block_size=None, force_width=False, p_min=0.0, n_min=0, auto=False,
-                 cost_table=None) -> WidthPolicy:
+                 cost_table=None, prompt_lookup=True) -> WidthPolicy:
     """The width policy for this pair: fixed widths with the quantized rule and the draft controls, or
-    (auto) the cost-aware policy over the same allowed widths, costed by a table or a start-up probe."""
+    (auto) the cost-aware policy over the same allowed widths, costed by a table or a start-up probe.
+    prompt_lookup: where the drafter is unsure, draft what followed the context's last tokens before."""
     policy = make_policy(
         drafter.block_size,
         block_size,
@@ -185,6 +199,7 @@ def build_policy(target, drafter, block_size=None, force_width=False, p_min=0.0,
         force_width=force_width,
         p_min=p_min,
         n_min=n_min,
+        prompt_lookup=prompt_lookup,
     )
     if not auto:
         return policy
@@ -193,7 +208,7 @@ def build_policy(target, drafter, block_size=None, force_width=False, p_min=0.0,
     else:
         costs, source = probe_verify_costs(target, policy.max_width), "a start-up probe"
     notes = policy.notes + [f"width auto: verify costs from {source}, refined as rounds run"]
-    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min)
+    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min, prompt_lookup)
 
 
 def encode_prompt(tokenizer, prompt: str, chat_template: Optional[bool] = None) -> list:
@@ -254,6 +269,7 @@ def stream_generate(
             stats.rounds += 1
             stats.accepted_lengths[len(rnd.tokens)] += 1
             stats.widths[rnd.drafted + 1] += 1
+            stats.looked_up_rounds += rnd.looked_up > 0
             stats.decode_seconds = time.perf_counter() - tic
 
         # Stop at the first stop token (not emitted) or at max_tokens; nothing past either.

@@ -43,6 +43,7 @@ class Draft:
     # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
     # None when every draft is a point mass (argmax proposals).
     proposal: Optional[tuple] = None
+    looked_up: Optional[mx.array] = None  # leading positions copied by prompt lookup (lookup.py), lazy
 
     @property
     def tokens(self) -> list:

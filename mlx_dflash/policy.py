@@ -34,6 +34,7 @@ class WidthPolicy:
     p_min: cut the draft before the first position whose top-1 draft probability is below p_min (each
         position's own probability, not a running product); the positions before it are verified.
     n_min: if fewer than n_min drafted tokens survive the cut, verify none (a plain target step).
+    prompt_lookup: where the drafter's first draft is unsure, draft from the context (lookup.py).
     """
 
     block_size: int  # rows the drafter drafts (anchor included)
@@ -41,6 +42,7 @@ class WidthPolicy:
     notes: list = field(default_factory=list)  # said once at start, kept in the stats
     p_min: float = 0.0
     n_min: int = 0
+    prompt_lookup: bool = True
 
     @property
     def uses_confidence(self) -> bool:
@@ -58,8 +60,9 @@ class WidthPolicy:
     def observe_plain(self, tokens: int, seconds: float):
         """What a run of plain steps cost."""
 
-    def cut(self, width: int, confidence: list) -> int:
-        """The width after the confidence controls; confidence[k] is the top-1 probability of draft k+1."""
+    def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
+        """The width after the confidence controls; confidence[k] is the top-1 probability of draft k+1
+        (1 for the first `looked_up` drafts, which prompt lookup proposed)."""
         drafts = width - 1
         if self.p_min > 0:
             drafts = next((k for k, c in enumerate(confidence[:drafts]) if c < self.p_min), drafts)
@@ -67,7 +70,8 @@ class WidthPolicy:
             drafts = 0
         return drafts + 1
 
-    def observe(self, confidence: list, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float):
+    def observe(self, confidence: list, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                looked_up: int = 0):
         """What a round showed (the adaptive policy learns from it; fixed widths ignore it)."""
 
 
@@ -80,6 +84,7 @@ def make_policy(
     force_width: bool = False,
     p_min: float = 0.0,
     n_min: int = 0,
+    prompt_lookup: bool = True,
 ) -> WidthPolicy:
     """The fixed-width policy for a drafter and target, with the quantized-verification rule applied.
 
@@ -87,7 +92,7 @@ def make_policy(
     quantized: the target or drafter has quantized linear layers.
     wide_kernels: our 6..16-row kernels are installed (Metal only), which lifts the rule.
     force_width: verify past 5 rows on a quantized model anyway.
-    p_min, n_min: the confidence controls of WidthPolicy.
+    p_min, n_min, prompt_lookup: the draft controls of WidthPolicy.
     """
     if not 0 <= p_min < 1:
         raise DFlashError(f"p_min must be in [0, 1), got {p_min}")
@@ -100,7 +105,8 @@ def make_policy(
             f"block size {block_size} is out of range: this drafter was trained with blocks of "
             f"{trained_block_size}, so use 1..{trained_block_size}"
         )
-    policy = WidthPolicy(block_size=trained_block_size, max_width=block_size, p_min=p_min, n_min=n_min)
+    policy = WidthPolicy(block_size=trained_block_size, max_width=block_size, p_min=p_min, n_min=n_min,
+                         prompt_lookup=prompt_lookup)
     if quantized and block_size > QUANTIZED_MAX_WIDTH and not wide_kernels:
         if force_width:
             policy.notes.append(
@@ -124,16 +130,21 @@ class CostAwarePolicy(WidthPolicy):
     A(w) = sum_{k<w} prod_{j<=k} a_j and a_j is the chance that draft j is accepted once the drafts
     before it were. a_j comes from the drafter's top-1 probability for position j, calibrated online:
     the acceptance rate observed so far for drafts whose confidence fell in the same tenth of [0, 1]
-    (starting from the raw probability). The round costs the drafter's time (a running average) plus
+    (starting from the raw probability); for a draft prompt lookup proposed, the acceptance rate
+    observed so far of looked-up drafts at that position (lookup.py). The round costs the drafter's time (a running average) plus
     verify_seconds[w], from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced
     by running averages of the verify times this run observes.
 
     Drafting itself must pay too: the policy keeps running averages of the tokens per second it expects
     from the rounds it drafts (the rate of the width it chose, from calibrated confidence and measured
     costs: far steadier than the tokens a single round happened to get) and of the tokens per second of
-    plain target steps, and while drafting is the slower of the two it skips the drafter for
-    PROBE_EVERY - 1 plain steps (pipelined, as fast as the target alone), then drafts one round to
-    re-measure.
+    plain target steps (pipelined, as fast as the target alone). The plain rate is measured, never
+    guessed: a run starts with MEASURE_STEPS plain steps, and while drafting pays it takes them again
+    every REFRESH_EVERY rounds (a start-up probe's one-row verify is slower than pipelined steps, and
+    with that guess a drafter barely worse than the target kept drafting). While drafting is the slower
+    of the two, the policy skips the drafter for 7 plain steps, then drafts one round to re-measure;
+    each probe that loses again doubles the skip, up to MAX_SKIP steps, so a drafter that never pays
+    costs about one round in MAX_SKIP + 1.
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
     costs do not drift with context length within a run (the running averages follow slow drift).
@@ -141,18 +152,26 @@ class CostAwarePolicy(WidthPolicy):
 
     BINS = 10
     PRIOR = 4.0  # pseudo-observations of the raw probability in each bin
+    LOOKUP_PRIOR = 0.5  # what a looked-up draft is assumed to get before any was judged
     SMOOTHING = 0.2  # weight of a new timing in the running averages
-    PROBE_EVERY = 8  # while drafting does not pay, draft once every this many rounds
+    MEASURE_STEPS = 4  # plain steps that measure the plain rate
+    REFRESH_EVERY = 32  # while drafting pays, re-measure the plain rate after this many rounds
+    FIRST_SKIP, MAX_SKIP = 7, 31  # plain steps between drafting probes while drafting does not pay
 
-    def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0):
-        super().__init__(block_size, max_width, list(notes or []), p_min, n_min)
+    def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0,
+                 prompt_lookup=True):
+        super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
         self.verify_seconds = interpolate_costs(verify_seconds, max(block_size, max_width))
         self.draft_seconds = 0.0
         self.hits = np.zeros(self.BINS)
         self.trials = np.zeros(self.BINS)
+        self.lookup_hits = np.zeros(block_size)  # by draft position, for drafts prompt lookup proposed
+        self.lookup_trials = np.zeros(block_size)
         self.drafting_rate = None  # tokens/s expected of rounds that run the drafter
-        self.plain_rate = 1.0 / self.verify_seconds[1]  # tokens/s of plain target steps (table, then observed)
+        self.plain_rate = None  # tokens/s of plain target steps, as observed
         self.probe_next = False  # the last call planned plain steps: draft once now
+        self.skip = self.FIRST_SKIP  # the next skip while drafting does not pay
+        self.rounds_since_plain = 0
 
     @property
     def uses_confidence(self) -> bool:
@@ -161,12 +180,21 @@ class CostAwarePolicy(WidthPolicy):
     def plain_steps(self, remaining: int) -> int:
         if self.max_width == 1:
             return remaining
-        drafting_loses = self.drafting_rate is not None and self.drafting_rate < self.plain_rate
-        if drafting_loses and not self.probe_next:
-            self.probe_next = True
-            return min(self.PROBE_EVERY - 1, remaining)
-        self.probe_next = False
-        return 0
+        steps = 0
+        if self.plain_rate is None:
+            steps = self.MEASURE_STEPS
+        elif self.drafting_rate is not None and self.drafting_rate < self.plain_rate:
+            self.probe_next = not self.probe_next
+            if self.probe_next:
+                steps, self.skip = self.skip, min(2 * self.skip + 1, self.MAX_SKIP)
+        else:
+            self.probe_next, self.skip = False, self.FIRST_SKIP
+            self.rounds_since_plain += 1
+            if self.rounds_since_plain > self.REFRESH_EVERY:
+                steps = self.MEASURE_STEPS
+        if steps:
+            self.rounds_since_plain = 0
+        return min(steps, remaining)
 
     def observe_plain(self, tokens: int, seconds: float):
         weight = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
@@ -176,24 +204,28 @@ class CostAwarePolicy(WidthPolicy):
         b = min(int(confidence * self.BINS), self.BINS - 1)
         return (self.hits[b] + self.PRIOR * confidence) / (self.trials[b] + self.PRIOR)
 
-    def expected_tokens(self, confidence: list, width: int) -> float:
+    def looked_up_acceptance(self, k: int) -> float:
+        """The observed chance that looked-up draft k+1 is kept once the ones before it were."""
+        return (self.lookup_hits[k] + self.PRIOR * self.LOOKUP_PRIOR) / (self.lookup_trials[k] + self.PRIOR)
+
+    def expected_tokens(self, confidence: list, width: int, looked_up: int = 0) -> float:
         expected, survive = 1.0, 1.0
-        for c in confidence[: width - 1]:
-            survive *= self.calibrated(c)
+        for k, c in enumerate(confidence[: width - 1]):
+            survive *= self.looked_up_acceptance(k) if k < looked_up else self.calibrated(c)
             expected += survive
         return expected
 
-    def cut(self, width: int, confidence: list) -> int:
-        width = super().cut(width, confidence)  # p_min / n_min first, when given
+    def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
+        width = super().cut(width, confidence, looked_up)  # p_min / n_min first, when given
         rates = {
-            w: self.expected_tokens(confidence, w) / (self.draft_seconds + self.verify_seconds[w])
+            w: self.expected_tokens(confidence, w, looked_up) / (self.draft_seconds + self.verify_seconds[w])
             for w in range(1, width + 1)
         }
         best = max(rates, key=rates.get)
         self.drafting_rate = running(self.drafting_rate, rates[best], self.SMOOTHING)
         return best
 
-    def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds):
+    def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds, looked_up=0):
         a = self.SMOOTHING
         if not confidence:  # a one-row round that did not draft (one token left)
             self.plain_rate = running(self.plain_rate, (accepted + 1) / (draft_seconds + verify_seconds), a)
@@ -203,9 +235,13 @@ class CostAwarePolicy(WidthPolicy):
         self.verify_seconds[w] = running(self.verify_seconds[w], verify_seconds, a)
         # Drafts up to the first rejection were judged; later ones say nothing.
         for k in range(min(accepted + 1, drafted)):
-            b = min(int(confidence[k] * self.BINS), self.BINS - 1)
-            self.trials[b] += 1
-            self.hits[b] += k < accepted
+            if k < looked_up:
+                self.lookup_trials[k] += 1
+                self.lookup_hits[k] += k < accepted
+            else:
+                b = min(int(confidence[k] * self.BINS), self.BINS - 1)
+                self.trials[b] += 1
+                self.hits[b] += k < accepted
 
 
 def running(average: Optional[float], value: float, weight: float) -> float:

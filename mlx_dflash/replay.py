@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DFlashDraftModel
+from .lookup import LOOKUP_BELOW, PromptLookup
 
 
 def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
@@ -19,9 +20,11 @@ def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
 
 
 def block_drafts(drafter: DFlashDraftModel, features, block_ids, anchors):
-    """The drafted tokens [A, B-1] of those blocks, as decoding proposes them (within its draft vocabulary)."""
+    """The drafted tokens [A, B-1] of those blocks, as decoding proposes them (within its draft
+    vocabulary), and the confidence [A] of each block's first draft."""
     hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)
-    return drafter.draft_tokens(drafter.draft_logits(hidden[:, 1:]))
+    logits = drafter.draft_logits(hidden[:, 1:])
+    return drafter.draft_tokens(logits), mx.softmax(logits[:, 0].astype(mx.float32), axis=-1).max(axis=-1)
 
 
 class TargetFeatures:
@@ -44,12 +47,13 @@ class TargetFeatures:
         return self._memo[key]
 
 
-def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> dict:
+def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16), prompt_lookup=False) -> dict:
     """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
 
     The drafter's proposals at every anchor depend only on the true prefix, so one batched drafter pass
     per sequence gives them all (`replay_greedy` does the walk). features_of: a TargetFeatures (or the
-    target, which is wrapped in one). Returns what `replay_greedy` returns.
+    target, which is wrapped in one). prompt_lookup: with the decoder's lookup rule (lookup.py) on top.
+    Returns what `replay_greedy` returns.
     """
     features_of = TargetFeatures.of(features_of)
     B = drafter.block_size
@@ -58,7 +62,16 @@ def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16)) -> d
         anchors = np.arange(start, len(ids) - 1)
         block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
         block_ids[:, 0] = ids[anchors]
-        return np.array(block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors)))
+        drafts, first_confidence = block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
+        drafts = np.array(drafts)
+        if prompt_lookup:
+            looked_up = prompt_lookup_drafts(ids, start, B - 1)
+            copy = (first_confidence < LOOKUP_BELOW).tolist()
+            for a, row in enumerate(looked_up):
+                m = int((row >= 0).sum())
+                if m and copy[a]:
+                    drafts[a, :m] = row[:m]
+        return drafts
 
     return replay_greedy(drafts_of, sequences, widths)
 
@@ -93,18 +106,15 @@ def replay_greedy(drafts_of, sequences, widths) -> dict:
     }
 
 
-def prompt_lookup_drafts(ids, start, k: int, longest_ngram: int = 3):
-    """Prompt lookup's proposals, the yardstick a trained drafter must beat (it has no weights), for
-    `replay_greedy`: [anchors start..len-2, k], -1 where there is none. At anchor s: the k tokens that
-    followed the latest earlier occurrence of ids[s-n+1..s], for the longest n <= longest_ngram found."""
+def prompt_lookup_drafts(ids, start, k: int):
+    """Prompt lookup's proposals (lookup.py) at every anchor, for `replay_greedy`: [anchors
+    start..len-2, k], -1 where there are none. Alone, it is the yardstick a trained drafter must beat
+    (it has no weights)."""
     ids = [int(t) for t in ids]
     drafts = np.full((len(ids) - 1 - start, k), -1, dtype=np.int64)
+    history = PromptLookup(ids[: start + 1])
     for s in range(start, len(ids) - 1):
-        for n in range(min(longest_ngram, s), 0, -1):
-            tail = ids[s - n + 1 : s + 1]
-            hit = next((j for j in range(s - n, -1, -1) if ids[j : j + n] == tail), None)
-            if hit is not None:
-                copied = ids[hit + n : min(hit + n + k, s + 1)]  # only tokens already known at s
-                drafts[s - start, : len(copied)] = copied
-                break
+        copied = history.propose(k)
+        drafts[s - start, : len(copied)] = copied
+        history.extend([ids[s + 1]])
     return drafts

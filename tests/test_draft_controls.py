@@ -107,20 +107,27 @@ def test_every_control_stays_lossless_on_the_real_model(smollm2, random_drafter,
 def test_auto_width_stops_drafting_while_it_does_not_pay():
     cost = {w: 0.10 + 0.02 * (w - 1) for w in range(1, 17)}
     policy = CostAwarePolicy(16, 16, cost)
-    assert policy.plain_steps(100) == 0 and policy.width(100) == 16  # nothing measured yet: draft
+    # The plain rate is measured before anything is drafted, never taken from the cost table.
+    assert policy.plain_steps(100) == 4 and policy.plain_steps(100) == 4
+    policy.observe_plain(4, 0.4)
+    assert policy.plain_rate == pytest.approx(10)
+    assert policy.plain_steps(100) == 0 and policy.width(100) == 16
     policy.observe([0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
     # Unconfident drafts: the best width is 1 row, 1 token in 0.2 s, half the plain steps' 10 tokens/s.
     assert policy.cut(16, [0.05] * 15) == 1
     assert policy.drafting_rate == pytest.approx(1 / 0.2)
-    # Seven plain steps, then one drafting probe, while drafting loses; never more steps than remain.
-    assert [policy.plain_steps(100) for _ in range(4)] == [7, 0, 7, 0]
+    # Plain steps, then one drafting probe, while drafting loses; each losing probe doubles the skip up
+    # to 31 steps; never more steps than remain.
+    assert [policy.plain_steps(100) for _ in range(10)] == [7, 0, 15, 0, 31, 0, 31, 0, 31, 0]
     assert policy.plain_steps(3) == 3
     assert policy.plain_steps(3) == 0 and policy.width(3) == 3
     for _ in range(6):  # confident probes: the expected rate of drafting climbs past the plain steps'
         policy.cut(16, [0.99] * 15)
     assert policy.drafting_rate > policy.plain_rate
-    assert [policy.plain_steps(100) for _ in range(4)] == [0] * 4  # drafting pays again: keep drafting
-    # Plain steps that turn faster make drafting lose again.
+    # Drafting pays again: keep drafting, re-measuring the plain rate once every 32 rounds.
+    assert [policy.plain_steps(100) for _ in range(33)] == [0] * 32 + [4]
+    assert policy.plain_steps(100) == 0
+    # Plain steps that turn faster make drafting lose again, and the skips start short again.
     policy.observe_plain(7, 0.01)
     assert policy.plain_rate > policy.drafting_rate and policy.plain_steps(100) == 7
 

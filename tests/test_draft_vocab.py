@@ -125,7 +125,7 @@ def test_drafts_are_the_argmax_inside_the_draft_vocabulary(pair):
     np.testing.assert_allclose(confidence, (restricted / restricted.sum(-1, keepdims=True)).max(-1), rtol=1e-4)
     # The replay used for acceptance proposes the same tokens.
     anchors = mx.array([len(ids) - 1])
-    got = block_drafts(drafter, context, block, anchors)
+    got, _ = block_drafts(drafter, context, block, anchors)
     assert np.array(got)[0].tolist() == want.tolist()
 
 
