@@ -37,7 +37,8 @@ from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, defaul
 from mlx_dflash.plot import bar_chart_png, charts_available
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.replay import decoding_acceptance, prompt_lookup_drafts, replay_greedy
+from mlx_dflash.replay import (TargetFeatures, decoding_acceptance, looked_up_acceptance, prompt_lookup_drafts,
+                               replay_greedy)
 
 
 
@@ -64,10 +65,12 @@ def main():
     samples = sorted(read_samples(answers), key=lambda s: s["index"])[: len(prompts)]
     sequences = list(iter_sequences(samples))
 
+    features = TargetFeatures(target)  # each answer's target pass, shared by the three replays
     tic = time.perf_counter()
-    drafter_acceptance = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths))
+    drafter_acceptance = decoding_acceptance(drafter, features, sequences, widths=tuple(args.widths))
     seconds = time.perf_counter() - tic
-    combined = decoding_acceptance(drafter, target, sequences, widths=tuple(args.widths), prompt_lookup=True)
+    combined = decoding_acceptance(drafter, features, sequences, widths=tuple(args.widths), prompt_lookup=True)
+    looked_up = looked_up_acceptance(drafter, features, sequences)
     lookup = replay_greedy(lambda ids, start: prompt_lookup_drafts(ids, start, max(args.widths) - 1),
                            sequences, widths=tuple(args.widths))
 
@@ -89,7 +92,8 @@ def main():
         "machine": machine_info(), "versions": versions(), "drafter": portable_path(drafter_dir),
         "prompts": f"{portable_path(args.prompts) if args.prompts not in PROMPT_SETS else args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
         "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance,
-        "trained_with_lookup": combined, "prompt_lookup": lookup, "checks": checks,
+        "trained_with_lookup": combined, "looked_up_acceptance": looked_up, "prompt_lookup": lookup,
+        "checks": checks,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,6 +117,9 @@ def main():
         for w, r in acceptance.items():
             reach = " ".join(f"{x:.2f}" for x in r["reach"][:8])
             print(f"| {name} | {w} | {r['tau']:.2f} | {r['rounds']} | {reach} |")
+    rates = [f"{k / j:.2f}" for k, j in zip(looked_up["kept"], looked_up["judged"]) if j]
+    print(f"looked-up drafts (lookup replaced the block at {looked_up['judged'][0]:.0f} anchors): P(draft k kept | "
+          f"drafts before it kept), k = 1..: {' '.join(rates)}")
     for c in checks:
         print(f"check width {c['width']}{' with lookup' if c['prompt_lookup'] else ''}: "
               f"decoded == target greedy: {c['same_tokens']}, "

@@ -17,6 +17,7 @@ import numpy as np
 import mlx.nn as nn
 
 from .errors import DFlashError
+from .lookup import ACCEPTANCE_PRIOR
 
 QUANTIZED_MAX_WIDTH = 5
 
@@ -131,17 +132,20 @@ class CostAwarePolicy(WidthPolicy):
     before it were. a_j comes from the drafter's top-1 probability for position j, calibrated online:
     the acceptance rate observed so far for drafts whose confidence fell in the same tenth of [0, 1]
     (starting from the raw probability); for a draft prompt lookup proposed, the acceptance rate
-    observed so far of looked-up drafts at that position (lookup.py). The round costs the drafter's time (a running average) plus
-    verify_seconds[w], from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced
-    by running averages of the verify times this run observes.
+    observed so far of looked-up drafts at that position (starting from lookup.py's measured prior).
+    The round costs the drafter's time (a running average) plus verify_seconds[w], from the cost table
+    (`mlx-dflash bench widths`) or a start-up probe, replaced by running averages of the verify times
+    this run observes, kept non-decreasing in w (an observed width's cost caps the narrower widths'
+    and lifts the wider ones').
 
     Drafting itself must pay too: the policy keeps running averages of the tokens per second it expects
     from the rounds it drafts (the rate of the width it chose, from calibrated confidence and measured
     costs: far steadier than the tokens a single round happened to get) and of the tokens per second of
     plain target steps (pipelined, as fast as the target alone). The plain rate is measured, never
     guessed: a run starts with MEASURE_STEPS plain steps, and while drafting pays it takes them again
-    every REFRESH_EVERY rounds (a start-up probe's one-row verify is slower than pipelined steps, and
-    with that guess a drafter barely worse than the target kept drafting). While drafting is the slower
+    every REFRESH_EVERY rounds (a guess from the probe's one-row verify, which is not a pipelined step,
+    was never corrected while it favoured drafting: on MT-Bench a drafter slightly worse than the
+    target alone kept drafting). While drafting is the slower
     of the two, the policy skips the drafter for 7 plain steps, then drafts one round to re-measure;
     each probe that loses again doubles the skip, up to MAX_SKIP steps, so a drafter that never pays
     costs about one round in MAX_SKIP + 1.
@@ -152,10 +156,9 @@ class CostAwarePolicy(WidthPolicy):
 
     BINS = 10
     PRIOR = 4.0  # pseudo-observations of the raw probability in each bin
-    LOOKUP_PRIOR = 0.5  # what a looked-up draft is assumed to get before any was judged
     SMOOTHING = 0.2  # weight of a new timing in the running averages
     MEASURE_STEPS = 4  # plain steps that measure the plain rate
-    REFRESH_EVERY = 32  # while drafting pays, re-measure the plain rate after this many rounds
+    REFRESH_EVERY = 64  # while drafting pays, re-measure the plain rate after this many rounds
     FIRST_SKIP, MAX_SKIP = 7, 31  # plain steps between drafting probes while drafting does not pay
 
     def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0,
@@ -206,7 +209,8 @@ class CostAwarePolicy(WidthPolicy):
 
     def looked_up_acceptance(self, k: int) -> float:
         """The observed chance that looked-up draft k+1 is kept once the ones before it were."""
-        return (self.lookup_hits[k] + self.PRIOR * self.LOOKUP_PRIOR) / (self.lookup_trials[k] + self.PRIOR)
+        prior = ACCEPTANCE_PRIOR[min(k, len(ACCEPTANCE_PRIOR) - 1)]
+        return (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
 
     def expected_tokens(self, confidence: list, width: int, looked_up: int = 0) -> float:
         expected, survive = 1.0, 1.0
@@ -232,7 +236,15 @@ class CostAwarePolicy(WidthPolicy):
         if drafted:
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
         w = drafted + 1
-        self.verify_seconds[w] = running(self.verify_seconds[w], verify_seconds, a)
+        costs = self.verify_seconds
+        costs[w] = running(costs[w], verify_seconds, a)
+        # More rows never cost less: a width's observed cost bounds the narrower ones from above and the
+        # wider ones from below, also those not tried yet.
+        for v in costs:
+            if v < w:
+                costs[v] = min(costs[v], costs[w])
+            elif v > w:
+                costs[v] = max(costs[v], costs[w])
         # Drafts up to the first rejection were judged; later ones say nothing.
         for k in range(min(accepted + 1, drafted)):
             if k < looked_up:

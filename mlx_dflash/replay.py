@@ -118,3 +118,28 @@ def prompt_lookup_drafts(ids, start, k: int):
         drafts[s - start, : len(copied)] = copied
         history.extend([ids[s + 1]])
     return drafts
+
+
+def looked_up_acceptance(drafter, features_of, sequences) -> dict:
+    """Under the decoder's lookup rule, the chance that looked-up draft k+1 is kept once the ones
+    before it were, at every anchor where lookup replaces the drafter's block: {"kept": [...],
+    "judged": [...]} per position (lookup.py's ACCEPTANCE_PRIOR comes from this)."""
+    features_of = TargetFeatures.of(features_of)
+    B = drafter.block_size
+    kept, judged = np.zeros(B - 1), np.zeros(B - 1)
+    for ids, start in sequences:
+        ids = np.array(ids)
+        anchors = np.arange(start, len(ids) - 1)
+        block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
+        block_ids[:, 0] = ids[anchors]
+        _, first_confidence = block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
+        copy = (first_confidence < LOOKUP_BELOW).tolist()
+        for a, row in enumerate(prompt_lookup_drafts(ids, start, B - 1)):
+            s = anchors[a]
+            m = min(int((row >= 0).sum()), len(ids) - 2 - s)  # drafts with a true token to match
+            for k in range(m if copy[a] else 0):
+                judged[k] += 1
+                if row[k] != ids[s + 1 + k]:
+                    break
+                kept[k] += 1
+    return {"kept": kept.tolist(), "judged": judged.tolist()}

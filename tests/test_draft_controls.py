@@ -124,8 +124,8 @@ def test_auto_width_stops_drafting_while_it_does_not_pay():
     for _ in range(6):  # confident probes: the expected rate of drafting climbs past the plain steps'
         policy.cut(16, [0.99] * 15)
     assert policy.drafting_rate > policy.plain_rate
-    # Drafting pays again: keep drafting, re-measuring the plain rate once every 32 rounds.
-    assert [policy.plain_steps(100) for _ in range(33)] == [0] * 32 + [4]
+    # Drafting pays again: keep drafting, re-measuring the plain rate once every 64 rounds.
+    assert [policy.plain_steps(100) for _ in range(65)] == [0] * 64 + [4]
     assert policy.plain_steps(100) == 0
     # Plain steps that turn faster make drafting lose again, and the skips start short again.
     policy.observe_plain(7, 0.01)
@@ -165,3 +165,23 @@ def test_drafting_off_runs_only_plain_steps():
     policy = make_policy(16, 1)
     assert policy.plain_steps(40) == 40
     assert make_policy(16, 2).plain_steps(40) == 0
+
+
+def test_auto_width_costs_stay_non_decreasing_in_width():
+    """A probe that put width 4 above width 8: observing width 8 caps 4..7; observing width 2 lifts 3+."""
+    policy = CostAwarePolicy(16, 16, {1: 0.07, 2: 0.09, 4: 0.13, 8: 0.12, 16: 0.15})
+    policy.observe([0.9] * 7, drafted=7, accepted=0, draft_seconds=0.01, verify_seconds=0.10)
+    costs = policy.verify_seconds
+    assert all(costs[v] <= costs[8] for v in range(1, 8)) and costs[8] < 0.12
+    policy.observe([0.9], drafted=1, accepted=0, draft_seconds=0.01, verify_seconds=0.2)
+    assert all(costs[v] >= costs[2] for v in range(3, 17))
+    assert [costs[w] for w in sorted(costs)] == sorted(costs.values())
+
+
+def test_probe_costs_are_made_non_decreasing():
+    from mlx_dflash.costs import non_decreasing
+
+    assert non_decreasing({1: 1.0, 2: 2.0, 4: 4.0, 8: 3.0, 16: 5.0}) == {1: 1.0, 2: 2.0, 4: 3.5, 8: 3.5, 16: 5.0}
+    assert non_decreasing({1: 3.0, 2: 1.0, 4: 2.0}) == {1: 2.0, 2: 2.0, 4: 2.0}
+    increasing = {1: 1.0, 3: 2.0, 5: 2.5}
+    assert non_decreasing(increasing) == increasing

@@ -12,7 +12,7 @@ from mlx_dflash.drafter import Draft, drafter_from_dir
 from mlx_dflash.downloads import default_drafter_dir
 from mlx_dflash.lookup import PromptLookup, looked_up_count, with_lookup
 from mlx_dflash.policy import CostAwarePolicy, make_policy
-from mlx_dflash.replay import decoding_acceptance
+from mlx_dflash.replay import decoding_acceptance, looked_up_acceptance
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.target import Target
 from test_default_drafter import WORD_PROBLEMS
@@ -144,14 +144,19 @@ def test_replayed_acceptance_with_lookup_equals_decoding(pair, greedy):
         assert replay["tau"] == pytest.approx(decoded_tau), prompt
         alone = decoding_acceptance(drafter, target, [(sequence, len(ids))], (8,))[8]
         assert replay["rounds"] != alone["rounds"]  # lookup changed some rounds
+        rates = looked_up_acceptance(drafter, target, [(sequence, len(ids))])
+        kept, judged = np.array(rates["kept"]), np.array(rates["judged"])
+        assert judged[0] > 0 and (kept <= judged).all()
+        assert (judged[1:] <= kept[:-1]).all()  # a draft is judged only once the one before it was kept
 
 
 def test_auto_learns_looked_up_acceptance_apart_from_the_drafters():
     policy = CostAwarePolicy(16, 16, {1: 0.1, 16: 0.2})
     before = policy.calibrated(0.99)
+    assert policy.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
     for _ in range(50):  # looked-up drafts at confidence 1: kept at positions 1-2, the third rejected
         policy.observe([1.0, 1.0, 1.0, 0.4], drafted=4, accepted=2, draft_seconds=0.01, verify_seconds=0.1,
                        looked_up=3)
     assert policy.calibrated(0.99) == before  # the drafter's calibration is untouched
     assert policy.looked_up_acceptance(0) > 0.9 and policy.looked_up_acceptance(2) < 0.1
-    assert policy.expected_tokens([1.0] * 15, 16, looked_up=15) < 3.1
+    assert policy.expected_tokens([1.0] * 3, 4, looked_up=3) > 2.8
