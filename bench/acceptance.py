@@ -82,7 +82,7 @@ def main():
                 rounds = list(speculative_rounds(target, drafter, mx.array(ids[:start]), policy, SamplingParams(),
                                                  len(ids) - start))
                 decoded = [t for r in rounds for t in r.tokens]
-                replay = decoding_acceptance(drafter, target, [(ids, start)], (w,), with_lookup)[w]
+                replay = decoding_acceptance(drafter, features, [(ids, start)], (w,), with_lookup)[w]
                 real_tau = float(np.mean([len(r.tokens) for r in rounds[1:]])) if len(rounds) > 1 else 0.0
                 checks.append({"width": w, "prompt_lookup": with_lookup,
                                "same_tokens": decoded == ids[start : start + len(decoded)],

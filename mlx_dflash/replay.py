@@ -47,6 +47,19 @@ class TargetFeatures:
         return self._memo[key]
 
 
+def replayed_blocks(drafter, features_of, ids, start):
+    """One batched drafter pass over every anchor of a sequence: (drafts [A, B-1], whether the decoder's
+    lookup rule replaces that anchor's block [A], lookup's proposals [A, B-1] with -1 where none)."""
+    B = drafter.block_size
+    anchors = np.arange(start, len(ids) - 1)
+    block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
+    block_ids[:, 0] = ids[anchors]
+    drafts, first_confidence = block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
+    looked_up = prompt_lookup_drafts(ids, start, B - 1)
+    replaced = (np.array(first_confidence) < LOOKUP_BELOW) & (looked_up[:, 0] >= 0)
+    return np.array(drafts), replaced, looked_up
+
+
 def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16), prompt_lookup=False) -> dict:
     """Greedy decoding's acceptance, replayed exactly on the target's own greedy responses.
 
@@ -56,21 +69,11 @@ def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16), prom
     Returns what `replay_greedy` returns.
     """
     features_of = TargetFeatures.of(features_of)
-    B = drafter.block_size
 
     def drafts_of(ids, start):
-        anchors = np.arange(start, len(ids) - 1)
-        block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
-        block_ids[:, 0] = ids[anchors]
-        drafts, first_confidence = block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
-        drafts = np.array(drafts)
-        if prompt_lookup:
-            looked_up = prompt_lookup_drafts(ids, start, B - 1)
-            copy = (first_confidence < LOOKUP_BELOW).tolist()
-            for a, row in enumerate(looked_up):
-                m = int((row >= 0).sum())
-                if m and copy[a]:
-                    drafts[a, :m] = row[:m]
+        drafts, replaced, looked_up = replayed_blocks(drafter, features_of, ids, start)
+        if prompt_lookup:  # lookup's tokens over the leading drafts; the rest stay the drafter's
+            drafts = np.where(replaced[:, None] & (looked_up >= 0), looked_up, drafts)
         return drafts
 
     return replay_greedy(drafts_of, sequences, widths)
@@ -125,21 +128,16 @@ def looked_up_acceptance(drafter, features_of, sequences) -> dict:
     before it were, at every anchor where lookup replaces the drafter's block: {"kept": [...],
     "judged": [...]} per position (lookup.py's ACCEPTANCE_PRIOR comes from this)."""
     features_of = TargetFeatures.of(features_of)
-    B = drafter.block_size
-    kept, judged = np.zeros(B - 1), np.zeros(B - 1)
+    kept, judged = np.zeros(drafter.block_size - 1), np.zeros(drafter.block_size - 1)
     for ids, start in sequences:
         ids = np.array(ids)
-        anchors = np.arange(start, len(ids) - 1)
-        block_ids = np.full((len(anchors), B), drafter.mask_token_id, dtype=np.int32)
-        block_ids[:, 0] = ids[anchors]
-        _, first_confidence = block_drafts(drafter, features_of(ids), mx.array(block_ids), mx.array(anchors))
-        copy = (first_confidence < LOOKUP_BELOW).tolist()
-        for a, row in enumerate(prompt_lookup_drafts(ids, start, B - 1)):
-            s = anchors[a]
-            m = min(int((row >= 0).sum()), len(ids) - 2 - s)  # drafts with a true token to match
-            for k in range(m if copy[a] else 0):
+        _, replaced, looked_up = replayed_blocks(drafter, features_of, ids, start)
+        for a in np.flatnonzero(replaced):
+            s = start + a
+            m = min(int((looked_up[a] >= 0).sum()), len(ids) - 2 - s)  # drafts with a true token to match
+            for k in range(m):
                 judged[k] += 1
-                if row[k] != ids[s + 1 + k]:
+                if looked_up[a, k] != ids[s + 1 + k]:
                     break
                 kept[k] += 1
     return {"kept": kept.tolist(), "judged": judged.tolist()}

@@ -105,7 +105,6 @@ def test_decoding_with_lookup_is_lossless_and_uses_it(pair, greedy, name):
         policy = POLICIES[name](drafter)
         rounds = list(speculative_rounds(target, drafter, mx.array(ids), policy, SamplingParams(), 40))
         assert [t for r in rounds for t in r.tokens] == want, (name, prompt)
-        assert all(r.looked_up <= r.drafted for r in rounds)
         looked_up += sum(r.looked_up > 0 for r in rounds)
     assert looked_up > 0  # the looked-up path really ran
 
