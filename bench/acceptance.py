@@ -1,7 +1,7 @@
 """Mean acceptance length (tau) of a drafter on held-out prompts, greedy, at several verify widths.
 
 The target answers each held-out prompt greedily (cached in a JSONL file, resumable); greedy decoding is
-then replayed exactly on those answers (`mlx_dflash.replay.decoding_acceptance`): one target forward and
+then replayed exactly on those answers (`mlx_dflash.tuner.replay.decoding_acceptance`): one target forward and
 one batched drafter pass per prompt instead of a full decode per width. `--check N` also decodes the first
 N prompts for real and verifies that the replay's tau equals the decoder's.
 
@@ -27,17 +27,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash.bench import machine_info, versions
-from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, read_samples
+from mlx_dflash.machine import machine_info, versions
+from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
 from mlx_dflash.decoder import speculative_rounds
-from mlx_dflash.drafter import drafter_from_dir
-from mlx_dflash.files import portable_path, write_atomic
-from mlx_dflash.load import load_target
+from mlx_dflash.models.loader import drafter_from_dir
+from mlx_dflash.utils import portable_path, write_atomic
+from mlx_dflash.utils import load_target
 from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set
 from mlx_dflash.plot import bar_chart_png, charts_available
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.replay import (TargetFeatures, decoding_acceptance, looked_up_acceptance, prompt_lookup_drafts,
+from mlx_dflash.tuner.replay import (TargetFeatures, decoding_acceptance, looked_up_acceptance, prompt_lookup_drafts,
                                replay_greedy)
 
 

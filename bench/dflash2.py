@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_dflash.config import parse_config  # noqa: E402
-from mlx_dflash.drafter import Borrowed, init_drafter  # noqa: E402
-from mlx_dflash.kernels import metal_available  # noqa: E402
+from mlx_dflash.models.config import parse_config  # noqa: E402
+from mlx_dflash.models.dflash import Borrowed
+from mlx_dflash.models.loader import init_drafter  # noqa: E402
+from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
 from mlx_dflash.sampling import SamplingParams  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dflash2-config.json"

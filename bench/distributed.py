@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.files import write_atomic as _write_atomic  # noqa: E402
-from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
+from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
+from mlx_dflash.policy import build_policy  # noqa: E402
 from mlx_dflash.downloads import cache_dir, default_drafter_dir, ensure_smollm2  # noqa: E402
 
 PROMPTS = [

@@ -3,10 +3,10 @@
     python bench/draft_vocab.py --vocab-data RESPONSES.jsonl --heldout FILE --first 7000 [--sizes 2048 4096 8192]
 
 For each size N (and the whole vocabulary): the draft vocabulary is the N most frequent tokens of the
-target's responses in --vocab-data (mlx_dflash.draft_vocab, as `mlx-dflash convert --draft-vocab N
+target's responses in --vocab-data (mlx_dflash.tuner.draft_vocab, as `mlx-dflash convert --draft-vocab N
 --vocab-data FILE` chooses it), set on the drafter in memory. Measured:
 * tau (tokens per round, bonus included) at each verify width, greedy decoding replayed exactly on the
-  target's own answers to the held-out prompts (mlx_dflash.replay.decoding_acceptance; one held-out set
+  target's own answers to the held-out prompts (mlx_dflash.tuner.replay.decoding_acceptance; one held-out set
   per --heldout, answers cached like bench/acceptance.py's);
 * coverage: the share of the held-out answers' tokens inside the draft vocabulary;
 * the drafter's pass (`drafter.draft`, evaluated) at each width: median wall time over --repeats rounds,
@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.data import generate_responses, iter_sequences, read_prompts, read_samples  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.draft_vocab import coverage, response_token_counts, select_draft_vocab  # noqa: E402
-from mlx_dflash.drafter import drafter_from_dir  # noqa: E402
-from mlx_dflash.files import portable_path, write_atomic  # noqa: E402
-from mlx_dflash.load import load_target  # noqa: E402
-from mlx_dflash.replay import TargetFeatures, decoding_acceptance  # noqa: E402
+from mlx_dflash.tuner.draft_vocab import coverage, response_token_counts, select_draft_vocab  # noqa: E402
+from mlx_dflash.models.loader import drafter_from_dir  # noqa: E402
+from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from mlx_dflash.utils import load_target  # noqa: E402
+from mlx_dflash.tuner.replay import TargetFeatures, decoding_acceptance  # noqa: E402
 from mlx_dflash.sampling import SamplingParams  # noqa: E402
 
 FULL = "full"

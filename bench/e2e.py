@@ -66,13 +66,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/zlab_peer.py
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.files import portable_path, write_atomic  # noqa: E402
-from mlx_dflash.data import read_prompts  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
+from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
+from mlx_dflash.policy import build_policy  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.kernels import metal_available  # noqa: E402
+from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
 from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
 from zlab_peer import (MEMBER as PEER_MEMBER, MODEL_MLX_SHA256, PACKAGE as PEER_PACKAGE,  # noqa: E402
                        VERSION as PEER_VERSION, import_model_mlx, load_zlab_drafter, load_zlab_target, run_zlab)
@@ -145,7 +146,7 @@ def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> 
 
 def load_pairs(model_path: str, drafter_path: str, quantize: int, wide_kernels: bool) -> dict:
     """{"float": pair, "q4": pair}: each pair its own target copy and its own drafter bound to it."""
-    from mlx_dflash.load import load_drafter, load_pair, load_target
+    from mlx_dflash.utils import load_drafter, load_pair, load_target
 
     target, drafter, tokenizer = load_pair(model_path, drafter_path, wide_kernels=wide_kernels)
     pairs = {"float": {"target": target, "drafter": drafter, "tokenizer": tokenizer, "precision": "float"}}

@@ -50,15 +50,16 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from e2e import first_difference, run_target_alone  # noqa: E402
-from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.costs import timed  # noqa: E402
-from mlx_dflash.data import read_prompts  # noqa: E402
-from mlx_dflash.decoder import build_policy, encode_prompt, generate  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.policy import timed  # noqa: E402
+from mlx_dflash.tuner.data import read_prompts  # noqa: E402
+from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
+from mlx_dflash.policy import build_policy  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.drafter import Draft  # noqa: E402
+from mlx_dflash.models.base import Draft  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.files import portable_path, write_atomic, write_json  # noqa: E402
-from mlx_dflash.kernels import metal_available  # noqa: E402
+from mlx_dflash.utils import portable_path, write_atomic, write_json  # noqa: E402
+from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-oracle/1"
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     log = lambda *a: print(*a, flush=True)  # noqa: E731
 
     try:
-        from mlx_dflash.load import load_drafter, load_target
+        from mlx_dflash.utils import load_drafter, load_target
 
         widths = sorted(set(args.widths))
         if widths[0] < 1 or args.max_tokens < 2 or args.repeats < 1 or args.verify_repeats < 1:

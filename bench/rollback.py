@@ -35,8 +35,8 @@ from mlx_lm.utils import _get_classes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_dflash.kernels import metal_available  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
+from mlx_dflash.models.target import Target  # noqa: E402
 
 
 def hybrid_config(hidden: int, layers: int, intermediate: int, vocab: int) -> dict:

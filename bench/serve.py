@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import openai  # noqa: E402
 
 from e2e import GSM8K, GSM8K_OFFSET  # noqa: E402
-from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.files import write_atomic as _write_atomic  # noqa: E402
-from mlx_dflash.data import read_prompts  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
+from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-serve/1"
 DRAFTING, PLAIN = "dflash", "drafting off (--block-size 1)"

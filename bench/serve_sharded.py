@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai  # noqa: E402
 
 from distributed import PROMPTS, check_relayout, smollm2_as_qwen2  # noqa: E402
-from mlx_dflash.bench import machine_info, versions  # noqa: E402
-from mlx_dflash.files import write_json  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.utils import write_json  # noqa: E402
 from mlx_dflash.downloads import default_drafter_dir  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-serve-sharded/1"

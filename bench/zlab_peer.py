@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from mlx_dflash.downloads import fetch_pypi_member
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.files import cache_dir, safetensors_files
+from mlx_dflash.utils import cache_dir, safetensors_files
 
 PACKAGE, VERSION, MEMBER = "dflash", "0.1.0", "dflash/model_mlx.py"
 MODEL_MLX_SHA256 = "2f8598eaca4cb814e63ea69e791c1bdf55ba82280bfd299f9141906356b7cb87"

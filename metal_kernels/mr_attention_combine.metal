@@ -9,7 +9,7 @@
 
 //@@ body
   constexpr int DL = D / 32;
-  constexpr int MAX_NC = 1024;  // key chunks (mlx_dflash/attention_kernels.py caps them)
+  constexpr int MAX_NC = 1024;  // key chunks (mlx_dflash/kernels/attention.py caps them)
   threadgroup float mls[2 * MAX_NC];
   const int lane = int(thread_index_in_simdgroup);
   const int64_t row = int64_t(threadgroup_position_in_grid.y);

@@ -5,7 +5,7 @@
 //
 // This file is NOT a standalone Metal library: it is the `header` and `source` (kernel body) of one
 // `mx.fast.metal_kernel`. MLX writes the `[[kernel]]` signature around the body (see
-// mlx_dflash/kernels.py). The two parts are separated by the `//@@ header` / `//@@ body` markers.
+// mlx_dflash/kernels/wide_qmm.py). The two parts are separated by the `//@@ header` / `//@@ body` markers.
 //
 // Design (metal_kernels/README.md has the traffic table and the reasoning):
 //   * every weight byte, scale and bias is read from device memory once per launch, and each decoded

@@ -5,7 +5,7 @@ import sys
 import click
 
 from .errors import DFlashError
-from .files import DTYPES
+from .utils import DTYPES
 
 
 class _Group(click.Group):
@@ -111,10 +111,11 @@ def generate(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, m
              force_width, n_max, p_min, n_min, width_mode, cost_table, prompt_lookup, chat_template, verbose, shard,
              rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
-    from .decoder import build_policy, stream_generate
+    from .generate import stream_generate
+    from .policy import build_policy
     from .distributed import Ranks, SingleProcess, load_sharded_pair
     from .downloads import default_drafter, default_target
-    from .load import load_pair
+    from .utils import load_pair
     from .sampling import SamplingParams
 
     if prompt == "-":
@@ -236,11 +237,11 @@ def train(model_path, prompt_file, data_file, out_dir, num_prompts, max_response
 
     import mlx.core as mx
 
-    from .data import generate_responses, iter_sequences, read_prompts, read_samples
+    from .tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
     from .downloads import default_target
-    from .drafter import drafter_config_for, drafter_from_dir, init_drafter
-    from .load import load_target
-    from .train import TrainConfig, export, pick_mask_token, train as run_training
+    from .models.loader import drafter_config_for, drafter_from_dir, init_drafter
+    from .utils import load_target
+    from .tuner.trainer import TrainConfig, export, pick_mask_token, train as run_training
 
     if arch == "dflash2":
         raise DFlashError(_NO_DFLASH2_TRAINING)
@@ -317,13 +318,13 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from pathlib import Path
 
-    from .decoder import build_policy
+    from .policy import build_policy
     from .distributed import Ranks, launched_group, load_sharded_pair
-    from .load import load_pair
+    from .utils import load_pair
     from .sampling import SamplingParams
     from .downloads import default_drafter, default_target
-    from .serve import Engine, ServerConfig, bind, run_server
-    from .serve_protocol import Defaults
+    from .server.app import Engine, ServerConfig, bind, run_server
+    from .server.protocol import Defaults
 
     block_size = _verify_width(block_size, n_max, width_mode, cost_table)
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
@@ -353,7 +354,7 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     if rank != 0:
         import signal
 
-        from .serve_sharded import follow
+        from .server.sharded import follow
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
         follow(*load())
@@ -361,7 +362,7 @@ def serve(model_path, drafter_path, host, port, model_name, api_key, max_queue, 
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, temp, top_p, top_k, min_p),
                           api_key=api_key, max_body_bytes=max_body_bytes)
     if shard:
-        from .serve_sharded import ShardedEngine as Engine
+        from .server.sharded import ShardedEngine as Engine
     engine = Engine(load, max_queue)  # a load error ends here, in one line, as for other commands
     try:
         run_server(engine, config, sock)
@@ -410,7 +411,7 @@ def bench():
 def bench_widths(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, bits,
                  group_size, dtype, clock):
     """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
-    from .bench import run_widths_bench
+    from .widths import run_widths_bench
     from .downloads import default_target
 
     if not model_path and not shapes:

@@ -28,12 +28,13 @@ import mlx.nn as nn
 from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__
-from .config import config_to_dict, load_config
-from .draft_vocab import response_token_counts, select_draft_vocab
-from .drafter import BORROWED_KEYS, load_strict, new_drafter, pop_draft_vocab, quantize_like_checkpoint, read_weights
+from .models.config import config_to_dict, load_config
+from .tuner.draft_vocab import response_token_counts, select_draft_vocab
+from .models.dflash import BORROWED_KEYS
+from .models.loader import load_strict, new_drafter, pop_draft_vocab, quantize_like_checkpoint, read_weights
 from .errors import DFlashError
-from .files import DTYPES, safetensors_files, staged_dir, write_json
-from .load import resolve
+from .utils import DTYPES, safetensors_files, staged_dir, write_json
+from .utils import resolve
 
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
@@ -136,7 +137,7 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
     `quantize`, every linear layer is stored `q_bits`-bit affine-quantized (groups of
     `q_group_size`); norms, DFlash 2 convolution base taps and selector codebooks stay float (see the
     module docstring). draft_vocab: store a draft vocabulary of this many tokens, the most frequent in
-    the target's responses in `vocab_data` (draft_vocab.py); 0 drops the source's. Returns the output path.
+    the target's responses in `vocab_data` (tuner/draft_vocab.py); 0 drops the source's. Returns the output path.
     """
     _check_args(quantize, q_bits, q_group_size, dtype)
     if (draft_vocab is None) != (vocab_data is None) and draft_vocab != 0:
@@ -235,7 +236,7 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
 
     HF sources go through `mlx_lm.convert` (dtype default: the checkpoint's torch_dtype); extra
     keyword arguments of `mlx_lm.convert` (e.g. quant_predicate, q_mode, trust_remote_code,
-    revision) pass through. GGUF sources are dequantized by `mlx_dflash.gguf_convert.convert_gguf` (dtype
+    revision) pass through. GGUF sources are dequantized by `mlx_dflash.gguf.convert_gguf` (dtype
     default float16) and then, with `quantize` or mlx-lm options, run through `mlx_lm.convert`.
     """
     from mlx_lm.convert import convert as mlx_lm_convert
@@ -252,7 +253,7 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
     src_str = str(src)
 
     if src_str.lower().endswith(".gguf"):
-        from .gguf_convert import convert_gguf
+        from .gguf import convert_gguf
 
         gguf_path = Path(src_str).expanduser()
         source = str(gguf_path.resolve())

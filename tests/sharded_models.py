@@ -12,9 +12,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.utils import _get_classes, save_config, save_model
 
-from mlx_dflash.drafter import drafter_config_for, init_drafter
-from mlx_dflash.target import Target
-from mlx_dflash.train import save_checkpoint
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
+from mlx_dflash.models.target import Target
+from mlx_dflash.tuner.trainer import save_checkpoint
 
 TINY = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0,

@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_dflash.decoder import build_policy, generate
+from mlx_dflash.generate import generate
+from mlx_dflash.policy import build_policy
 from mlx_dflash.distributed import Ranks, load_sharded_pair
 from mlx_dflash.sampling import SamplingParams
 

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from mlx_dflash.bench import cliff_width, find_jumps, model_shapes, quantized_matmul_routing, run_widths_bench
-from mlx_dflash.costs import filled_cache, load_cost_table
+from mlx_dflash.machine import quantized_matmul_routing
+from mlx_dflash.widths import cliff_width, find_jumps, model_shapes, run_widths_bench
+from mlx_dflash.policy import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.kernels import metal_available
+from mlx_dflash.kernels.wide_qmm import metal_available
 from mlx_dflash.plot import bar_chart_figure, widths_figure
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 
 W = list(range(1, 17))
 
@@ -222,8 +223,8 @@ def test_bad_arguments(tmp_path, kwargs, words):
 
 def test_our_kernels_are_measured_where_they_run(tiny_model, tmp_path, monkeypatch):
     """The Metal path (ours against MLX's), with a CPU stand-in for the wide kernel."""
-    import mlx_dflash.bench as bench
-    import mlx_dflash.kernels as kernels
+    import mlx_dflash.widths as bench
+    import mlx_dflash.kernels.wide_qmm as kernels
 
     rows = []
 

@@ -17,9 +17,9 @@ import oracle  # noqa: E402
 import zlab_peer  # noqa: E402
 from conftest import tiny_llama  # noqa: E402
 from conftest import chat_ids  # noqa: E402
-from mlx_dflash.drafter import drafter_config_for, init_drafter  # noqa: E402
+from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.models.target import Target  # noqa: E402
 
 PROMPT = "What is 17 times 23? Show your steps."
 
@@ -63,7 +63,7 @@ def test_oracle_run_is_the_target_alone_with_every_draft_accepted(tiny_chat_pair
 def zlab_tiny(tiny_chat_pair, tmp_path_factory):
     """z-lab's module, its drafter loaded from a saved tiny drafter directory (with a borrowed head tensor
     it has no name for), and a tiny target of its own."""
-    from mlx_dflash.train import save_checkpoint
+    from mlx_dflash.tuner.trainer import save_checkpoint
 
     _, tokenizer, _ = tiny_chat_pair
     model = tiny_llama(11)

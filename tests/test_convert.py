@@ -20,11 +20,12 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash import __version__
 from mlx_dflash import convert as conv
-from mlx_dflash.config import load_config, parse_config
+from mlx_dflash.models.config import load_config, parse_config
 from mlx_dflash.convert import convert_drafter, convert_target
-from mlx_dflash.drafter import Borrowed, drafter_from_dir, init_drafter
+from mlx_dflash.models.dflash import Borrowed
+from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.gguf_convert import read_metadata
+from mlx_dflash.gguf import read_metadata
 from mlx_dflash.downloads import ensure_smollm2, ensure_smollm2_gguf
 
 H, VOCAB, N_FEAT = 64, 97, 3  # fc input 3*64 = 192: divisible by 32 and 64, not by 128

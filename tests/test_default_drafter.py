@@ -10,14 +10,14 @@ from click.testing import CliRunner
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.cli import main
-from mlx_dflash.data import greedy_batch
+from mlx_dflash.tuner.data import greedy_batch
 from mlx_dflash.decoder import speculative_rounds
-from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import default_drafter_dir
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.target import Target
-from mlx_dflash.replay import decoding_acceptance
+from mlx_dflash.models.target import Target
+from mlx_dflash.tuner.replay import decoding_acceptance
 
 # Grade-school word problems in the style the drafter was trained on, written for this test (so never
 # trained on).

@@ -19,15 +19,16 @@ from dflash2_tiny import REAL_CONFIG, REAL_HEADER, VOCAB, randomize, tiny_checkp
 from conftest import mlx_lm_greedy
 from test_lossless import expected_acceptance
 from mlx_dflash.cli import main
-from mlx_dflash.config import config_to_dict, parse_config
+from mlx_dflash.models.config import config_to_dict, parse_config
 from mlx_dflash.convert import convert_drafter
-from mlx_dflash.decoder import build_policy, speculative_rounds
-from mlx_dflash.dflash2 import DFlash2DraftModel
-from mlx_dflash.drafter import drafter_from_dir, init_drafter
+from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.policy import build_policy
+from mlx_dflash.models.dflash2 import DFlash2DraftModel
+from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import CostAwarePolicy, make_policy
 from mlx_dflash.sampling import SamplingParams, accept, target_probs
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
 MAX_TOKENS = 24

@@ -13,13 +13,14 @@ from click.testing import CliRunner
 from mlx_lm import load
 
 from mlx_dflash.cli import main
-from mlx_dflash.decoder import build_policy, generate
+from mlx_dflash.generate import generate
+from mlx_dflash.policy import build_policy
 from mlx_dflash.distributed import check_shardable
-from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 from sharded_models import CLI, launch, save_random_drafter, save_tiny_target, start_ranks
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]

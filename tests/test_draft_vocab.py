@@ -11,16 +11,17 @@ from click.testing import CliRunner
 
 from conftest import chat_ids, mlx_lm_greedy
 from mlx_dflash.cli import main
-from mlx_dflash.config import parse_config
+from mlx_dflash.models.config import parse_config
 from mlx_dflash.convert import convert_drafter
-from mlx_dflash.decoder import generate
-from mlx_dflash.draft_vocab import coverage, response_token_counts, select_draft_vocab
-from mlx_dflash.drafter import DRAFT_VOCAB_KEY, drafter_config_for, drafter_from_dir, init_drafter
+from mlx_dflash.generate import generate
+from mlx_dflash.tuner.draft_vocab import coverage, response_token_counts, select_draft_vocab
+from mlx_dflash.models.dflash import DRAFT_VOCAB_KEY
+from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.replay import block_drafts
+from mlx_dflash.tuner.replay import block_drafts
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.target import Target
-from mlx_dflash.train import save_checkpoint
+from mlx_dflash.models.target import Target
+from mlx_dflash.tuner.trainer import save_checkpoint
 
 
 @pytest.fixture()

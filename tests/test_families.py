@@ -16,10 +16,10 @@ from mlx_lm.utils import _get_classes
 
 from conftest import mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
-from mlx_dflash.drafter import drafter_config_for, init_drafter
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 from test_lossless import OracleDrafter, expected_acceptance
 
 COMMON = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,

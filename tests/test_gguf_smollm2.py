@@ -17,7 +17,7 @@ import pytest
 import regex
 from tokenizers import Tokenizer
 
-from mlx_dflash import gguf_convert as conv
+from mlx_dflash import gguf as conv
 from mlx_dflash import downloads
 from mlx_dflash.errors import DFlashError
 
@@ -459,7 +459,7 @@ def test_prompt_sets_are_verified_and_decompressed(tmp_path, monkeypatch):
     import gzip
     import hashlib
 
-    from mlx_dflash.data import read_prompts
+    from mlx_dflash.tuner.data import read_prompts
 
     lines = b'{"task_id": "t/0", "prompt": "def f(x):"}\n{"task_id": "t/1", "prompt": "def g():"}\n'
     payload = gzip.compress(lines)

@@ -17,9 +17,9 @@ from conftest import mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import has_quantized_layers, make_policy
-from mlx_dflash.rollback import delta_rule_state
+from mlx_dflash.models.rollback import delta_rule_state
 from mlx_dflash.sampling import SamplingParams, target_probs
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 from test_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
 from test_lossless import OracleDrafter, expected_acceptance
 
@@ -150,7 +150,7 @@ def test_rounds_patch_nothing_and_free_their_tapes():
 
 def test_width_auto_probe_measures_a_hybrid_target():
     """`--width auto` probes verify costs over a pre-filled context; recurrent layers need no filling."""
-    from mlx_dflash.costs import filled_cache, probe_verify_costs
+    from mlx_dflash.policy import filled_cache, probe_verify_costs
 
     target, _ = bound_pair(tiny_model("qwen3_5"))
     costs = probe_verify_costs(target, 8, context=40)

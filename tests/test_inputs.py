@@ -10,10 +10,10 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlx_dflash.cli import main
-from mlx_dflash.config import build_target_layer_ids, parse_config
-from mlx_dflash.drafter import drafter_from_dir, init_drafter
+from mlx_dflash.models.config import build_target_layer_ids, parse_config
+from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 
 BASE = dict(
     architectures=["DFlashDraftModel"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -11,22 +11,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlx_dflash"
 OPTIONAL = {"matplotlib", "torch", "scipy", "regex", "pytest"}  # extras (bench, parity, dev) only
-# What `generate` runs through: the CLI -> decoder -> (drafter, target, policy) -> kernels chain, the
-# loaders and the default pair's download and conversion.
-RUNTIME = ["cli", "decoder", "drafter", "target", "policy", "sampling", "costs", "kernels", "load", "config",
-           "downloads", "gguf_convert", "files", "errors"]
+BENCHMARKS = {"mlx_dflash.widths", "mlx_dflash.plot"}  # reached through `mlx-dflash bench` only
+# What a user runs: the CLI's commands but `bench`, and the Python API.
+ENTRY_POINTS = ["mlx_dflash", "mlx_dflash.cli", "mlx_dflash.generate", "mlx_dflash.server.app", "mlx_dflash.convert",
+                "mlx_dflash.tuner.trainer"]
 
 
-def imports(module: str) -> tuple[set, set]:
-    """(names imported at module level, names imported anywhere) by mlx_dflash/<module>.py; relative
-    imports appear as ".name"."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def module_file(name: str) -> Path | None:
+    path = ROOT / Path(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imports(name: str) -> tuple[set, set]:
+    """(modules imported at module level, modules imported anywhere) by the package module `name`:
+    third-party ones by their top-level name, ours by their full dotted name."""
+    file = module_file(name)
+    tree = ast.parse(file.read_text())
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
     top, anywhere = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = {a.name.split(".")[0] for a in node.names}
+            names = {a.name if a.name.startswith("mlx_dflash") else a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            names = {"." + (node.module or "").split(".")[0]} if node.level else {node.module.split(".")[0]}
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            if not module.startswith("mlx_dflash"):
+                names = {module.split(".")[0]}
+            else:  # `from pkg import submodule` imports the submodule
+                names = {module} | {f"{module}.{a.name}" for a in node.names if module_file(f"{module}.{a.name}")}
         else:
             continue
         anywhere |= names
@@ -35,18 +53,33 @@ def imports(module: str) -> tuple[set, set]:
     return top, anywhere
 
 
+def reachable(roots: list) -> set:
+    """Every package module the roots import, at any depth, also from inside functions."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or module_file(name) is None:
+            continue
+        seen.add(name)
+        todo += [m for m in imports(name)[1] if m.startswith("mlx_dflash") and m not in BENCHMARKS]
+    return seen
+
+
 def test_runtime_modules_need_no_optional_package_and_no_benchmark():
-    for module in RUNTIME:
+    runtime = reachable(ENTRY_POINTS)
+    assert {"mlx_dflash.decoder", "mlx_dflash.models.target", "mlx_dflash.kernels.wide_qmm"} <= runtime
+    for module in sorted(runtime):
         top, anywhere = imports(module)
-        assert not top & OPTIONAL, f"mlx_dflash/{module}.py imports {top & OPTIONAL} at load time"
-        if module != "cli":  # the CLI's `bench` command is where the benchmarks start
-            assert not anywhere & {".bench", ".plot"}, f"mlx_dflash/{module}.py depends on the benchmarks"
+        assert not top & OPTIONAL, f"{module} imports {top & OPTIONAL} at load time"
+        if module != "mlx_dflash.cli":  # the CLI's `bench` command is where the benchmarks start
+            assert not anywhere & BENCHMARKS, f"{module} depends on the benchmarks"
 
 
 def test_optional_packages_are_imported_lazily_everywhere():
-    for path in sorted(PACKAGE.glob("*.py")):
-        top, _ = imports(path.stem)
-        assert not top & OPTIONAL, f"{path.name} imports {top & OPTIONAL} at load time"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        top, _ = imports(name)
+        assert not top & OPTIONAL, f"{path.relative_to(ROOT)} imports {top & OPTIONAL} at load time"
 
 
 def test_dependencies_runtime_and_extras():

@@ -8,13 +8,14 @@ import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
-from mlx_dflash.drafter import Draft, drafter_from_dir
+from mlx_dflash.models.base import Draft
+from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import default_drafter_dir
 from mlx_dflash.lookup import PromptLookup, looked_up_count, with_lookup
 from mlx_dflash.policy import CostAwarePolicy, make_policy
-from mlx_dflash.replay import decoding_acceptance, looked_up_acceptance
+from mlx_dflash.tuner.replay import decoding_acceptance, looked_up_acceptance
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 from test_default_drafter import WORD_PROBLEMS
 
 

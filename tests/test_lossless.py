@@ -9,8 +9,9 @@ import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
-from mlx_dflash.decoder import generate, speculative_rounds
-from mlx_dflash.drafter import DFlashDraftModel
+from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.generate import generate
+from mlx_dflash.models.dflash import DFlashDraftModel
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 

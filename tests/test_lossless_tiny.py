@@ -5,7 +5,7 @@ SmolLM2 run in the slow tier: test_lossless.py)."""
 import pytest
 
 from conftest import chat_ids, mlx_lm_greedy
-from mlx_dflash.decoder import generate
+from mlx_dflash.generate import generate
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 8])

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from metal_emulator import OutOfBoundsError, run_kernel  # noqa: E402
 
-from mlx_dflash import attention_kernels as attn  # noqa: E402
-from mlx_dflash import traffic  # noqa: E402
-from mlx_dflash.race_gate import RaceGate  # noqa: E402
+from mlx_dflash.kernels import attention as attn  # noqa: E402
+from mlx_dflash.kernels import traffic as traffic  # noqa: E402
+from mlx_dflash.kernels.race_gate import RaceGate  # noqa: E402
 
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
 ATOL = {"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}  # output rounding (values ~1) + summation order

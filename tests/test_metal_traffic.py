@@ -1,4 +1,4 @@
-"""The traffic and occupancy model (mlx_dflash/traffic.py) against the emulator's counts, and the bounds.
+"""The traffic and occupancy model (mlx_dflash/kernels/traffic.py) against the emulator's counts, and the bounds.
 
 The emulator's traffic build counts the bytes of every load and store the compiled kernel makes, per
 buffer (and for threadgroup memory); the model's formulas must give exactly those numbers, for our kernel
@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from metal_emulator import run_kernel  # noqa: E402
 from metal_emulator.mlx_sources import quantized_header  # noqa: E402
 
-from mlx_dflash import kernels, traffic  # noqa: E402
+from mlx_dflash.kernels import wide_qmm as kernels
+from mlx_dflash.kernels import traffic as traffic  # noqa: E402
 
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
 BYTES = {"f16": 2, "bf16": 2, "f32": 4}
@@ -232,7 +233,7 @@ def test_compare_reports_the_ratios():
 
 
 def test_bench_widths_prints_the_model_beside_the_timings(tmp_path):
-    from mlx_dflash.bench import run_widths_bench
+    from mlx_dflash.widths import run_widths_bench
 
     lines = []
     res = run_widths_bench(None, tmp_path, shapes=["256x512", "512x256"], widths=range(4, 9), repeats=1, warmup=0,

@@ -21,15 +21,15 @@ from mlx_lm.utils import _get_classes
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import mlx_lm_greedy  # noqa: E402
-from mlx_dflash import attention_kernels as attn  # noqa: E402
-from mlx_dflash import verify_attention as va  # noqa: E402
+from mlx_dflash.kernels import attention as attn  # noqa: E402
+from mlx_dflash.kernels import verify_attention as va  # noqa: E402
 from mlx_dflash.decoder import speculative_rounds  # noqa: E402
-from mlx_dflash.drafter import drafter_config_for, init_drafter  # noqa: E402
+from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.policy import make_policy  # noqa: E402
-from mlx_dflash.race_gate import RaceGate  # noqa: E402
+from mlx_dflash.kernels.race_gate import RaceGate  # noqa: E402
 from mlx_dflash.sampling import SamplingParams  # noqa: E402
-from mlx_dflash.target import Target  # noqa: E402
+from mlx_dflash.models.target import Target  # noqa: E402
 
 # Head dim 64 (the kernel's), GQA 4, two layers: small enough for the default tier.
 COMMON = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,

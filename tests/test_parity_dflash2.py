@@ -12,8 +12,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash2_tiny import H, VOCAB, randomize, tiny_config
-from mlx_dflash.config import parse_config
-from mlx_dflash.drafter import Borrowed, init_drafter
+from mlx_dflash.models.config import parse_config
+from mlx_dflash.models.dflash import Borrowed
+from mlx_dflash.models.loader import init_drafter
 from conftest import TORCH_MISSING
 
 torch = pytest.importorskip("torch", reason=TORCH_MISSING)

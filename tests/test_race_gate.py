@@ -7,9 +7,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_dflash import kernels
+from mlx_dflash.kernels import wide_qmm as kernels
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.race_gate import RaceGate, cache_path, median_times
+from mlx_dflash.kernels.race_gate import RaceGate, cache_path, median_times
 
 
 class Timer:
@@ -122,7 +122,7 @@ def test_forced_routes_skip_the_race(tmp_path, monkeypatch, route, wide):
 
 
 def test_route_from_environment(monkeypatch):
-    from mlx_dflash.target import Target
+    from mlx_dflash.models.target import Target
 
     from test_metal_kernels import _tiny_llama
 

@@ -10,11 +10,11 @@ from mlx_lm.utils import _get_classes
 from scipy.stats import chi2_contingency, chisquare
 
 from mlx_dflash.decoder import speculative_rounds
-from mlx_dflash.drafter import drafter_config_for, init_drafter
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams, greedy_accept, rejection_accept, target_probs
-from mlx_dflash.target import Target
+from mlx_dflash.models.target import Target
 
 TRIALS = 6000
 LOGITS = mx.array([[1.0, 0.2, 2.0, -0.5, 0.7, 1.4], [0.1, 1.8, -1.0, 0.9, 0.0, 0.5]])

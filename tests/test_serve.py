@@ -22,11 +22,12 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_dflash.cli import main
-from mlx_dflash.decoder import build_policy, generate
+from mlx_dflash.generate import generate
+from mlx_dflash.policy import build_policy
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.serve import Engine, ServerConfig, make_app
-from mlx_dflash.serve_protocol import StopMatcher
+from mlx_dflash.server.app import Engine, ServerConfig, make_app
+from mlx_dflash.server.protocol import StopMatcher
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -225,7 +226,7 @@ def test_wrong_method_models_and_health(served):
 
 
 def test_a_bug_during_generation_is_a_500_in_one_line_and_the_server_carries_on(served, monkeypatch, caplog):
-    import mlx_dflash.serve as serve
+    import mlx_dflash.server.app as serve
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
@@ -263,7 +264,7 @@ def _wait(predicate, seconds=30):
 
 
 def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, caplog):
-    caplog.set_level(logging.INFO, logger="mlx_dflash.serve")
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
     with running(tiny_pair, max_queue=2) as (url, engine):
         c = client(url)
         long = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20000, stream=True)
@@ -290,14 +291,14 @@ def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, cap
 
 
 def test_one_log_line_per_request(served, caplog):
-    caplog.set_level(logging.INFO, logger="mlx_dflash.serve")
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
     url, _ = served
     answer = raw(url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 6})[2]
     raw(url, "/v1/chat/completions", {**GOOD, "temperature": -1})
     raw(url, "/health")
 
     def lines():  # a line is written just after its response is sent
-        return [rec.message for rec in caplog.records if rec.name == "mlx_dflash.serve"]
+        return [rec.message for rec in caplog.records if rec.name == "mlx_dflash.server"]
     _wait(lambda: len(lines()) >= 3)
     time.sleep(0.2)
     lines = lines()

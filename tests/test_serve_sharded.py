@@ -17,13 +17,14 @@ from click.testing import CliRunner
 from mlx_lm import load
 
 from mlx_dflash.cli import main
-from mlx_dflash.decoder import build_policy, generate
-from mlx_dflash.drafter import drafter_from_dir
+from mlx_dflash.generate import generate
+from mlx_dflash.policy import build_policy
+from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.serve import Engine, Job
-from mlx_dflash.serve_protocol import Defaults, parse_completion
-from mlx_dflash.serve_sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, Header, RanksOutOfStep
-from mlx_dflash.target import Target
+from mlx_dflash.server.app import Engine, Job
+from mlx_dflash.server.protocol import Defaults, parse_completion
+from mlx_dflash.server.sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, Header, RanksOutOfStep
+from mlx_dflash.models.target import Target
 from sharded_models import CLI, save_random_drafter, save_tiny_target, start_ranks
 from test_serve import client, running
 
@@ -99,7 +100,7 @@ def test_rank0_signals_an_early_end_exactly_when_the_decoder_had_not_finished(ti
 
 
 def test_seed_outside_64_bits_is_a_400():
-    from mlx_dflash.serve_protocol import APIError
+    from mlx_dflash.server.protocol import APIError
 
     for seed in (-1, 2**64):
         with pytest.raises(APIError, match="'seed' must be an integer from 0 to 2\\*\\*64 - 1") as e:

@@ -1,4 +1,4 @@
-"""The trainer (mlx_dflash/train.py) against the published objective (reference 5).
+"""The trainer (mlx_dflash/tuner/trainer.py) against the published objective (reference 5).
 
 Fast checks run on a tiny random mlx-lm Llama target or on a drafter bound to a fake embedding/head;
 the acceptance check runs on the real SmolLM2-135M-Instruct fixture.
@@ -15,13 +15,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
-from mlx_dflash.config import parse_config
-from mlx_dflash.data import greedy_batch
-from mlx_dflash.drafter import Attention, Borrowed, drafter_config_for, drafter_from_dir, init_drafter
+from mlx_dflash.models.config import parse_config
+from mlx_dflash.tuner.data import greedy_batch
+from mlx_dflash.models.dflash import Attention, Borrowed
+from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.target import Target
-from mlx_dflash.replay import TargetFeatures, block_logits, decoding_acceptance, prompt_lookup_drafts, replay_greedy
-from mlx_dflash.train import (
+from mlx_dflash.models.target import Target
+from mlx_dflash.tuner.replay import TargetFeatures, block_logits, decoding_acceptance, prompt_lookup_drafts, replay_greedy
+from mlx_dflash.tuner.trainer import (
     TrainConfig,
     draft_loss_and_grads,
     export,

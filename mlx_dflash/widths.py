@@ -21,10 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
-import platform
 import random
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,13 +29,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .costs import filled_cache, timed
+from .policy import filled_cache, timed
 from .errors import DFlashError
-from .files import DTYPES, portable_path, write_atomic
-from .kernels import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
+from .utils import DTYPES, portable_path, write_atomic
+from .kernels.wide_qmm import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
                       WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 from .plot import charts_available, widths_chart_png
-from .traffic import format_widths_model, widths_model
+from .kernels.traffic import format_widths_model, widths_model
+from .machine import machine_info, versions
 
 WIDTHS = tuple(range(1, 17))
 CLIFF_K = 4.0  # a jump is a marginal cost above CLIFF_K x the usual one ...
@@ -118,53 +116,6 @@ def verdict(widths, seconds) -> dict:
 
 # ---------------------------------------------------------------------------------------------------
 # What is measured.
-
-def machine_info() -> dict:
-    """Platform, device and chip (Metal: mx.device_info(); CPU: /proc/cpuinfo model name)."""
-    info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(), "device": str(mx.default_device()), "metal": metal_available()}
-    try:
-        dev = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        info["device_info"] = {k: v for k, v in dev.items() if isinstance(v, (str, int, float, bool))}
-        info["chip"] = dev.get("device_name") or dev.get("architecture")
-    except Exception:  # pragma: no cover - an MLX without device_info for this backend
-        pass
-    if not info["metal"] and os.path.exists("/proc/cpuinfo"):
-        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
-        info["chip"] = names[0] if names else info.get("chip")
-    info["chip"] = info.get("chip") or platform.processor() or platform.machine()
-    info["quantized_matmul_routing"] = quantized_matmul_routing(
-        (info.get("device_info") or {}).get("architecture") if info["metal"] else None)
-    return info
-
-
-def quantized_matmul_routing(architecture: str | None) -> str:
-    """What MLX 0.32's quantized matmul does with M rows on this chip (mlx-kernels.md sections 2-3), from
-    the Metal architecture string (applegpu_g<generation><tier>: 13 M1, 14 M2, 15 M3, 16 M4, 17 M5;
-    tier d = Ultra); None for the CPU."""
-    if architecture is None:
-        return "CPU: every row costs the same (linear in rows, no weight-reuse path and no cliff)"
-    m = re.search(r"g(\d+)([a-z])$", architecture)
-    if not m:
-        return f"unknown Metal architecture {architecture!r}: routing not known"
-    gen, tier = int(m.group(1)), m.group(2)
-    if gen < 15:
-        path = "M1/M2: no affine qmv_wide, so every row is one more full pass over the weights"
-    else:
-        path = "M3 and newer: qmv_wide reads the weights once per up to 5 rows (6..10 rows: twice)"
-    limit = {True: "18 rows (Ultra)", False: "25 rows (M5)" if gen >= 17 else
-             ("10 rows, 6 for a 4096->14336 layer" if gen < 15 else "about 13-15 rows")}[tier == "d"]
-    return f"{path}; from {limit} (4096-wide 4-bit layers) MLX switches to its tiled qmm"
-
-
-def versions() -> dict:
-    import importlib.metadata
-
-    import mlx_lm
-
-    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version(),
-            "mlx_dflash": importlib.metadata.version("mlx-dflash")}
-
 
 def model_shapes(model: nn.Module, group_size: int = 64, bits: int = 4) -> list[dict]:
     """Distinct (K, N) of the model's quantized or to-be-quantized linear layers (a tied output head
@@ -300,9 +251,9 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, f
     long calls jump); "auto" = wall on Metal (the GPU's work is not CPU time), cpu on the CPU backend.
     Both are always recorded.
     """
-    from .load import load_target
+    from .utils import load_target
     from .policy import has_quantized_layers
-    from .target import Target
+    from .models.target import Target
 
     repeats = repeats or (5 if full else 3)
     warmup = warmup if warmup is not None else (2 if full else 1)
@@ -400,7 +351,7 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, f
 
 
 def traffic_model(shape_list: list[dict], widths, act) -> dict:
-    """The modelled traffic (mlx_dflash/traffic.py) of the shapes our kernel takes, beside the timings."""
+    """The modelled traffic (kernels/traffic.py) of the shapes our kernel takes, beside the timings."""
     wide = [sh for sh in shape_list if (sh["mode"], sh["bits"], sh["group_size"], act) in WIDE_OK]
     return widths_model(wide, widths, act.size)
 

@@ -18,7 +18,7 @@ from tokenizers import pre_tokenizers, processors
 
 from . import __version__
 from .errors import DFlashError
-from .files import DTYPES, sha256_file, staged_dir, write_json
+from .utils import DTYPES, sha256_file, staged_dir, write_json
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import read_samples
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def response_token_counts(path) -> Counter:

@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import normalize_qk
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def _gates_qwen3_5(module, outputs):

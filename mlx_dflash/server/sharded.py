@@ -1,6 +1,6 @@
 """`mlx-dflash serve --shard tensor|pipeline` under mlx.launch: only rank 0 listens; the others follow it.
 
-Rank 0 runs the usual server (serve.py) with a `ShardedEngine`. Every rank runs the same decoding loop,
+Rank 0 runs the usual server (app.py) with a `ShardedEngine`. Every rank runs the same decoding loop,
 kept in step by distributed.py's `Ranks` exchanges; what is added here is the traffic between requests:
 
 - for each request, rank 0 sends a fixed-size `Header` (its decoding parameters and prompt length) and then
@@ -26,13 +26,13 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .decoder import stream_generate
-from .distributed import GenerationStopped, Ranks, RankLost, lost_rank_errors
-from .errors import DFlashError
-from .sampling import SamplingParams
-from .serve import Engine, Job
+from ..generate import stream_generate
+from ..distributed import GenerationStopped, Ranks, RankLost, lost_rank_errors
+from ..errors import DFlashError
+from ..sampling import SamplingParams
+from .app import Engine, Job
 
-log = logging.getLogger("mlx_dflash.serve")
+log = logging.getLogger("mlx_dflash.server")
 
 BEAT, REQUEST, SHUTDOWN = 0, 1, 2
 BEAT_SECONDS = 1.0

@@ -147,7 +147,7 @@ def attention_unavoidable_bytes(b: int, hq: int, hkv: int, rows: int, keys: int,
 
 def attention_ours(b: int, hq: int, hkv: int, rows: int, keys: int, d: int, x_bytes: int) -> dict:
     """The two launches of the multi-row attention (metal_kernels/mr_attention_*.metal), summed."""
-    from .attention_kernels import key_chunks
+    from .attention import key_chunks
 
     groups = hq // hkv
     n_rows = b * hq * rows

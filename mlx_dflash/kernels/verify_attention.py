@@ -32,8 +32,8 @@ from contextlib import contextmanager
 import mlx.nn as nn
 from mlx_lm.models import base
 
-from . import attention_kernels as attn
-from .errors import DFlashError
+from . import attention as attn
+from ..errors import DFlashError
 
 SDPA_NAME = "scaled_dot_product_attention"
 ROUTE_ENV = "MLX_DFLASH_ATTENTION_KERNEL"

@@ -5,8 +5,8 @@ order (the decoder's batch size is 1); a bounded queue feeds it and answers 503 
 a `Job`: the engine pushes its text to the request's asyncio queue round by round, and checks the job's
 cancel flag after every round, so a client that goes away stops its generation at the next round.
 
-The wire format (parsing, stop strings, response bodies) is in serve_protocol.py; a sharded target
-(`--shard`, rank 0's engine and the other ranks' loop) in serve_sharded.py, through the Engine's hooks
+The wire format (parsing, stop strings, response bodies) is in protocol.py; a sharded target
+(`--shard`, rank 0's engine and the other ranks' loop) in sharded.py, through the Engine's hooks
 (_next_job, _responses, _ended_early, fatal_errors).
 """
 
@@ -24,12 +24,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .decoder import GenerationStats, stream_generate
-from .errors import DFlashError
-from .serve_protocol import (APIError, Defaults, GenerationRequest, Outcome, StopMatcher, chunk_body,
+from ..generate import GenerationStats, stream_generate
+from ..errors import DFlashError
+from .protocol import (APIError, Defaults, GenerationRequest, Outcome, StopMatcher, chunk_body,
                              completion_body, parse_chat, parse_completion, usage_chunk_body)
 
-log = logging.getLogger("mlx_dflash.serve")
+log = logging.getLogger("mlx_dflash.server")
 
 
 @dataclass

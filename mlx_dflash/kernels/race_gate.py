@@ -18,7 +18,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .files import cache_dir, write_json
+from ..utils import cache_dir, write_json
 
 OURS, MLX = "dflash", "mlx"
 ROUTES = (OURS, MLX)

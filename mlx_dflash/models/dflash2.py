@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import DFlashError
+from .base import Draft
 from .config import DFlashConfig
-from .drafter import DecoderLayer, DFlashDraftModel, Draft
-from .errors import DFlashError
+from .dflash import DecoderLayer, DFlashDraftModel
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 CONVS = ("attention_conv", "mlp_conv")
@@ -124,6 +125,12 @@ class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
+
+    def set_draft_vocab(self, ids, where: str = "the draft vocabulary"):
+        if ids is not None:
+            raise DFlashError(f"{where}: draft vocabularies apply to DFlash v1 drafters only (a DFlash 2 "
+                              "candidate selector ranks the whole vocabulary)")
+        super().set_draft_vocab(None, where)
 
     def walk(self, hidden: mx.array, anchors: mx.array, temperature: float = 0.0) -> Walk:
         """The selector's walk over draft rows `hidden` [B, n, H]."""

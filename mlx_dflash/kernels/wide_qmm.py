@@ -16,17 +16,16 @@ switches to a 32-row tile (qmm_t). ``metal_kernels/wide_qmm.metal`` reads them o
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import os
-import re
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from .errors import DFlashError
-from .race_gate import RaceGate, chip_name
+from ..errors import DFlashError
+from .metal import metal_available, race_gate, read_metal_file
+from .race_gate import chip_name
 
 MIN_ROWS = 6
 MAX_ROWS = 16
@@ -53,34 +52,6 @@ def default_route() -> str:
     if route not in ROUTES:
         raise DFlashError(f"{ROUTE_ENV}={route!r}: use one of {', '.join(ROUTES)}")
     return route
-
-
-_gate: list[RaceGate] = []
-
-
-def race_gate() -> RaceGate:
-    """The process-wide gate (its verdict cache is read once)."""
-    if not _gate:
-        _gate.append(RaceGate())
-    return _gate[0]
-
-
-def metal_available() -> bool:
-    """True only when MLX has a usable Metal device."""
-    try:
-        return bool(mx.metal.is_available())
-    except Exception:  # pragma: no cover - builds without the metal module
-        return False
-
-
-def read_metal_file(name: str) -> tuple[str, str]:
-    """Return (header, body) of ``metal_kernels/<name>``, split at the ``//@@`` markers."""
-    text = importlib.resources.files("mlx_dflash.metal_kernels").joinpath(name).read_text()
-    parts = re.split(r"^//@@ (header|body)[^\n]*\n", text, flags=re.M)
-    sections = dict(zip(parts[1::2], parts[2::2]))
-    if "body" not in sections:
-        raise ValueError(f"{name}: missing '//@@ body' marker")
-    return sections.get("header", ""), sections["body"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .decoder import encode_prompt
-from .errors import DFlashError
+from ..generate import encode_prompt
+from ..errors import DFlashError
 
 # Fields that hold a prompt in the JSONL sources we know (GSM8K, MT-Bench, ShareGPT, HumanEval, ours).
 _PROMPT_FIELDS = ("prompt", "question", "instruction", "text")

@@ -15,9 +15,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .config import DFlashConfig
-from .errors import DFlashError
+from ..errors import DFlashError
 from .rollback import find_recurrent, taping
-from .verify_attention import install_sites, routing
+from ..kernels.verify_attention import install_sites, routing
 
 
 class _Recorder:
@@ -65,7 +65,7 @@ class Target:
 
     def install_wide_kernels(self) -> int:
         """Route 6..16-row quantized matmuls to our Metal kernel. Returns the layers switched (0 off Metal)."""
-        from .kernels import install_wide_kernels
+        from ..kernels.wide_qmm import install_wide_kernels
 
         count = install_wide_kernels(self.model)
         self.wide_kernels = self.wide_kernels or count > 0

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-DFLASH2 = "DFlash2DraftModel"
+DFLASH1, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
@@ -54,6 +54,11 @@ class DFlashConfig:
     @property
     def is_dflash2(self) -> bool:
         return self.conv_kernel_size is not None
+
+    @property
+    def architecture(self) -> str:
+        """The checkpoint's `architectures` entry: which drafter class it is (models/loader.py)."""
+        return DFLASH2 if self.is_dflash2 else DFLASH1
 
     def layer_is_causal(self, i: int) -> bool:
         """Sliding layers are causal inside the block unless the config says otherwise (reference 1.5)."""
@@ -191,7 +196,7 @@ def config_to_dict(config: DFlashConfig) -> dict[str, Any]:
     """The published (newer) layout, keeping any fields of the original file we do not interpret."""
     out = dict(config.raw)
     out.update(
-        architectures=[DFLASH2 if config.is_dflash2 else "DFlashDraftModel"],
+        architectures=[config.architecture],
         model_type=out.get("model_type", "qwen3"),
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,

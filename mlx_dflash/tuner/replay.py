@@ -9,8 +9,8 @@ prompt lookup (a drafter with no weights) the same way as the yardstick.
 import mlx.core as mx
 import numpy as np
 
-from .drafter import DFlashDraftModel
-from .lookup import LOOKUP_BELOW, PromptLookup
+from ..models.dflash import DFlashDraftModel
+from ..lookup import LOOKUP_BELOW, PromptLookup
 
 
 def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):

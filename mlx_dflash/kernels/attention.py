@@ -17,7 +17,7 @@ import functools
 
 import mlx.core as mx
 
-from .kernels import metal_available, race_gate, read_metal_file
+from .metal import metal_available, race_gate, read_metal_file
 from .race_gate import chip_name
 
 MIN_ROWS, MAX_ROWS = 2, 16

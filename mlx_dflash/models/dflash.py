@@ -1,19 +1,18 @@
 """The DFlash drafter (v1) in MLX: a few Qwen3-style layers fed by the target's hidden states.
 
-Module and parameter names mirror the published checkpoints exactly (reference 1.8), so a z-lab
-drafter directory loads strictly. The drafter owns no embedding table and no output head: `bind`
-borrows the target's. Its input is a block `[anchor, MASK, ..., MASK]`; the target features of the
-committed context enter every layer as extra keys and values ("KV injection", reference 1.2), and
-only those context keys/values are cached, so a rejected draft needs no rollback here.
+Module and parameter names mirror the published checkpoints exactly (z-lab/dflash `dflash/model.py`,
+`DFlashDraftModel`), so a z-lab drafter directory loads strictly. The drafter owns no embedding table and
+no output head: `bind` borrows the target's. Its input is a block `[anchor, MASK, ..., MASK]`; the target
+features of the committed context enter every layer as extra keys and values ("KV injection", DFlash paper,
+arXiv 2602.06036, section 3.2), and only those context keys/values are cached, so a rejected draft needs
+no rollback here.
 
-`draft` is what the decoder calls, for v1 and DFlash 2 (`dflash2.py`) alike: one pass over the block,
-returning the drafted tokens, the drafter's confidence in each, and (when the drafts were sampled) the
-proposal distribution that rejection sampling needs.
+`draft` is what the decoder calls (`base.DraftModel`): one pass over the block, returning the drafted
+tokens, the drafter's confidence in each, and (when the drafts were sampled) the proposal distribution
+that rejection sampling needs. DFlash 2 (`dflash2.py`) extends this class.
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -22,32 +21,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .config import DFlashConfig, build_target_layer_ids, parse_config
-from .errors import DFlashError
-from .files import safetensors_files
+from ..errors import DFlashError
+from .base import Draft
+from .config import DFlashConfig
 
 # Keys some early uploads carried; the drafter uses the target's embedding and head instead.
 BORROWED_KEYS = ("embed_tokens.weight", "lm_head.weight")
-# An optional draft vocabulary (draft_vocab.py): the token ids the drafter may propose, stored beside the
-# weights; config.json's `draft_vocab` gives its size.
+# An optional draft vocabulary (tuner/draft_vocab.py): the token ids the drafter may propose, stored
+# beside the weights; config.json's `draft_vocab` gives its size.
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
-
-
-@dataclass
-class Draft:
-    """One drafter pass: proposals for block positions 1..n. Arrays stay lazy: unless someone reads them
-    first, the decoder evaluates the drafter together with the verify that judges its drafts."""
-
-    ids: mx.array  # [n] drafted token ids
-    confidence: mx.array  # [n] the drafter's probability of each drafted token
-    # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
-    # None when every draft is a point mass (argmax proposals).
-    proposal: Optional[tuple] = None
-    looked_up: Optional[mx.array] = None  # leading positions copied by prompt lookup (lookup.py), lazy
-
-    @property
-    def tokens(self) -> list:
-        return self.ids.tolist()
 
 
 @dataclass
@@ -197,9 +179,6 @@ class DFlashDraftModel(nn.Module):
         its full vocabulary, so this changes speed and acceptance, never the output."""
         if ids is not None:
             ids = check_draft_vocab(ids, self.config.vocab_size, where)
-            if self.config.is_dflash2:
-                raise DFlashError(f"{where}: draft vocabularies apply to DFlash v1 drafters only (a DFlash 2 "
-                                  "candidate selector ranks the whole vocabulary)")
         self._draft_vocab = ids
         if self._borrowed is not None:
             self._borrowed.draft_head = None if ids is None else self._head_rows(ids)
@@ -305,52 +284,6 @@ class DFlashDraftModel(nn.Module):
         return weights
 
 
-def read_weights(path: Path) -> dict:
-    """Every tensor of a checkpoint directory's safetensors files (pickle files are refused)."""
-    weights = {}
-    for f in safetensors_files(path):
-        weights.update(mx.load(str(f)))
-    return weights
-
-
-def drafter_from_dir(path: Path) -> DFlashDraftModel:
-    """Build a drafter from a local directory (config.json + safetensors), strictly.
-
-    Code shipped beside a checkpoint (the `dflash.py` of published repos) is never imported.
-    """
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise DFlashError(f"{path} has no config.json: it is not a DFlash drafter directory (config.json + *.safetensors)")
-    config = parse_config(json.loads(config_file.read_text()), where=str(config_file))
-    model = new_drafter(config)
-    weights = read_weights(path)
-    draft_vocab = pop_draft_vocab(weights, config, where=str(path))
-    weights = model.sanitize(weights, where=str(path))
-    quantization = config.raw.get("quantization")
-    if quantization:
-        quantize_like_checkpoint(model, quantization, weights)
-    load_strict(model, weights, where=str(path))
-    model.set_draft_vocab(draft_vocab, where=str(path))
-    model.eval()
-    return model
-
-
-def pop_draft_vocab(weights: dict, config: DFlashConfig, where: str) -> Optional[mx.array]:
-    """Take the draft vocabulary out of a checkpoint's tensors; config.json's `draft_vocab` must agree."""
-    ids = weights.pop(DRAFT_VOCAB_KEY, None)
-    size = config.raw.get("draft_vocab")
-    if ids is None and size is None:
-        return None
-    if ids is None:
-        raise DFlashError(f"{where}: config.json sets draft_vocab {size} but the weights have no {DRAFT_VOCAB_KEY} "
-                          "tensor; drop draft_vocab from config.json or re-run `mlx-dflash convert --draft-vocab`")
-    if size is None or size != ids.size:
-        raise DFlashError(f"{where}: the {DRAFT_VOCAB_KEY} tensor holds {ids.size} ids but config.json's draft_vocab "
-                          f"is {size}: the directory was edited by hand; re-run `mlx-dflash convert --draft-vocab`")
-    return ids
-
-
 def check_draft_vocab(ids, vocab_size: int, where: str) -> mx.array:
     """Distinct token ids inside the vocabulary, as a 1-D int32 array."""
     ids = mx.array(ids)
@@ -364,98 +297,3 @@ def check_draft_vocab(ids, vocab_size: int, where: str) -> mx.array:
     if len(set(values)) != len(values):
         raise DFlashError(f"{where}: the draft vocabulary lists some token ids twice")
     return ids.astype(mx.int32)
-
-
-def new_drafter(config: DFlashConfig) -> DFlashDraftModel:
-    """An (uninitialised) drafter of the config's architecture: DFlash v1 or DFlash 2."""
-    if config.is_dflash2:
-        from .dflash2 import DFlash2DraftModel  # the subclass imports this module
-
-        return DFlash2DraftModel(config)
-    return DFlashDraftModel(config)
-
-
-def quantize_like_checkpoint(model: nn.Module, quantization: dict, weights: dict):
-    """Rebuild quantized modules exactly where the checkpoint has quantized weights."""
-    nn.quantize(
-        model,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
-        mode=quantization.get("mode", "affine"),
-        class_predicate=lambda p, m: f"{p}.scales" in weights,
-    )
-
-
-def load_strict(model: nn.Module, weights: dict, where: str):
-    """Load weights; any missing or unexpected key is an error that names it."""
-    expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {_some(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {_some(unexpected)}")
-        raise DFlashError(f"drafter weights in {where} do not match its config: " + "; ".join(parts))
-    for name, value in weights.items():
-        if value.shape != expected[name].shape:
-            raise DFlashError(
-                f"drafter weight {name} in {where} has shape {tuple(value.shape)}, "
-                f"the config implies {tuple(expected[name].shape)}"
-            )
-    model.load_weights(list(weights.items()))
-    mx.eval(model.parameters())
-
-
-def _some(keys: list, n: int = 4) -> str:
-    shown = ", ".join(keys[:n])
-    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
-def drafter_config_for(
-    target,
-    num_layers: int = 1,
-    block_size: int = 16,
-    num_target_features: Optional[int] = None,
-    mask_token_id: Optional[int] = None,
-) -> DFlashConfig:
-    """A drafter config sized for `target` (a Target): its width, heads and vocabulary, its RoPE base.
-
-    num_target_features: how many target layers feed the drafter (default: one per draft layer, as
-    published); they are spread evenly by the published rule. mask_token_id defaults to the last row
-    of the embedding table.
-    """
-    args = target.text_args
-    heads = args.num_attention_heads
-    taps = num_target_features or num_layers
-    cfg = dict(
-        architectures=["DFlashDraftModel"],
-        model_type="qwen3",
-        hidden_size=target.hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(args, "num_key_value_heads", None) or heads,
-        head_dim=getattr(args, "head_dim", None) or target.hidden_size // heads,
-        intermediate_size=args.intermediate_size,
-        vocab_size=target.vocab_size,
-        rms_norm_eps=getattr(args, "rms_norm_eps", 1e-6),
-        rope_theta=getattr(args, "rope_theta", 10000.0),
-        max_position_embeddings=getattr(args, "max_position_embeddings", None) or 32768,
-        num_target_layers=target.num_layers,
-        dflash_config=dict(
-            block_size=block_size,
-            target_layer_ids=build_target_layer_ids(target.num_layers, taps),
-            mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        ),
-    )
-    return parse_config(cfg, where="drafter_config_for")
-
-
-def init_drafter(config: DFlashConfig, seed: Optional[int] = None) -> DFlashDraftModel:
-    """A freshly initialised drafter (random weights), e.g. as the start of training."""
-    if seed is not None:
-        mx.random.seed(seed)
-    model = new_drafter(config)
-    mx.eval(model.parameters())
-    return model

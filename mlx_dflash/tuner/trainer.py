@@ -20,10 +20,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import config_to_dict
-from .drafter import DFlashDraftModel, drafter_from_dir
-from .errors import DFlashError
-from .files import staged_dir, write_json
+from ..models.config import config_to_dict
+from ..models.dflash import DFlashDraftModel
+from ..models.loader import drafter_from_dir
+from ..errors import DFlashError
+from ..utils import staged_dir, write_json
 from .replay import TargetFeatures, decoding_acceptance
 
 # Published decay of the per-position loss weight (reference 5).

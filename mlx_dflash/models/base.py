@@ -1,0 +1,50 @@
+"""What the decoder needs of a drafter, whatever its architecture: one pass that drafts a block.
+
+`Draft` is what a pass returns; `DraftModel` is the protocol every drafter (DFlash v1, DFlash 2, the
+tests' oracles) implements for the decoder (`decoder.py`).
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import mlx.core as mx
+
+
+@dataclass
+class Draft:
+    """One drafter pass: proposals for block positions 1..n. Arrays stay lazy: unless someone reads them
+    first, the decoder evaluates the drafter together with the verify that judges its drafts."""
+
+    ids: mx.array  # [n] drafted token ids
+    confidence: mx.array  # [n] the drafter's probability of each drafted token
+    # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
+    # None when every draft is a point mass (argmax proposals).
+    proposal: Optional[tuple] = None
+    looked_up: Optional[mx.array] = None  # leading positions copied by prompt lookup (lookup.py), lazy
+
+    @property
+    def tokens(self) -> list:
+        return self.ids.tolist()
+
+
+class DraftModel(Protocol):
+    """A drafter as the decoding loop sees it."""
+
+    @property
+    def block_size(self) -> int:
+        """Rows of one drafted block, anchor included (the size it was trained for)."""
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether `bind(target)` has run."""
+
+    def bind(self, target) -> "DraftModel":
+        """Check the pair fits, borrow what the drafter uses of the target; returns self."""
+
+    def make_cache(self) -> list:
+        """A fresh cache for the drafter's own context."""
+
+    def draft(self, anchor: int, context: Optional[mx.array], cache: list, block_size: int, width: int,
+              sampling) -> Draft:
+        """Drafts for block positions 1..width-1 after `anchor`; `context` holds the target feature rows
+        new since the last call, which join `cache`."""
