@@ -33,7 +33,7 @@ from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.utils import portable_path, write_atomic
 from mlx_dflash.utils import load_target
-from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set
+from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target, ensure_prompt_set
 from mlx_dflash.plot import bar_chart_png, charts_available
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
@@ -55,7 +55,7 @@ def main():
     p.add_argument("--out", default="bench/results/acceptance")
     args = p.parse_args()
 
-    drafter_dir = default_drafter(args.drafter, args.model)
+    drafter_dir = (args.drafter or shipped_drafter_dir())
     target, tokenizer = load_target(default_target(args.model))
     drafter = drafter_from_dir(drafter_dir).bind(target)
     prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts

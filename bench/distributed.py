@@ -44,7 +44,7 @@ from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
 from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
 from mlx_dflash.policy import build_policy  # noqa: E402
-from mlx_dflash.downloads import cache_dir, default_drafter_dir, ensure_smollm2  # noqa: E402
+from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, ensure_smollm2  # noqa: E402
 
 PROMPTS = [
     "Janet has 3 apples and buys 5 more. She eats 2. How many are left?",
@@ -98,7 +98,7 @@ def check_relayout(qwen_dir: Path, prompt: str, max_tokens: int = 24) -> None:
     outputs = []
     for path in (ensure_smollm2("float32"), qwen_dir):
         model, tokenizer = load(str(path))
-        ids = mx.array(encode_prompt(tokenizer, prompt))
+        ids = mx.array(encode_prompt(tokenizer, prompt, chat_template=None))
         outputs.append([int(t) for t, _ in generate_step(ids, model, max_tokens=max_tokens)])
     if outputs[0] != outputs[1]:
         sys.exit("the qwen2-layout SmolLM2 does not decode like the llama one; not benchmarking it")
@@ -145,14 +145,15 @@ def worker(args) -> int:
     target, drafter, tokenizer, group = load_sharded_pair(args.model, args.drafter, "pipeline")
     rank = group.rank()
     rows = {"drafting off": 1, "drafting on": drafter.block_size}
-    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS[: args.num_prompts]]
+    prompts = [encode_prompt(tokenizer, p, chat_template=None) for p in PROMPTS[: args.num_prompts]]
 
     def run(row, ids):
         policy = build_policy(target, drafter, rows[row])
         ranks = Ranks(group, policy.block_size, partial_features=True)
         with ranks.watch():
-            _, tokens, stats = generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens,
-                                        sampling=SamplingParams(), policy=policy, ranks=ranks)
+            out = generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens,
+                           **SamplingParams().keywords(), policy=policy, ranks=ranks)
+            tokens, stats = out.tokens, out.stats
         return dict(tokens=tokens, tps=stats.decode_tps, tau=stats.tau, rounds=stats.rounds,
                     comm_ms_per_round=ranks.comm_seconds / max(stats.rounds, 1) * 1e3)
 
@@ -223,7 +224,7 @@ def main() -> int:
     forward = ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--repeats",
                str(args.repeats), "--name", args.name, "--backend", args.backend, "--out-root", args.out_root]
     cmd = [sys.executable, *LAUNCH, "--backend", args.backend, "-n", "2", "--env", "OPENBLAS_NUM_THREADS=1", "--",
-           sys.executable, __file__, "--worker", "--model", str(model), "--drafter", str(default_drafter_dir()),
+           sys.executable, __file__, "--worker", "--model", str(model), "--drafter", str(shipped_drafter_dir()),
            *forward]
     started = time.time()
     done = subprocess.run(cmd)

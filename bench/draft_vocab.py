@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, cache_dir, default_drafter, default_target, ensure_prompt_set  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.tuner.draft_vocab import coverage, response_token_counts, select_draft_vocab  # noqa: E402
 from mlx_dflash.models.loader import drafter_from_dir  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     firsts = args.first + [args.first[-1]] * (len(args.heldout) - len(args.first))
 
     target, tokenizer = load_target(default_target(args.model))
-    drafter_dir = default_drafter(args.drafter, args.model)
+    drafter_dir = (args.drafter or shipped_drafter_dir())
     drafter = drafter_from_dir(drafter_dir).bind(target)
     counts = response_token_counts(args.vocab_data)
     vocab = drafter.config.vocab_size

@@ -69,7 +69,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
 from mlx_dflash.tuner.data import read_prompts  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
 from mlx_dflash.policy import build_policy  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
@@ -130,8 +130,9 @@ def run_target_alone(model, tokenizer, ids: list, max_tokens: int) -> dict:
 
 def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
-    _, tokens, stats = generate(pair["target"], drafter or pair["drafter"], pair["tokenizer"], ids, max_tokens=max_tokens,
-                                policy=copy.deepcopy(policy))
+    out = generate(pair["target"], drafter or pair["drafter"], pair["tokenizer"], ids, max_tokens=max_tokens,
+                   policy=copy.deepcopy(policy))
+    tokens, stats = out.tokens, out.stats
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
             "finish_reason": stats.finish_reason, "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds, "decode_tps": stats.decode_tps, "tau": stats.tau,
@@ -146,9 +147,9 @@ def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> 
 
 def load_pairs(model_path: str, drafter_path: str, quantize: int, wide_kernels: bool) -> dict:
     """{"float": pair, "q4": pair}: each pair its own target copy and its own drafter bound to it."""
-    from mlx_dflash.utils import load_drafter, load_pair, load_target
+    from mlx_dflash.utils import load, load_drafter, load_target
 
-    target, drafter, tokenizer = load_pair(model_path, drafter_path, wide_kernels=wide_kernels)
+    target, drafter, tokenizer = load(model_path, drafter_path, wide_kernels=wide_kernels)
     pairs = {"float": {"target": target, "drafter": drafter, "tokenizer": tokenizer, "precision": "float"}}
     if drafter.draft_vocab is not None:  # a second copy drafting over the whole vocabulary, for comparison
         pairs["float"]["drafter_full"] = load_drafter(drafter_path).bind(target)
@@ -224,8 +225,9 @@ def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
             if row["kind"] == "dflash":
                 table = cost_tables.get(phase) if row["auto"] else None
                 tic = time.perf_counter()
-                policy = build_policy(pair["target"], pair["drafter"], row["block_size"], row["force_width"],
-                                      row["p_min"], 0, row["auto"], table, row.get("prompt_lookup", True))
+                width = "auto" if row["auto"] else row["block_size"]
+                policy = build_policy(pair["target"], pair["drafter"], width, None, row["force_width"], row["p_min"], 0,
+                                      table, row.get("prompt_lookup", True))
                 cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
                            notes=list(policy.notes), policy_type=type(policy).__name__,
                            cost_table=table, build_seconds=time.perf_counter() - tic)
@@ -416,7 +418,7 @@ def main(argv=None) -> int:
     log = lambda *a: print(*a, flush=True)  # noqa: E731
 
     try:
-        model, drafter = default_target(args.model), default_drafter(args.drafter, args.model)
+        model, drafter = default_target(args.model), (args.drafter or shipped_drafter_dir())
         prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
         offset = args.prompt_offset
         all_prompts = read_prompts(prompt_file)
@@ -432,7 +434,7 @@ def main(argv=None) -> int:
         pairs = load_pairs(model, drafter, args.quantize, not args.no_wide_kernels)
         peer_info = add_peer(pairs, model, drafter, args.quantize, args.peer, log)
         tok = pairs["float"]["tokenizer"]
-        prompt_ids = [encode_prompt(tok, p) for p in prompts]
+        prompt_ids = [encode_prompt(tok, p, chat_template=None) for p in prompts]
         ids_of = lambda i: {ph: prompt_ids[i] for ph in pairs}  # noqa: E731 (one tokenizer, same ids)
 
         # One warm-up generation, then the policies (the auto probe times the warmed target), then a

@@ -55,7 +55,7 @@ from mlx_dflash.policy import timed  # noqa: E402
 from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
 from mlx_dflash.policy import build_policy  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, default_drafter, default_target, ensure_prompt_set  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.models.base import Draft  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic, write_json  # noqa: E402
@@ -135,7 +135,8 @@ def greedy_continuation(model, ids: list, n: int) -> list:
 def run_oracle(target, oracle, tokenizer, ids: list, continuation: list, width: int, max_tokens: int) -> dict:
     oracle.set_continuation(len(ids), continuation)
     policy = build_policy(target, oracle, width, force_width=True, prompt_lookup=False)
-    _, tokens, stats = generate(target, oracle, tokenizer, ids, max_tokens=max_tokens, policy=policy)
+    out = generate(target, oracle, tokenizer, ids, max_tokens=max_tokens, policy=policy)
+    tokens, stats = out.tokens, out.stats
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
             "finish_reason": stats.finish_reason, "decode_seconds": stats.decode_seconds,
             "decode_tps": stats.decode_tps, "tau": stats.tau, "rounds": stats.rounds,
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
         widths = sorted(set(args.widths))
         if widths[0] < 1 or args.max_tokens < 2 or args.repeats < 1 or args.verify_repeats < 1:
             raise DFlashError("--widths must be >= 1, --max-tokens >= 2, --repeats and --verify-repeats >= 1")
-        model, drafter_dir = default_target(args.model), default_drafter(args.drafter, args.model)
+        model, drafter_dir = default_target(args.model), (args.drafter or shipped_drafter_dir())
         prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
         all_prompts = read_prompts(prompt_file)
         prompts = all_prompts[args.prompt_offset:args.prompt_offset + args.num_prompts]
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
             nn.quantize(target.model, group_size=64, bits=args.quantize)
             mx.eval(target.model.parameters())
         oracle = OracleDrafter(load_drafter(drafter_dir).config, block_size=max(widths)).bind(target)
-        prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+        prompt_ids = [encode_prompt(tokenizer, p, chat_template=None) for p in prompts]
         continuations = [greedy_continuation(target.model, ids, args.max_tokens + max(widths)) for ids in prompt_ids]
         context_tokens = args.max_tokens // 2
         caches = [verify_cache(target, ids, c, context_tokens) for ids, c in zip(prompt_ids, continuations)]

@@ -38,7 +38,7 @@ import openai  # noqa: E402
 from distributed import PROMPTS, check_relayout, smollm2_as_qwen2  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_json  # noqa: E402
-from mlx_dflash.downloads import default_drafter_dir  # noqa: E402
+from mlx_dflash.downloads import shipped_drafter_dir  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-serve-sharded/1"
 DRAFTING, PLAIN = "drafting on", "drafting off (--block-size 1)"
@@ -117,7 +117,7 @@ def main() -> int:
     parser.add_argument("--name", default="serve-sharded-cpu")
     parser.add_argument("--out-root", default=str(Path(__file__).resolve().parent / "results"))
     args = parser.parse_args()
-    model, drafter = smollm2_as_qwen2(), default_drafter_dir()
+    model, drafter = smollm2_as_qwen2(), shipped_drafter_dir()
     check_relayout(model, PROMPTS[0])
     out_dir = Path(args.out_root) / args.name
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import click
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
@@ -275,3 +276,42 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
         _mlx_lm_convert(path, work, src_str, dtype=dtype, **q_args, **mlx_lm_options)
         _stamp(work, source, revision)
     return Path(out_dir).expanduser()
+
+
+@click.command("convert")
+@click.option("--drafter", "drafter_src", help="DFlash drafter to convert: directory or Hugging Face repo id.")
+@click.option("--model", "model_src", help="Target to convert: Hugging Face directory, repo id, or .gguf file.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--quantize", is_flag=True, help="Store the linear layers quantized (affine).")
+@click.option("--q-bits", default=4, show_default=True, type=int, help="4 or 8.")
+@click.option("--q-group-size", default=64, show_default=True, type=int, help="32, 64 or 128.")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+              help="Default: the source's dtype (GGUF: float16).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--q-mode", default=None, help="Targets: mlx_lm.convert's quantization mode (e.g. affine, mxfp4).")
+@click.option("--quant-predicate", default=None, help="Targets: mlx_lm.convert's mixed-precision recipe.")
+@click.option("--revision", default=None, help="Targets: hub revision to convert.")
+@click.option("--trust-remote-code", is_flag=True, help="Targets: passed to mlx_lm.convert.")
+@click.option("--draft-vocab", default=None, type=int,
+              help="Drafters: draft only over the N most frequent tokens of --vocab-data (0 drops a stored one).")
+@click.option("--vocab-data", default=None, type=click.Path(dir_okay=False),
+              help="Drafters: the target's responses (a `train --data` JSONL) that rank the tokens.")
+def main(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype, overwrite, q_mode,
+            quant_predicate, revision, trust_remote_code, draft_vocab, vocab_data):
+    """Convert a drafter or a target into an MLX directory, optionally pre-quantized."""
+    if bool(drafter_src) == bool(model_src):
+        raise DFlashError("give exactly one of --drafter or --model")
+    # mlx_lm.convert options pass through for targets, only when given.
+    passthrough = {k: v for k, v in dict(q_mode=q_mode, quant_predicate=quant_predicate, revision=revision,
+                                         trust_remote_code=trust_remote_code or None).items() if v is not None}
+    if drafter_src and passthrough:
+        raise DFlashError(f"--{next(iter(passthrough)).replace('_', '-')} applies to --model conversions only")
+    if model_src and (draft_vocab is not None or vocab_data):
+        raise DFlashError("--draft-vocab and --vocab-data apply to --drafter conversions only")
+    if drafter_src:
+        out = convert_drafter(drafter_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
+                              dtype=dtype, overwrite=overwrite, draft_vocab=draft_vocab, vocab_data=vocab_data)
+    else:
+        out = convert_target(model_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
+                             dtype=dtype, overwrite=overwrite, **passthrough)
+    click.echo(f"wrote {out}")

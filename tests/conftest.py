@@ -9,6 +9,7 @@ checks; tests that reach the real model otherwise carry `@pytest.mark.slow` them
 import importlib.util
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_map
 
@@ -110,6 +111,21 @@ def random_drafter(smollm2):
     target, _ = smollm2
     config = drafter_config_for(target, num_layers=1, block_size=16, num_target_features=2)
     return init_drafter(config, seed=0).bind(target)
+
+
+def assert_distributed_as(tokens, probs):
+    """Chi-square goodness of fit of drawn token ids over the tokens `probs` allows; the rest must never
+    appear. (The expected counts are scaled to the observed total in float64: scipy refuses sums that
+    differ by float32 rounding.)"""
+    from scipy.stats import chisquare
+
+    probs = np.array(probs, dtype=np.float64)
+    counts = np.bincount(np.array(tokens, dtype=np.int64), minlength=probs.size)
+    assert counts[probs == 0].sum() == 0, f"tokens outside the target's support were emitted: {counts}"
+    support = probs > 0
+    expected = probs[support] / probs[support].sum() * counts.sum()
+    result = chisquare(counts[support], expected)
+    assert result.pvalue > 1e-3, f"counts {counts[support]} vs expected {expected.round(1)}: p={result.pvalue:.2g}"
 
 
 def chat_ids(tokenizer, prompt):

@@ -13,23 +13,22 @@ from pathlib import Path
 from mlx_dflash.generate import generate
 from mlx_dflash.policy import build_policy
 from mlx_dflash.distributed import Ranks, load_sharded_pair
-from mlx_dflash.sampling import SamplingParams
 
 
 def main(model, drafter_dir, mode, cases_file, out):
     target, drafter, tokenizer, group = load_sharded_pair(model, drafter_dir, mode)
     results = {}
     for case in json.loads(Path(cases_file).read_text()):
-        policy = build_policy(target, drafter, case.get("block_size"), p_min=case.get("p_min", 0.0),
-                              auto=case.get("auto", False))
+        policy = build_policy(target, drafter, "auto" if case.get("auto") else case.get("block_size"),
+                              p_min=case.get("p_min", 0.0))
         ranks = Ranks(group, policy.block_size, mode == "pipeline")
         seed = case.get("seed")
         if seed is not None and case.get("seed_per_rank"):
             seed += group.rank()
         with ranks.watch():
-            _, tokens, stats = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
-                                        sampling=SamplingParams(case.get("temp", 0.0)), policy=policy, seed=seed,
-                                        ranks=ranks)
+            out = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
+                           temp=case.get("temp", 0.0), policy=policy, seed=seed, ranks=ranks)
+            tokens, stats = out.tokens, out.stats
         results[case["name"]] = dict(tokens=tokens, widths=dict(stats.widths), accepted=sum(
             (n - 1) * c for n, c in stats.accepted_lengths.items()), exchanges=ranks.exchanges)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))

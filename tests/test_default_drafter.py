@@ -13,7 +13,7 @@ from mlx_dflash.cli import main
 from mlx_dflash.tuner.data import greedy_batch
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
-from mlx_dflash.downloads import default_drafter_dir
+from mlx_dflash.downloads import shipped_drafter_dir
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.models.target import Target
@@ -34,11 +34,11 @@ WORD_PROBLEMS = [
 @pytest.fixture(scope="module")
 def pair(smollm2):
     target = Target(smollm2[0].model)  # own Target: the session fixture's layer choice stays as it is
-    return target, drafter_from_dir(default_drafter_dir()).bind(target), smollm2[1]
+    return target, drafter_from_dir(shipped_drafter_dir()).bind(target), smollm2[1]
 
 
 def test_default_drafter_ships_small_in_bf16():
-    path = default_drafter_dir()
+    path = shipped_drafter_dir()
     assert path is not None and (path / "config.json").exists()
     files = sorted(p.name for p in path.iterdir())
     assert files == ["config.json", "model.safetensors"], files

@@ -19,7 +19,6 @@ from mlx_dflash.distributed import check_shardable
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.downloads import ensure_smollm2
-from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 from sharded_models import CLI, launch, save_random_drafter, save_tiny_target, start_ranks
 
@@ -100,11 +99,10 @@ def single_process(target_dir, drafter_dir, cases):
     drafter = drafter_from_dir(drafter_dir).bind(target)
     out = {}
     for case in cases:
-        policy = build_policy(target, drafter, case.get("block_size"), p_min=case.get("p_min", 0.0),
-                              auto=case.get("auto", False))
+        policy = build_policy(target, drafter, "auto" if case.get("auto") else case.get("block_size"),
+                              p_min=case.get("p_min", 0.0))
         out[case["name"]] = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
-                                     sampling=SamplingParams(case.get("temp", 0.0)), policy=policy,
-                                     seed=case.get("seed"))[1]
+                                     temp=case.get("temp", 0.0), policy=policy, seed=case.get("seed")).tokens
     return out
 
 

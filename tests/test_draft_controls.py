@@ -8,8 +8,8 @@ import pytest
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import CostAwarePolicy, interpolate_costs, make_policy
-from mlx_dflash.sampling import SamplingParams, pick
+from mlx_dflash.policy import CostAwarePolicy, interpolate_costs, make_policy, running
+from mlx_dflash.sampling import SamplingParams, next_token
 
 
 def test_p_min_cuts_before_the_first_low_confidence_position():
@@ -114,15 +114,19 @@ def test_auto_width_stops_drafting_while_it_does_not_pay():
     assert policy.plain_steps(100) == 0 and policy.width(100) == 16
     policy.observe([0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
     # Unconfident drafts: the best width is 1 row, 1 token in 0.2 s, half the plain steps' 10 tokens/s.
+    before = policy.drafting_rate
     assert policy.cut(16, [0.05] * 15) == 1
-    assert policy.drafting_rate == pytest.approx(1 / 0.2)
+    assert policy.drafting_rate == before  # cut only chooses; the round's observation moves the rates
+    policy.observe([0.05] * 15, drafted=0, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
+    assert policy.drafting_rate == pytest.approx(running(before, 1 / 0.2, policy.SMOOTHING))
     # Plain steps, then one drafting probe, while drafting loses; each losing probe doubles the skip up
     # to 31 steps; never more steps than remain.
     assert [policy.plain_steps(100) for _ in range(10)] == [7, 0, 15, 0, 31, 0, 31, 0, 31, 0]
     assert policy.plain_steps(3) == 3
     assert policy.plain_steps(3) == 0 and policy.width(3) == 3
     for _ in range(6):  # confident probes: the expected rate of drafting climbs past the plain steps'
-        policy.cut(16, [0.99] * 15)
+        width = policy.cut(16, [0.99] * 15)
+        policy.observe([0.99] * 15, width - 1, width - 1, draft_seconds=0.1, verify_seconds=cost[width])
     assert policy.drafting_rate > policy.plain_rate
     # Drafting pays again: keep drafting, re-measuring the plain rate once every 64 rounds.
     assert [policy.plain_steps(100) for _ in range(65)] == [0] * 64 + [4]
@@ -146,13 +150,13 @@ def test_plain_steps_equal_rounds_of_width_one(tiny_chat_pair):
             logits, _ = target.prefill(mx.array(ids), cache)
             anchor, tokens, features = 11, [], []
             if pipelined:
-                for token, f in plain_steps(target, cache, anchor, 12, sampling):
+                for token, _, f in plain_steps(target, cache, anchor, 12, sampling):
                     tokens.append(token)
                     features.append(f)
             else:
                 for _ in range(12):
                     logits, f = target.forward(mx.array([[anchor]]), cache)
-                    anchor = pick(logits[0, -1], sampling)
+                    anchor = next_token(logits[0, -1], sampling).item()
                     tokens.append(anchor)
                     features.append(f)
             results.append((tokens, mx.concatenate(features, axis=1), cache[0].offset))
@@ -185,3 +189,32 @@ def test_probe_costs_are_made_non_decreasing():
     assert non_decreasing({1: 3.0, 2: 1.0, 4: 2.0}) == {1: 2.0, 2: 2.0, 4: 2.0}
     increasing = {1: 1.0, 3: 2.0, 5: 2.5}
     assert non_decreasing(increasing) == increasing
+
+
+def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_confidence(tiny_chat_pair, monkeypatch):
+    """Host round trips per round, counted: one for fixed widths (greedy or sampled, prompt lookup on), two
+    for policies that cut on the drafter's confidence (p-min, auto)."""
+    from mlx_dflash import decoder
+
+    target, tokenizer, drafter = tiny_chat_pair
+    reads = []
+    real_read = decoder.read
+    monkeypatch.setattr(decoder, "read", lambda *arrays: (reads.append(len(arrays)), real_read(*arrays))[1])
+    ids = mx.array(chat_ids(tokenizer, "Count to twenty."))
+    auto = CostAwarePolicy(drafter.block_size, drafter.block_size, {1: 0.01, 8: 0.01})  # wider is free
+    auto.plain_rate = 1e-6  # plain steps it never prefers: every round drafts
+    cases = [("fixed, greedy", make_policy(drafter.block_size, 4), SamplingParams(), 1),
+             ("fixed, sampled", make_policy(drafter.block_size, 4), SamplingParams(0.8), 1),
+             ("p-min", make_policy(drafter.block_size, p_min=0.01), SamplingParams(), 2),
+             ("auto", auto, SamplingParams(), 2)]
+    for name, policy, sampling, per_round in cases:
+        reads.clear()
+        produced, seen = 0, []
+        for rnd in decoder.speculative_rounds(target, drafter, ids, policy, sampling, max_tokens=24):
+            seen.append((produced, rnd.drafted, len(reads)))
+            produced += len(rnd.tokens)
+            reads.clear()
+        assert seen[0][2] == 1, name  # the prefill's token
+        assert any(drafted for _, drafted, _ in seen), name
+        # Every round with room for a draft (the last token is a one-row round that drafts nothing).
+        assert all(n == per_round for before, _, n in seen[1:] if before + 1 < 24), (name, seen)

@@ -138,7 +138,8 @@ def test_decoding_with_a_draft_vocabulary_is_lossless(pair, width):
         ids = chat_ids(tokenizer, prompt)
         want = mlx_lm_greedy(target.model, ids, 30)
         stop = next((i for i, t in enumerate(want) if t in tokenizer.eos_token_ids), len(want))
-        _, tokens, stats = generate(target, drafter, tokenizer, ids, max_tokens=30, block_size=width)
+        out = generate(target, drafter, tokenizer, ids, max_tokens=30, width=width)
+        tokens, stats = out.tokens, out.stats
         assert tokens == want[:stop] and stats.rounds > 0
 
 

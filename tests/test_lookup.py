@@ -10,8 +10,8 @@ from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.models.base import Draft
 from mlx_dflash.models.loader import drafter_from_dir
-from mlx_dflash.downloads import default_drafter_dir
-from mlx_dflash.lookup import PromptLookup, looked_up_count, with_lookup
+from mlx_dflash.downloads import shipped_drafter_dir
+from mlx_dflash.lookup import PromptLookup, with_lookup
 from mlx_dflash.policy import CostAwarePolicy, make_policy
 from mlx_dflash.tuner.replay import decoding_acceptance, looked_up_acceptance
 from mlx_dflash.sampling import SamplingParams
@@ -54,14 +54,14 @@ def draft_of(ids, confidence):
 
 def test_lookup_replaces_the_leading_drafts_only_where_the_drafter_is_unsure():
     unsure = with_lookup(draft_of([5, 6, 7, 8], [0.3, 0.9, 0.9, 0.9]), [1, 2])
-    assert unsure.ids.tolist() == [1, 2, 7, 8] and looked_up_count(unsure) == 2
+    assert unsure.ids.tolist() == [1, 2, 7, 8] and unsure.looked_up.item() == 2
     assert np.allclose(unsure.confidence.tolist(), [1, 1, 0.9, 0.9])
     sure = with_lookup(draft_of([5, 6, 7, 8], [0.7, 0.2, 0.2, 0.2]), [1, 2])
-    assert sure.ids.tolist() == [5, 6, 7, 8] and looked_up_count(sure) == 0
+    assert sure.ids.tolist() == [5, 6, 7, 8] and sure.looked_up.item() == 0
     longer = with_lookup(draft_of([5, 6], [0.1, 0.1]), [1, 2, 3, 4])
-    assert longer.ids.tolist() == [1, 2] and looked_up_count(longer) == 2
+    assert longer.ids.tolist() == [1, 2] and longer.looked_up.item() == 2
     nothing = draft_of([5, 6], [0.1, 0.1])
-    assert with_lookup(nothing, []) is nothing and looked_up_count(nothing) == 0
+    assert with_lookup(nothing, []) is nothing and nothing.looked_up is None
     # Drafts sampled over candidate sets carry their q, which a copied token would not match.
     sampled = Draft(nothing.ids, nothing.confidence, proposal=(mx.zeros((2, 4)), mx.zeros((2, 4))))
     assert with_lookup(sampled, [1, 2]) is sampled
@@ -70,7 +70,7 @@ def test_lookup_replaces_the_leading_drafts_only_where_the_drafter_is_unsure():
 @pytest.fixture(scope="module")
 def pair(smollm2):
     target = Target(smollm2[0].model)
-    return target, drafter_from_dir(default_drafter_dir()).bind(target), smollm2[1]
+    return target, drafter_from_dir(shipped_drafter_dir()).bind(target), smollm2[1]
 
 
 @pytest.fixture(scope="module")

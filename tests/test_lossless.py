@@ -124,7 +124,8 @@ def test_stream_generate_stops_like_mlx_lm(smollm2, random_drafter):
     prompt = "Say hello."
     ids = chat_ids(tokenizer, prompt)
     want_text = "".join(r.text for r in mlx_lm_stream(target.model, tokenizer, ids, max_tokens=64))
-    text, tokens, stats = generate(target, random_drafter, tokenizer, prompt, max_tokens=64, block_size=4)
+    out = generate(target, random_drafter, tokenizer, ids, max_tokens=64, width=4)
+    text, tokens, stats = out, out.tokens, out.stats
     assert text == want_text
     assert stats.finish_reason in ("stop", "length")
     assert not set(tokens) & set(tokenizer.eos_token_ids)

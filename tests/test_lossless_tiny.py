@@ -19,6 +19,7 @@ def test_generate_equals_mlx_lm_greedy_on_a_tiny_chat_model(tiny_chat_pair, bloc
     stop = next((i for i, t in enumerate(want) if t in tokenizer.eos_token_ids), len(want))
     assert len(set(want[:stop])) > 3, "degenerate reference: make the random model livelier"
     want_text = "".join(r.text for r in mlx_lm_stream(target.model, tokenizer, ids, max_tokens=40))
-    text, tokens, stats = generate(target, drafter, tokenizer, prompt, max_tokens=40, block_size=block_size)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=40, width=block_size)
+    text, tokens, stats = out, out.tokens, out.stats
     assert tokens == want[:stop] and text == want_text
     assert stats.finish_reason == ("stop" if stop < len(want) else "length") and stats.rounds > 0

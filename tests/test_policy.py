@@ -10,7 +10,7 @@ from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import QUANTIZED_MAX_WIDTH, has_quantized_layers, make_policy
+from mlx_dflash.policy import QUANTIZED_MAX_WIDTH, build_policy, has_quantized_layers, make_policy
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 
@@ -80,7 +80,8 @@ def test_quantized_target_is_clamped_and_lossless(quantized_pair):
 
 def test_generate_reports_the_clamp_in_its_stats(quantized_pair):
     target, drafter, tokenizer = quantized_pair
-    _, _, stats = generate(target, drafter, tokenizer, "Hello", max_tokens=4, chat_template=False)
+    stats = generate(target, drafter, tokenizer, "Hello", max_tokens=4).stats
     assert stats.max_width == 5 and any("clamped" in n for n in stats.notes)
-    _, _, forced = generate(target, drafter, tokenizer, "Hello", max_tokens=4, chat_template=False, force_width=True)
+    forced = generate(target, drafter, tokenizer, "Hello", max_tokens=4,
+                      policy=build_policy(target, drafter, force_width=True)).stats
     assert forced.max_width == 8 and any("warning" in n for n in forced.notes)

@@ -21,11 +21,11 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from conftest import chat_ids
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
 from mlx_dflash.policy import build_policy
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.server.app import Engine, ServerConfig, make_app
 from mlx_dflash.server.protocol import StopMatcher
 
@@ -102,14 +102,14 @@ def test_chat_and_completions_equal_the_decoder_streamed_or_not(tiny_pair, serve
     target, drafter, tokenizer = tiny_pair
     url, _ = served
     c = client(url)
-    want, _, want_stats = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=16)
+    prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    want = generate(target, drafter, tokenizer, prompt_ids, max_tokens=16)
     text, r = chat_text(c)
     assert text == want and r.choices[0].finish_reason == "length"
-    prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
         len(prompt_ids), 16, len(prompt_ids) + 16)
     stats = r.model_extra["dflash"]
-    assert stats["rounds"] == want_stats.rounds == sum(stats["accepted_lengths"].values())
+    assert stats["rounds"] == want.stats.rounds == sum(stats["accepted_lengths"].values())
     assert stats["block_size"] == drafter.block_size
 
     streamed, chunks = chat_text(c, stream=True, stream_options={"include_usage": True})
@@ -121,7 +121,7 @@ def test_chat_and_completions_equal_the_decoder_streamed_or_not(tiny_pair, serve
     assert chat_text(c, stream=True)[1][-1].choices[0].finish_reason == "length"  # no usage chunk unasked
 
     ids = tokenizer.encode("Once upon a time")
-    want, _, _ = generate(target, drafter, tokenizer, ids, max_tokens=8)
+    want = generate(target, drafter, tokenizer, ids, max_tokens=8)
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
     assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
     chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=8, stream=True))
@@ -132,7 +132,7 @@ def test_stop_strings_cut_exactly_where_the_text_would(tiny_pair, served):
     target, drafter, tokenizer = tiny_pair
     c = client(served[0])
     full, _ = chat_text(c, max_tokens=20)
-    _, tokens, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=20)
+    tokens = generate(target, drafter, tokenizer, chat_ids(tokenizer, CHAT[0]["content"]), max_tokens=20).tokens
     stop = full[13:17]  # crosses token boundaries in general
     cut = full[: full.index(stop)]
     text, r = chat_text(c, max_tokens=20, stop=[stop, "never appears"])
@@ -160,11 +160,10 @@ def test_per_request_sampling_seed_top_k_and_temperature(tiny_pair, served):
     assert sampled[0] == sampled[1] != sampled[2] and sampled[0] != greedy
     assert chat_text(c, max_tokens=6, temperature=1.0, seed=3, extra_body={"top_k": 1})[0] == greedy
     target, drafter, tokenizer = tiny_pair
-    want, _, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=6,
-                          sampling=SamplingParams(temperature=0.7, top_p=0.9), seed=5)
+    ids = chat_ids(tokenizer, CHAT[0]["content"])
+    want = generate(target, drafter, tokenizer, ids, max_tokens=6, temp=0.7, top_p=0.9, seed=5)
     assert chat_text(c, max_tokens=6, temperature=0.7, top_p=0.9, seed=5)[0] == want
-    want, _, _ = generate(target, drafter, tokenizer, CHAT[0]["content"], max_tokens=6,
-                          sampling=SamplingParams(temperature=1.0, min_p=0.2), seed=6)
+    want = generate(target, drafter, tokenizer, ids, max_tokens=6, temp=1.0, min_p=0.2, seed=6)
     assert chat_text(c, max_tokens=6, temperature=1.0, seed=6, extra_body={"min_p": 0.2})[0] == want
 
 
@@ -381,8 +380,8 @@ def test_a_load_error_is_raised_where_the_engine_is_made():
 def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
     runner = CliRunner()
     for args, words in [(["--cost-table", "t.json"], "add --width auto"), (["--temp", "-1"], "temperature"),
-                        (["--model", "x"], "--drafter"), (["--max-queue", "-1"], "--max-queue"),
-                        (["--n-max", "3", "--block-size", "2"], "disagree")]:
+                        (["--model", "x"], "no such directory"), (["--max-queue", "-1"], "--max-queue"),
+                        (["--n-max", "3", "--width", "2"], "disagree")]:
         r = runner.invoke(main, ["serve", *args])
         assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
     with socket.socket() as taken:
@@ -401,7 +400,7 @@ def _free_port():
 @pytest.mark.slow
 def test_real_pair_greedy_equals_generate_and_mlx_lm(smollm2):
     """The shipped pair through `mlx-dflash serve`: its greedy text is `mlx-dflash generate`'s and mlx-lm's."""
-    from conftest import chat_ids, mlx_lm_greedy
+    from conftest import mlx_lm_greedy
 
     prompt = "Janet has 3 apples and buys 5 more. She eats 2. How many are left?"
     cli = [sys.executable, "-m", "mlx_dflash.cli"]

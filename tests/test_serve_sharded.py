@@ -75,7 +75,7 @@ class RecordingEngine(Engine):
 def test_rank0_signals_an_early_end_exactly_when_the_decoder_had_not_finished(tiny_chat_pair):
     target, tokenizer, drafter = tiny_chat_pair
     engine = RecordingEngine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)))
-    full, _, _ = generate(target, drafter, tokenizer, PROMPT, max_tokens=12)
+    full = generate(target, drafter, tokenizer, PROMPT, max_tokens=12)
 
     async def run(body, cancel_after_text=False):
         req = parse_completion({"prompt": PROMPT, **body}, Defaults(), "tiny")
@@ -195,7 +195,7 @@ def cancel_mid_stream(c, chunks=3):
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_two_rank_server_answers_like_one_process(tmp_path, qwen2_pair, mode):
     target, drafter, tokenizer = qwen2_pair[2]
-    _, greedy_ids, _ = generate(target, drafter, tokenizer, PROMPT, max_tokens=24)
+    greedy_ids = generate(target, drafter, tokenizer, PROMPT, max_tokens=24).tokens
     with running(qwen2_pair[2]) as (url, _):  # the single-process server on the same pair
         alone = client(url)
         want = dict(greedy=completion(alone), chat=chat(alone),

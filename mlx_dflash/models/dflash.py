@@ -203,8 +203,10 @@ class DFlashDraftModel(nn.Module):
         return self._borrowed is not None
 
     def bind(self, target) -> "DFlashDraftModel":
-        """Borrow the target's embedding and output head, after checking the pair fits."""
+        """Borrow the target's embedding and output head, after checking the pair fits; the target then
+        captures the layers this drafter listens to."""
         target.check_drafter(self.config)
+        target.capture(self.config.target_layer_ids)
         # The raw table times input_embedding_scale, as the PyTorch reference trains it (reference 1.6).
         scale = self.config.input_embedding_scale
         self._borrowed = Borrowed(target.embed_tokens, target.output_head, scale, target.output_head_rows)

@@ -163,7 +163,10 @@ class Target:
                 f"drafter target_layer_ids {list(config.target_layer_ids)} reach layer {bad[0]}, but the "
                 f"target has {self.num_layers} layers (0..{self.num_layers - 1})"
             )
-        self.layer_ids = tuple(config.target_layer_ids)
+
+    def capture(self, layer_ids):
+        """From now on, every forward returns these decoder layers' outputs as its features."""
+        self.layer_ids = tuple(layer_ids)
 
     # Caches.
     def make_cache(self) -> list:
@@ -239,12 +242,12 @@ class Target:
         features = mx.concatenate([sink[i] for i in self.layer_ids], axis=-1) if self.layer_ids else None
         return logits, features
 
-    def prefill(self, prompt: mx.array, cache: list, step: int = 2048):
+    def prefill(self, prompt: mx.array, cache: list, step: int = 2048, progress=None):
         """Process the prompt [P] in chunks. Returns (last-row logits [V], features [1, P, n*H]).
 
         The last token runs on its own, as mlx-lm's generate does: the output head is computed for one
         row only, and the cache holds exactly what plain mlx-lm decoding would hold. Nothing is taped:
-        the prompt is never rolled back.
+        the prompt is never rolled back. progress(processed, total) is called after each chunk.
         """
         features = []
         head, last = prompt[:-1], prompt[-1:]
@@ -252,6 +255,8 @@ class Target:
             _, f = self._run(head[None, i : i + step], cache)
             mx.eval(f, [c.state for c in cache])  # logits stay unevaluated: the head never runs here
             features.append(f)
+            if progress is not None:
+                progress(min(i + step, head.size), prompt.size)
         logits, f = self._run(last[None], cache)
         features.append(f)
         return logits[0, -1], mx.concatenate(features, axis=1)

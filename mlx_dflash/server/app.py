@@ -24,7 +24,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..generate import GenerationStats, stream_generate
+from ..generate import GenerationStats, encode_prompt, stream_generate
 from ..errors import DFlashError
 from .protocol import (APIError, Defaults, GenerationRequest, Outcome, StopMatcher, chunk_body,
                              completion_body, parse_chat, parse_completion, usage_chunk_body)
@@ -183,34 +183,30 @@ class Engine:
     def _generate(self, job: Job) -> Outcome:
         req, tic = job.request, time.perf_counter()
         queued = tic - job.submitted
-        detokenizer = self.tokenizer.detokenizer  # a fresh one per call
         stops = StopMatcher(req.stop)
         tokens, finish, stats = 0, None, GenerationStats(prompt_tokens=len(job.prompt_ids))
         responses = self._responses(job)
         try:
+            text, current, seen = [], None, 0
             for response in responses:
-                stats, text = response.stats, []
+                if response.round is not current:
+                    current, seen = response.round, 0
+                seen += 1
                 # Token by token, so a stop string is cut exactly and counted at the token that completed it.
-                for token in response.tokens:
-                    tokens += 1
-                    detokenizer.add_token(token)
-                    text.append(stops.feed(detokenizer.last_segment))
-                    if stops.stopped:
-                        break
-                if stats.finish_reason and not stops.stopped:
-                    detokenizer.finalize()
-                    text += [stops.feed(detokenizer.last_segment), stops.flush()]
-                    tokens = stats.generated_tokens  # the stop token counts, as the decoder counts it
+                tokens, stats = response.generation_tokens, response.stats
+                text.append(stops.feed(response.text))
                 if stops.stopped:
                     finish = "stop"
-                elif stats.finish_reason:
-                    finish = stats.finish_reason
-                if text := "".join(text):
-                    job.emit("text", text)
+                elif response.finish_reason:
+                    finish = response.finish_reason
+                    text.append(stops.flush())
+                if finish or seen == len(current.tokens):  # a round's text goes out as one event
+                    if out := "".join(text):
+                        job.emit("text", out)
+                    text = []
+                    if not finish and job.cancelled.is_set():  # checked once per round, before the next runs
+                        finish = "cancelled"
                 if finish:
-                    break
-                if job.cancelled.is_set():  # checked once per round, before the next one runs
-                    finish = "cancelled"
                     break
         finally:
             responses.close()
@@ -220,8 +216,8 @@ class Engine:
 
     def _responses(self, job: Job):
         req = job.request
-        return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, max_tokens=req.max_tokens,
-                               sampling=req.sampling, policy=self.policy, seed=req.seed)
+        return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
+                               seed=req.seed, policy=self.policy, **req.sampling.keywords())
 
     def _ended_early(self):
         pass  # one process: closing the generator was all
@@ -233,11 +229,11 @@ class Engine:
             if getattr(tok, "chat_template", None) is None:
                 raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
             try:
-                return list(tok.apply_chat_template(req.prompt, add_generation_prompt=True))
+                return encode_prompt(tok, req.prompt, chat_template=True)
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
         if isinstance(req.prompt, str):
-            ids = list(tok.encode(req.prompt))
+            ids = encode_prompt(tok, req.prompt)
         else:
             ids, vocab = req.prompt, self.target.vocab_size
             if max(ids) >= vocab:

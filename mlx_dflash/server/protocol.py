@@ -39,10 +39,7 @@ class Defaults:
     """What a request gets for the fields it leaves out (the server's command-line flags)."""
 
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass
@@ -97,10 +94,10 @@ def _common(body, defaults: Defaults, served_model: str) -> dict:
         max_tokens = defaults.max_tokens
     if max_tokens < 1:
         raise APIError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-    temperature = _field(body, "temperature", _is_number, "a number", defaults.temperature)
-    top_p = _field(body, "top_p", _is_number, "a number", defaults.top_p)
-    top_k = _field(body, "top_k", _is_int, "an integer (0 disables it)", defaults.top_k)
-    min_p = _field(body, "min_p", _is_number, "a number (0 disables it)", defaults.min_p)
+    temperature = _field(body, "temperature", _is_number, "a number", defaults.sampling.temperature)
+    top_p = _field(body, "top_p", _is_number, "a number", defaults.sampling.top_p)
+    top_k = _field(body, "top_k", _is_int, "an integer (0 disables it)", defaults.sampling.top_k)
+    min_p = _field(body, "min_p", _is_number, "a number (0 disables it)", defaults.sampling.min_p)
     try:
         sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                                   min_p=float(min_p))

@@ -129,8 +129,8 @@ class ShardedEngine(Engine):
         req = job.request
         send(self.ranks, Header(REQUEST, req.max_tokens, len(job.prompt_ids), req.sampling, req.seed),
              job.prompt_ids)
-        return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, max_tokens=req.max_tokens,
-                               sampling=req.sampling, policy=self.policy, seed=req.seed, ranks=self.ranks)
+        return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
+                               seed=req.seed, policy=self.policy, ranks=self.ranks, **req.sampling.keywords())
 
     def _ended_early(self):
         self.ranks.stop()
@@ -142,8 +142,8 @@ def follow(target, drafter, tokenizer, policy, ranks: Ranks):
         while (request := receive(ranks)) is not None:
             header, prompt_ids = request
             try:
-                for _ in stream_generate(target, drafter, tokenizer, prompt_ids, max_tokens=header.max_tokens,
-                                         sampling=header.sampling, policy=policy, seed=header.seed, ranks=ranks):
+                for _ in stream_generate(target, drafter, tokenizer, prompt_ids, header.max_tokens, seed=header.seed,
+                                         policy=policy, ranks=ranks, **header.sampling.keywords()):
                     pass
             except GenerationStopped:  # rank 0 ended it after the round before
                 pass

