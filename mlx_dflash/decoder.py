@@ -13,7 +13,7 @@ Under a sharded target every rank also exchanges rank 0's choices (distributed.p
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -40,6 +40,33 @@ class Round:
         return self.drafted + 1
 
 
+@dataclass
+class DecodeState:
+    """What decoding has built: the target's cache over `tokens`, the drafter's cache, and the feature rows
+    of `tokens` the drafter has not read yet (`context`). The drafter's cache and the context together hold
+    the features of every token in `tokens` (unless `dropped_features`: drafting off keeps none); the
+    target's cache holds `tokens`, or during a run of plain steps one more (the next step's forward is
+    already under way). A prefix cache keeps states and starts later requests from them (prompt_cache.py)."""
+
+    cache: list
+    draft_cache: list
+    tokens: list = field(default_factory=list)
+    context: Optional[mx.array] = None
+    dropped_features: bool = False
+
+    @classmethod
+    def fresh(cls, target: Target, drafter: DraftModel) -> "DecodeState":
+        return cls(target.make_cache(), drafter.make_cache())
+
+    def extend(self, tokens: list, features: Optional[mx.array]):
+        """`tokens` entered the target's cache; `features` are their rows (None: not kept)."""
+        self.tokens.extend(tokens)
+        if features is None:
+            self.dropped_features = self.dropped_features or bool(tokens)
+        else:
+            self.context = features if self.context is None else mx.concatenate([self.context, features], axis=1)
+
+
 def read(*arrays: mx.array) -> list:
     """The arrays' values on the host, in one round trip (one evaluation, then copies)."""
     mx.eval(*arrays)
@@ -60,22 +87,26 @@ def speculative_rounds(
     prefill_step: int = 2048,
     ranks: SingleProcess = SingleProcess(),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
+    state: Optional[DecodeState] = None,
 ) -> Iterator[Round]:
     """Yield the tokens of each round; the first round is the prefill's token (nothing drafted).
 
-    ranks: under a sharded target every rank verifies rank 0's drafts (`agree`), keeps rank 0's verdict
-    (`settle`) and gets the drafter's context features whole (`whole_features`); a single process
-    passes everything through (distributed.py).
+    state: where to start (a prefix cache's state holding a prefix of the prompt); it is kept up to date
+    as rounds run, for the prefix cache to keep afterwards. ranks: under a sharded target every rank
+    verifies rank 0's drafts (`agree`), keeps rank 0's verdict (`settle`) and gets the drafter's context
+    features whole (`whole_features`); a single process passes everything through (distributed.py).
     """
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    state = state or DecodeState.fresh(target, drafter)
+    cache, draft_cache = state.cache, state.draft_cache
     history = PromptLookup(prompt.tolist())  # prompt + emitted tokens, indexed for lookup
 
-    # Prefill: the target reads the prompt and picks the first token. The features of every prompt
-    # position are context the drafter has not seen yet.
-    logits, context = target.prefill(prompt, cache, prefill_step, prefill_progress)
+    # Prefill: the target reads the prompt (past what the state holds) and picks the first token. The
+    # features of every prompt position are context the drafter has not seen yet.
+    done = len(state.tokens)
+    logits, features = target.prefill(prompt[done:], cache, prefill_step, prefill_progress)
     (anchor,) = read(next_token(logits, sampling))
     _, anchor = ranks.settle(0, anchor)  # every rank takes rank 0's first token
-    context = ranks.whole_features(context)
+    state.extend(prompt[done:].tolist(), ranks.whole_features(features))
     yield Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
     history.extend([anchor])
     produced = 1
@@ -86,12 +117,13 @@ def speculative_rounds(
         if plain:
             tic = time.perf_counter()
             for token, logprobs, features in plain_steps(target, cache, anchor, plain, sampling):
-                if policy.max_width > 1:  # a drafter will read these rows (drafting off: none ever will)
-                    context = features if context is None else mx.concatenate([context, features], axis=1)
+                # the row of the token before entered the cache; drafting off keeps no features
+                state.extend([anchor], features if policy.max_width > 1 else None)
                 yield Round([token], drafted=0, accepted=0, logprobs=logprobs)
                 history.extend([token])
+                anchor = token
             policy.observe_plain(plain, time.perf_counter() - tic)
-            produced, anchor = produced + plain, token
+            produced += plain
             continue
 
         width = policy.width(remaining=max_tokens - produced)
@@ -105,10 +137,10 @@ def speculative_rounds(
         drafts, confidence, proposal = mx.zeros((0,), dtype=mx.int32), [], None
         looked_up = mx.array(0, dtype=mx.int32)
         if width > 1:
-            draft = drafter.draft(anchor, context, draft_cache, policy.block_size, width, sampling)
+            draft = drafter.draft(anchor, state.context, draft_cache, policy.block_size, width, sampling)
             if policy.prompt_lookup:
                 draft = with_lookup(draft, history.propose(width - 1))
-            context = None  # the drafter's cache holds it now
+            state.context = None  # the drafter's cache holds it now
             drafts, proposal = draft.ids, draft.proposal
             if draft.looked_up is not None:
                 looked_up = draft.looked_up
@@ -130,8 +162,7 @@ def speculative_rounds(
 
         # Roll back: the cache keeps anchor + accepted drafts; their features join the context.
         target.trim(cache, len(drafts) - accepted)
-        kept = ranks.whole_features(features[:, : accepted + 1])
-        context = kept if context is None else mx.concatenate([context, kept], axis=1)
+        state.extend([anchor] + drafts[:accepted], ranks.whole_features(features[:, : accepted + 1]))
 
         new_tokens = drafts[:accepted] + [bonus]
         produced += len(new_tokens)

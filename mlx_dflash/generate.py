@@ -16,13 +16,14 @@ from typing import Callable, Iterator, Optional
 import click
 import mlx.core as mx
 
-from .decoder import Round, speculative_rounds
+from .decoder import DecodeState, Round, speculative_rounds
 from .distributed import SingleProcess
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
 from .options import check_rank_timeout, pair_options, sampling_options, shard_options, width_options
 from .policy import WidthPolicy, build_policy, check_width_options
+from .prompt_cache import PromptCache, read_to_rungs
 from .sampling import SamplingParams
 
 
@@ -34,6 +35,8 @@ class GenerationStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
     widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
     looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
+    cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
+    prefill_seconds_saved: float = 0.0  # what reading them would have cost, at recent prefill speed
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_gb: float = 0.0
@@ -50,7 +53,9 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens read per second (those a prefix cache held were not read)."""
+        read = self.prompt_tokens - self.cached_tokens
+        return read / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -66,8 +71,9 @@ class GenerationStats:
 
     def summary(self) -> str:
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
+        cached = f" ({self.cached_tokens} cached, ~{self.prefill_seconds_saved:.1f} s saved)" if self.cached_tokens else ""
         lines = [
-            f"prompt: {self.prompt_tokens} tokens, {self.prefill_tps:.1f} tokens/s",
+            f"prompt: {self.prompt_tokens} tokens{cached}, {self.prefill_tps:.1f} tokens/s",
             f"generation: {self.generated_tokens} tokens, {self.decode_tps:.1f} tokens/s, "
             f"{self.rounds} rounds, tau {self.tau:.2f} (block {self.block_size}, verify width <= {self.max_width})",
             f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
@@ -152,6 +158,8 @@ def stream_generate(
     policy: Optional[WidthPolicy] = None,
     prefill_step_size: int = 2048,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    prompt_cache: Optional[PromptCache] = None,
+    boundaries=(),
     ranks: SingleProcess = SingleProcess(),
     sampler=None,
 ) -> Iterator[GenerationResponse]:
@@ -160,7 +168,9 @@ def stream_generate(
     temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
     token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
     (default: the drafter's trained block), unless a `policy` is given (`policy.build_policy`).
-    prompt_progress_callback(processed, total) is called as the prompt is read."""
+    prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
+    the longest kept prefix of the prompt and keep this generation's state (prompt_cache.py); boundaries:
+    prompt positions worth keeping a hybrid target's state at (the ends of chat messages)."""
     if sampler is not None:
         raise DFlashError("sampler= takes a function that draws a token, but speculative sampling needs the "
                           "distribution itself: pass temp=, top_p=, top_k=, min_p= (make_sampler's arguments)")
@@ -178,18 +188,38 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
 
-    stop_ids = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
     stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width,
                             notes=list(policy.notes))
     mx.reset_peak_memory()
     tic = time.perf_counter()
+    state = DecodeState.fresh(target, drafter)
+    if prompt_cache is not None:
+        state = prompt_cache.fetch(ids) or state
+        stats.cached_tokens = len(state.tokens)
+        stats.prefill_seconds_saved = prompt_cache.seconds_saved(stats.cached_tokens)
+        if not target.trimmable:
+            state = read_to_rungs(target, state, ids, prompt_cache, boundaries, prefill_step_size,
+                                  prompt_progress_callback)
     rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
-                                ranks, prompt_progress_callback)
+                                ranks, prompt_progress_callback, state)
+    try:
+        yield from _responses(rounds, stats, tokenizer, ids, max_tokens, tic, prompt_cache)
+    finally:
+        rounds.close()
+        if prompt_cache is not None:
+            prompt_cache.insert(state)
+
+
+def _responses(rounds, stats: GenerationStats, tokenizer, ids: list, max_tokens: int, tic: float, prompt_cache):
+    """The rounds' tokens as per-token responses, up to the first stop token or max_tokens."""
+    stop_ids = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
     for i, rnd in enumerate(rounds):
         if i == 0:
             stats.prefill_seconds = time.perf_counter() - tic
+            if prompt_cache is not None:
+                prompt_cache.observe_prefill(len(ids) - stats.cached_tokens, stats.prefill_seconds)
             tic = time.perf_counter()
         else:
             stats.count(rnd)
@@ -213,7 +243,6 @@ def stream_generate(
                 generation_tps=stats.decode_tps, peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=stats.finish_reason, round=rnd, stats=stats)
             if stats.finish_reason:
-                rounds.close()
                 return
 
 

@@ -62,6 +62,32 @@ class Target:
         self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
         self._attention = ([], "mlx")  # (sites, route) of the verify forward's attention (verify_attention.py)
         self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
+        self.kv_quantization = None  # (bits, group_size, start): see quantize_kv
+
+    def quantize_kv(self, bits: int, group_size: int = 64, start: int = 0):
+        """Store attention keys and values quantized (mlx-lm's QuantizedKVCache) once a cache holds more than
+        `start` positions, as mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start do. Rollback
+        stays exact: a quantized cache trims like a plain one. Recurrent state is never quantized."""
+        if bits not in (4, 8):
+            raise DFlashError(f"--kv-bits must be 4 or 8, got {bits}")
+        if group_size not in (32, 64, 128):
+            raise DFlashError(f"--kv-group-size must be 32, 64 or 128, got {group_size}")
+        if start < 0:
+            raise DFlashError(f"--quantized-kv-start must be >= 0, got {start}")
+        args = self.text_args
+        head_dim = getattr(args, "head_dim", None) or self.hidden_size // args.num_attention_heads
+        if head_dim % group_size:
+            raise DFlashError(f"--kv-group-size {group_size} does not divide the attention head dim {head_dim} of "
+                              "this target: pick a group size that does (32, 64 or 128)")
+        self.kv_quantization = (bits, group_size, start)
+
+    def _quantize_due(self, cache: list):
+        if self.kv_quantization is None or cache is None:
+            return
+        bits, group_size, start = self.kv_quantization
+        for i, c in enumerate(cache):
+            if isinstance(c, KVCache) and c.offset > start:
+                cache[i] = c.to_quantized(group_size=group_size, bits=bits)
 
     def install_wide_kernels(self) -> int:
         """Route 6..16-row quantized matmuls to our Metal kernel. Returns the layers switched (0 off Metal)."""
@@ -189,6 +215,11 @@ class Target:
                 sites.append((layer, find_recurrent(layer, i, c, kind)))
         return sites
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether a cache of this target trims to any shorter prefix (no recurrent layers)."""
+        return not self._recurrent
+
     def trim(self, cache: list, n: int):
         """Forget the last n positions (rejected drafts) of the last forward on this cache."""
         pending, self._pending = self._pending, None
@@ -234,6 +265,7 @@ class Target:
         with taping(sites) as tapes, routing(*self._attention):
             logits, features = self._run(ids, cache)
         self._pending = (cache, ids.shape[1], tapes) if tapes else None
+        self._quantize_due(cache)
         return logits, features
 
     def _run(self, ids: mx.array, cache: list):
@@ -242,21 +274,27 @@ class Target:
         features = mx.concatenate([sink[i] for i in self.layer_ids], axis=-1) if self.layer_ids else None
         return logits, features
 
+    def read(self, ids: mx.array, cache: list, step: int = 2048, progress=None, total: int = 0):
+        """Run tokens ids [P] into the cache in chunks of `step`, without the output head. Returns their
+        features [1, P, n*H] (None for P = 0). Nothing is taped: a prompt is never rolled back.
+        progress(processed, total) is called after each chunk."""
+        features = []
+        for i in range(0, ids.size, step):
+            _, f = self._run(ids[None, i : i + step], cache)
+            mx.eval(f, [c.state for c in cache])  # logits stay unevaluated: the head never runs here
+            self._quantize_due(cache)
+            features.append(f)
+            if progress is not None:
+                progress(min(i + step, ids.size), total or ids.size)
+        return mx.concatenate(features, axis=1) if features and features[0] is not None else None
+
     def prefill(self, prompt: mx.array, cache: list, step: int = 2048, progress=None):
         """Process the prompt [P] in chunks. Returns (last-row logits [V], features [1, P, n*H]).
 
         The last token runs on its own, as mlx-lm's generate does: the output head is computed for one
-        row only, and the cache holds exactly what plain mlx-lm decoding would hold. Nothing is taped:
-        the prompt is never rolled back. progress(processed, total) is called after each chunk.
-        """
-        features = []
-        head, last = prompt[:-1], prompt[-1:]
-        for i in range(0, head.size, step):
-            _, f = self._run(head[None, i : i + step], cache)
-            mx.eval(f, [c.state for c in cache])  # logits stay unevaluated: the head never runs here
-            features.append(f)
-            if progress is not None:
-                progress(min(i + step, head.size), prompt.size)
-        logits, f = self._run(last[None], cache)
-        features.append(f)
-        return logits[0, -1], mx.concatenate(features, axis=1)
+        row only, and the cache holds exactly what plain mlx-lm decoding would hold."""
+        head = self.read(prompt[:-1], cache, step, progress, prompt.size)
+        logits, last = self._run(prompt[None, -1:], cache)
+        self._quantize_due(cache)
+        features = last if head is None or last is None else mx.concatenate([head, last], axis=1)
+        return logits[0, -1], features

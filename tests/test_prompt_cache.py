@@ -1,0 +1,182 @@
+"""The prefix cache: a conversation's next turn reads only what is new, and every answer equals the one a
+cold start gives (greedy and seeded sampling), for dense and hybrid targets, a quantized KV cache and a
+DFlash 2 drafter, whichever kind of boundary the cache is hit at."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.utils import _get_classes
+
+from conftest import chat_ids
+from mlx_dflash.generate import generate
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
+from mlx_dflash.models.target import Target
+from mlx_dflash.prompt_cache import PromptCache, rungs
+
+SYSTEM = "You are a patient tutor. " * 6
+TURNS = ["What is 17 times 23?", "And 18 times 23?", "Explain the method in one sentence."]
+HYBRID = dict(model_type="qwen3_5", num_hidden_layers=4, linear_num_value_heads=4, linear_num_key_heads=2,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+              head_dim=16, tie_word_embeddings=False)
+
+
+def tiny_target(config: dict, vocab_size: int, seed: int) -> Target:
+    """A random mlx-lm model of `config` over the tokenizer's vocabulary, weights scaled up so its greedy text
+    is not one repeated token."""
+    config = {**dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     rms_norm_eps=1e-5, vocab_size=vocab_size), **config}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return Target(model)
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_chat_pair):
+    """name -> (target, drafter, tokenizer): a dense llama, a hybrid GatedDeltaNet qwen3_5, the llama with
+    an 8-bit KV cache, all speaking SmolLM2's tokenizer."""
+    llama, tokenizer, drafter = tiny_chat_pair
+    vocab = llama.vocab_size
+    hybrid = tiny_target(HYBRID, vocab, seed=3)
+    hybrid_drafter = init_drafter(drafter_config_for(hybrid, num_layers=1, block_size=8, num_target_features=2),
+                                  seed=0).bind(hybrid)
+    quantized = tiny_target(dict(model_type="llama", num_hidden_layers=4, hidden_size=128, tie_word_embeddings=True),
+                            vocab, seed=5)  # head dim 32: one quantization group
+    quantized.quantize_kv(8, group_size=32, start=16)
+    quantized_drafter = init_drafter(drafter_config_for(quantized, num_layers=1, block_size=8, num_target_features=2),
+                                     seed=0).bind(quantized)
+    return {"dense": (llama, drafter, tokenizer), "hybrid": (hybrid, hybrid_drafter, tokenizer),
+            "kv8": (quantized, quantized_drafter, tokenizer)}
+
+
+def conversation(tokenizer, turns, answers) -> list:
+    """The chat's token ids for the next turn: system, then user/assistant pairs, then the last user turn."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for question, answer in zip(turns, answers):
+        messages.append({"role": "user", "content": question})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def answer(pair, ids, cache=None, max_tokens=12, **kw):
+    target, drafter, tokenizer = pair
+    return generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, prompt_cache=cache, width=4, **kw)
+
+
+def new_cache(target, **kw) -> PromptCache:
+    return PromptCache("test", target.trimmable, **kw)
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid", "kv8"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_conversation_with_the_cache_equals_cold_starts(pairs, name, sampled):
+    pair = pairs[name]
+    kw = dict(temp=0.9, top_k=20, seed=7) if sampled else {}
+    cache = new_cache(pair[0])
+    answers, previous = [], []
+    for i in range(len(TURNS)):
+        ids = conversation(pair[2], TURNS[: i + 1], answers + [None])
+        warm, cold = answer(pair, ids, cache, **kw), answer(pair, ids, **kw)
+        assert warm.tokens == cold.tokens, (name, i)
+        # The turn before is cached (all of it but its last token, at least): this turn reads what is new.
+        assert warm.stats.cached_tokens >= len(previous) - 1 and (i == 0) == (warm.stats.cached_tokens == 0)
+        answers.append(str(cold))
+        previous = ids
+    assert cache.hits == len(TURNS) - 1
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_every_kind_of_hit_gives_the_cold_answer(pairs, name):
+    pair = pairs[name]
+    target, tokenizer = pair[0], pair[2]
+    cache = new_cache(target)
+    first = conversation(tokenizer, TURNS[:1], [None])
+    answer(pair, first, cache)
+    cases = {
+        "whole prompt cached (sent again)": first,
+        "a prefix of a message": conversation(tokenizer, ["What is 17 times 24?"], [None]),
+        "a prompt shorter than a cached one": first[: len(first) // 2],
+        "another conversation": chat_ids(tokenizer, "Name three red fruits."),
+        "the first conversation again": first,
+    }
+    for what, ids in cases.items():
+        warm = answer(pair, ids, cache)
+        assert warm.tokens == answer(pair, ids).tokens, what
+        if what == "whole prompt cached (sent again)":
+            assert warm.stats.cached_tokens == len(ids) - 1  # only the last token is read again
+    # An evicted entry is simply missed: one entry at most, a second conversation pushes the first out.
+    small = new_cache(target, max_entries=1)
+    answer(pair, first, small)
+    answer(pair, chat_ids(tokenizer, "Name three red fruits."), small)
+    warm = answer(pair, first, small)
+    assert warm.tokens == answer(pair, first).tokens and len(small) == 1
+
+
+def test_a_dflash2_drafter_is_restored_with_its_context(tiny_chat_pair):
+    import dflash2_tiny
+
+    llama, tokenizer, _ = tiny_chat_pair
+    config = dflash2_tiny.tiny_config(target_layer_ids=[1, 2])
+    config.update(vocab_size=llama.vocab_size, num_target_layers=4, num_hidden_layers=1, layer_types=["full_attention"])
+    config["dflash_config"].update(mask_token_id=llama.vocab_size - 1)
+    from mlx_dflash.models.config import parse_config
+
+    drafter = init_drafter(parse_config(config), seed=0)
+    target = Target(llama.model)
+    pair = (target, drafter.bind(target), tokenizer)
+    cache = new_cache(target)
+    answers = []
+    for i in range(2):
+        ids = conversation(tokenizer, TURNS[: i + 1], answers + [None])
+        warm, cold = answer(pair, ids, cache), answer(pair, ids)
+        assert warm.tokens == cold.tokens
+        answers.append(str(cold))
+    assert cache.hits == 1
+
+
+def test_the_byte_budget_holds_and_memory_returns_after_the_conversations(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    pair = (target, drafter, tokenizer)
+    one = new_cache(target)
+    answer(pair, chat_ids(tokenizer, "Question 0: what is 0 plus 0?"), one, max_tokens=2)
+    budget = int(one.nbytes * 3.5)  # room for three conversations
+    cache = new_cache(target, max_bytes=budget, max_entries=100)
+    mx.eval(mx.zeros(1))
+    before = mx.get_active_memory()
+    for i in range(50):
+        answer(pair, chat_ids(tokenizer, f"Question {i}: what is {i} plus {i}?"), cache, max_tokens=2)
+        assert cache.nbytes <= budget and len(cache) <= 3
+    assert cache.stats()["entries"] == len(cache) == 3
+    del cache
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before + budget // 10  # the kept states were all that remained
+
+
+def test_states_persist_across_restarts_only_for_their_own_pair(tiny_chat_pair, tmp_path):
+    target, tokenizer, drafter = tiny_chat_pair
+    pair = (target, drafter, tokenizer)
+    ids = conversation(tokenizer, TURNS[:1], [None])
+    cold = answer(pair, ids)
+    answer(pair, ids, PromptCache("pair-a", True, directory=tmp_path))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    restarted = PromptCache("pair-a", True, directory=tmp_path)
+    warm = answer(pair, ids, restarted)
+    assert warm.tokens == cold.tokens and warm.stats.cached_tokens == len(ids) - 1
+    other = PromptCache("pair-b", True, directory=tmp_path)  # another model or drafter: never used
+    assert len(other) == 0 and answer(pair, ids, other).stats.cached_tokens == 0
+
+
+def test_a_kv_group_size_that_does_not_divide_the_head_dim_is_refused(tiny_chat_pair):
+    from mlx_dflash.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="--kv-group-size 32 does not divide the attention head dim 16"):
+        Target(tiny_chat_pair[0].model).quantize_kv(8, group_size=32)
+
+
+def test_rungs_mark_message_ends_long_prompts_and_the_last_token():
+    assert rungs(10, [3, 7]) == [3, 7, 9]
+    assert rungs(5000, [100]) == [100, 2048, 4096, 4999]
+    assert rungs(1, []) == []
