@@ -21,9 +21,10 @@ from .distributed import SingleProcess
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
-from .options import check_rank_timeout, pair_options, sampling_options, shard_options, width_options
+from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_options,
+                      shard_options, width_options)
 from .policy import WidthPolicy, build_policy, check_width_options
-from .prompt_cache import PromptCache, read_to_rungs
+from .prompt_cache import PromptCache, pair_identity, read_to_rungs
 from .sampling import SamplingParams
 
 
@@ -192,14 +193,15 @@ def stream_generate(
                             notes=list(policy.notes))
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    state = DecodeState.fresh(target, drafter)
+    state, checkpoints = None, {}
     if prompt_cache is not None:
-        state = prompt_cache.fetch(ids) or state
-        stats.cached_tokens = len(state.tokens)
+        state, checkpoints = prompt_cache.fetch(ids)
+    state = state or DecodeState.fresh(target, drafter)
+    stats.cached_tokens = len(state.tokens)
+    if prompt_cache is not None:
         stats.prefill_seconds_saved = prompt_cache.seconds_saved(stats.cached_tokens)
         if not target.trimmable:
-            state = read_to_rungs(target, state, ids, prompt_cache, boundaries, prefill_step_size,
-                                  prompt_progress_callback)
+            read_to_rungs(target, state, ids, checkpoints, boundaries, prefill_step_size, prompt_progress_callback)
     rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
                                 ranks, prompt_progress_callback, state)
     try:
@@ -207,7 +209,7 @@ def stream_generate(
     finally:
         rounds.close()
         if prompt_cache is not None:
-            prompt_cache.insert(state)
+            prompt_cache.insert(state, checkpoints)
 
 
 def _responses(rounds, stats: GenerationStats, tokenizer, ids: list, max_tokens: int, tic: float, prompt_cache):
@@ -280,9 +282,14 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
 @width_options
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
 @click.option("--verbose", is_flag=True, help="Print each round's kept/drafted count to stderr.")
+@click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None,
+              help="Start from the state kept in this file for the prompt's longest shared prefix, and keep this "
+                   "prompt's state there for the next run (written atomically; ignored if made for another pair).")
+@kv_options
 @shard_options
 def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, width, n_max, force_width,
-         p_min, n_min, cost_table, prompt_lookup, chat_template, verbose, shard, rank_timeout):
+         p_min, n_min, cost_table, prompt_lookup, chat_template, verbose, prompt_cache_file, kv_bits, kv_group_size,
+         quantized_kv_start, shard, rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
     from tqdm import tqdm
 
@@ -298,11 +305,18 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     check_width_options(width, n_max, cost_table)
     if shard:
         check_rank_timeout(rank_timeout)
+        if prompt_cache_file:
+            raise DFlashError("--prompt-cache-file does not work with --shard (each rank holds its own shard's state)")
         target, drafter, tokenizer, group = load_sharded_pair(default_target(model_path),
                                                               drafter_path or shipped_drafter_dir(), shard)
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
+    apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
     policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+    cache = None
+    if prompt_cache_file:
+        cache = PromptCache(pair_identity(target, drafter), target.trimmable, max_entries=8)
+        cache.load_file(prompt_cache_file)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
     ids = encode_prompt(tokenizer, prompt, chat_template)
@@ -313,6 +327,7 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
             for response in stream_generate(
                 target, drafter, tokenizer, ids, max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                 seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
+                prompt_cache=cache,
             ):
                 if stats is None:
                     bar.close()
@@ -336,3 +351,5 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     echo(stats.summary(), err=True)
     if shard:
         echo(ranks.summary(stats.rounds), err=True)
+    if cache is not None and cache.save_file(prompt_cache_file, ids):
+        echo(f"prompt cache: kept in {prompt_cache_file}", err=True)

@@ -69,3 +69,16 @@ shard_options = options(
 def check_rank_timeout(seconds: float) -> None:
     if seconds <= 0:
         raise DFlashError(f"--rank-timeout must be positive seconds, got {seconds}")
+kv_options = options(
+    click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]),
+                 help="Keep attention keys and values quantized to this many bits (long contexts); default: not."),
+    click.option("--kv-group-size", default=64, show_default=True, type=int, help="Quantization group of --kv-bits."),
+    click.option("--quantized-kv-start", default=5000, show_default=True, type=int,
+                 help="Quantize a cache once it holds more than this many tokens (with --kv-bits)."),
+)
+
+
+def apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start):
+    """--kv-bits and friends on a loaded target (as mlx-lm's flags of the same names)."""
+    if kv_bits is not None:
+        target.quantize_kv(int(kv_bits), kv_group_size, quantized_kv_start)

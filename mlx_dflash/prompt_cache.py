@@ -1,20 +1,24 @@
 """Prefix cache: a request starts from the longest kept prefix of its token ids, for the target and the drafter.
 
 A kept state (`decoder.DecodeState`) is three things, and all three are restored exactly: the target's
-cache; a hybrid target's recurrent (GatedDeltaNet) state, which cannot be trimmed; and the drafter's
-context (its own KV cache over the target's features, plus the feature rows it has not read). A state
-whose caches all trim serves every shorter prefix of its tokens; one with recurrent layers serves only
-its own tokens exactly, so a hybrid target's states are kept at reusable boundaries too: the end of each
-chat message, every `RUNG_EVERY` tokens of a long prompt, and one token before the prompt's end (a
-verbatim resend then reads one token). Every request keeps the state it ended with (prompt + answer),
-which the next turn of a conversation extends.
+KV caches, which trim to any shorter prefix; a hybrid target's recurrent (GatedDeltaNet) state, which
+cannot be trimmed, so it is checkpointed at reusable positions (the end of each of the last chat messages,
+every `RUNG_EVERY` tokens of a long prompt, one token before the prompt's end so that a verbatim resend
+reads one token, and where the request ended); and the drafter's context (its own KV cache over the
+target's features, plus the feature rows it has not read), which trims like a KV cache. A state then
+serves every prefix of its tokens (a hybrid target's: every checkpoint in it). A checkpoint holds the
+recurrent layers only: one KV copy per conversation, however many checkpoints it has.
 
-Entries are kept least recently used first out, within `max_entries` and `max_bytes`, and optionally on
-disk (one safetensors file per entry, written atomically, naming the pair it belongs to), so a restart
-keeps them. mlx-lm's `LRUPromptCache` is not reused: its lookup hands back an exact match with nothing
-left to prefill (the decoder needs the last prompt token's logits), it has no hook to delete an evicted
-entry's file, and it keeps one dict per token in its trie (26k dicts for one agent context); the lookup
-here compares token arrays with numpy, which for 10 entries of 26k tokens takes well under a millisecond.
+Every request keeps the state it ended with (prompt + answer), which the next turn of a conversation
+extends; a kept state whose tokens start a newer one is folded into it (its checkpoints move over).
+Entries go least recently used first, within `max_entries` and `max_bytes`, and are optionally kept on
+disk (one safetensors file per entry in mlx-lm's prompt-cache format, written atomically, naming the
+pair it belongs to), so a restart keeps them.
+
+mlx-lm's `LRUPromptCache` is not reused: its lookup hands back an exact match with nothing left to
+prefill (the decoder needs the last prompt token's logits), it has no notion of checkpoints in a state
+that cannot trim, no hook to delete an evicted entry's file, and one dict per token in its trie (26k
+dicts for one agent context); the lookup here compares token arrays with numpy.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ import hashlib
 import json
 import os
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -37,7 +40,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_pr
 from .decoder import DecodeState
 from .errors import DFlashError
 
-RUNG_EVERY = 2048  # tokens between a hybrid target's kept states inside a long prompt
+RUNG_EVERY = 2048  # tokens between a hybrid target's checkpoints inside a long prompt
 FORMAT = "mlx-dflash/prompt-cache/1"
 
 
@@ -54,62 +57,93 @@ def default_max_bytes() -> int:
     return memory_bytes() // 4 or 4 << 30
 
 
-def pair_identity(target_dir, drafter_dir, kv_quantization=None) -> str:
+def pair_identity(target, drafter) -> str:
     """A short hash naming the pair a kept state belongs to: both configs, the drafter's weights, the
-    target's weight files (names and sizes) and the KV cache settings. A state is never used for another."""
+    target's weight files (names and sizes) and the KV cache settings, read from the directories they were
+    loaded from (a pair built in memory gets a name of its own, never found on disk). A state is never
+    used for another pair."""
+    if target.source is None or drafter.source is None:
+        return f"in-memory-{id(target):x}-{id(drafter):x}"
     h = hashlib.sha256()
-    for directory in (Path(target_dir), Path(drafter_dir)):
+    target_dir, drafter_dir = Path(target.source), Path(drafter.source)
+    for directory in (target_dir, drafter_dir):
         for f in sorted(directory.glob("*.json")):
             h.update(f.name.encode() + f.read_bytes())
         for f in sorted(directory.glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
-    for f in sorted(Path(drafter_dir).glob("*.safetensors")):
+    for f in sorted(drafter_dir.glob("*.safetensors")):
         h.update(f.read_bytes())
-    h.update(json.dumps(kv_quantization).encode())
+    h.update(json.dumps(target.kv_quantization).encode())
     return h.hexdigest()[:16]
 
 
-def _nbytes(x) -> int:
-    return 0 if x is None else x.nbytes
+def _nbytes(arrays) -> int:
+    return sum(a.nbytes for a in arrays if a is not None)
 
 
 def _drafter_arrays(c: KVCache) -> list:
     return [None, None] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
 
 
+def recurrent_layers(cache: list) -> list:
+    """Indices of the layers whose state cannot be trimmed."""
+    return [i for i, c in enumerate(cache) if not c.is_trimmable()]
+
+
+def checkpoint(cache: list) -> dict:
+    """The recurrent layers' arrays as they are now ({layer: [arrays]}). The model rebinds those arrays
+    rather than writing into them, so holding the references is a snapshot."""
+    return {i: list(cache[i].cache) for i in recurrent_layers(cache)}
+
+
 @dataclass
 class Entry:
-    """A kept state: its tokens, and the caches that hold them (copies nobody else mutates)."""
+    """A kept state (its caches belong to the entry alone) and, for a target that cannot trim, the
+    positions it can be restored to, each with its recurrent layers' arrays."""
 
     tokens: np.ndarray
     state: DecodeState
-    trimmable: bool
-    nbytes: int
+    checkpoints: Optional[dict] = None  # {position: checkpoint}; None: every position (a trimmable target)
+    nbytes: int = field(default=0, init=False)
 
+    def __post_init__(self):
+        state = self.state
+        self.nbytes = (sum(c.nbytes for c in state.cache) + _nbytes([state.context])
+                       + sum(_nbytes(_drafter_arrays(c)) for c in state.draft_cache)
+                       + sum(_nbytes(a) for point in (self.checkpoints or {}).values() for a in point.values()))
 
-def entry_of(state: DecodeState, trimmable: bool) -> Entry:
-    target_bytes = sum(c.nbytes for c in state.cache)
-    draft_bytes = sum(_nbytes(a) for c in state.draft_cache for a in _drafter_arrays(c))
-    tokens = np.array(state.tokens, dtype=np.int32)
-    return Entry(tokens, state, trimmable, target_bytes + draft_bytes + _nbytes(state.context))
+    def usable(self, query: np.ndarray) -> int:
+        """How many leading tokens of `query` this entry restores, leaving at least one to read."""
+        n = min(len(self.tokens), len(query))
+        mismatch = np.flatnonzero(self.tokens[:n] != query[:n])
+        limit = min(int(mismatch[0]) if mismatch.size else n, len(query) - 1)
+        if self.checkpoints is None:
+            return limit
+        return max((p for p in self.checkpoints if p <= limit), default=0)
 
-
-def restore(entry: Entry, length: int) -> DecodeState:
-    """A copy of the entry's state holding its first `length` tokens."""
-    state = copy.deepcopy(entry.state)
-    cut = len(state.tokens) - length
-    if cut:
+    def restore(self, length: int) -> DecodeState:
+        """A copy of the state holding its first `length` tokens."""
+        state = copy.deepcopy(self.state)
+        cut = len(state.tokens) - length
         for c in state.cache:
-            c.trim(cut)
+            if c.is_trimmable() and cut:
+                c.trim(cut)
+        for i, arrays in (self.checkpoints or {}).get(length, {}).items():
+            state.cache[i] = ArraysCache(len(arrays))
+            state.cache[i].cache = list(arrays)
         state.tokens = state.tokens[:length]
         rows = 0 if state.context is None else state.context.shape[1]
         if cut < rows:
-            state.context = state.context[:, : rows - cut]
+            state.context = state.context[:, : rows - cut] if cut else state.context
         else:  # the context goes; the rest comes off the drafter's own cache
             state.context = None
             for c in state.draft_cache:
                 c.trim(cut - rows)
-    return state
+        return state
+
+    def checkpoints_to(self, length: int) -> dict:
+        """This entry's checkpoints at or before `length` (for the state restored from it to keep)."""
+        return {p: point for p, point in (self.checkpoints or {}).items() if p <= length}
 
 
 class PromptCache:
@@ -133,57 +167,64 @@ class PromptCache:
             self._load_directory()
 
     # Lookup and insertion.
-    def fetch(self, tokens: list) -> Optional[DecodeState]:
-        """A restored state holding the longest usable prefix of `tokens` (at least one token is left for
-        the prefill to read), or None."""
+    def best(self, tokens: list) -> tuple:
+        """(key, usable length) of the entry restoring the longest prefix of `tokens` (at least one token is
+        left for the prefill to read: its logits pick the first new token); (None, 0) if none does."""
         query = np.array(tokens, dtype=np.int32)
         best, best_length = None, 0
-        for key, entry in self._entries.items():
-            n = min(len(entry.tokens), len(query))
-            mismatch = np.flatnonzero(entry.tokens[:n] != query[:n])
-            common = int(mismatch[0]) if mismatch.size else n
-            if entry.trimmable:
-                usable = min(common, len(query) - 1)
-            else:  # recurrent state: only its own tokens, all of them
-                usable = len(entry.tokens) if common == len(entry.tokens) < len(query) else 0
+        for key, entry in self._entries.items():  # most recently used last: it wins ties
+            usable = entry.usable(query)
             if usable >= best_length and usable > 0:
                 best, best_length = key, usable
+        return best, best_length
+
+    def fetch(self, tokens: list) -> tuple:
+        """(a restored copy of the state holding the longest usable prefix of `tokens`, the checkpoints it
+        keeps), or (None, {}) if no entry holds one."""
+        best, best_length = self.best(tokens)
         with self._lock:
             if best is None:
                 self.misses += 1
-                return None
+                return None, {}
             self.hits += 1
             self.cached_tokens += best_length
             self._entries.move_to_end(best)
-        return restore(self._entries[best], best_length)
+        entry = self._entries[best]
+        return entry.restore(best_length), entry.checkpoints_to(best_length)
 
-    def insert(self, state: DecodeState, copy_state: bool = False) -> bool:
-        """Keep `state` (a copy of it if the caller goes on using it). A state whose target cache is a
-        token ahead of its features (mid plain steps) is trimmed back where that is exact; one that cannot
-        be made consistent, or that dropped its features (drafting off), is not kept. Returns whether kept."""
+    def insert(self, state: DecodeState, checkpoints: Optional[dict] = None) -> bool:
+        """Keep `state`, which the caller no longer uses. checkpoints: for a target that cannot trim, the
+        positions (and recurrent arrays) it may be restored to; its end is added when its caches agree with
+        its tokens. A state that dropped its features (drafting off) is not kept. Returns whether kept."""
         if state.dropped_features or not state.tokens:
             return False
-        ahead = max((c.offset for c in state.cache if hasattr(c, "offset")), default=len(state.tokens))
-        ahead -= len(state.tokens)
-        if ahead and not self.trimmable:
-            return False
-        if copy_state:
-            state = copy.deepcopy(state)
+        ahead = max((c.offset for c in state.cache if c.is_trimmable()), default=len(state.tokens))
+        ahead -= len(state.tokens)  # mid plain steps, the target's cache holds one token more
         for c in state.cache if ahead else ():
-            c.trim(ahead)
+            if c.is_trimmable():
+                c.trim(ahead)
+        if not self.trimmable:
+            checkpoints = dict(checkpoints or {})
+            if not ahead:
+                checkpoints[len(state.tokens)] = checkpoint(state.cache)
+            if not checkpoints:
+                return False
         mx.eval([c.state for c in state.cache], state.context, [_drafter_arrays(c) for c in state.draft_cache])
-        entry = entry_of(state, self.trimmable)
         key = tuple(state.tokens)
+        entry = Entry(np.array(key, dtype=np.int32), state, None if self.trimmable else checkpoints)
         with self._lock:
             self._entries.pop(key, None)
-            if entry.trimmable:  # its prefixes are served by trimming it: they only take space
-                for other in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
-                    self._forget(other)
+            for older in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
+                folded = self._entries[older].checkpoints
+                if folded is not None:  # its checkpoints stay good for the newer state, which holds them all
+                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints})
+                self._forget(older)
             self._entries[key] = entry
             self._evict()
             kept = key in self._entries
         if kept and self.directory is not None:
-            self._save(entry)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_entry(self._file(entry.tokens), entry, self.identity)
         return kept
 
     def _evict(self):
@@ -218,76 +259,113 @@ class PromptCache:
                     "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
                     "cached_tokens": self.cached_tokens}
 
-    # Persistence: one safetensors file per entry.
+    # Persistence: one file per entry in `directory`, or one file for `generate --prompt-cache-file`.
     def _file(self, tokens: np.ndarray) -> Path:
         digest = hashlib.sha256(self.identity.encode() + tokens.tobytes()).hexdigest()[:24]
         return self.directory / f"{digest}.safetensors"
-
-    def _save(self, entry: Entry):
-        state = entry.state
-        layers = list(state.cache) + [ArraysCache(2) for _ in state.draft_cache] + [ArraysCache(2)]
-        for holder, c in zip(layers[len(state.cache):], state.draft_cache):
-            holder.cache = _drafter_arrays(c)
-        layers[-1].cache = [mx.array(entry.tokens), state.context]
-        metadata = {"format": FORMAT, "identity": self.identity, "target_layers": str(len(state.cache)),
-                    "trimmable": str(entry.trimmable), "saved": str(time.time())}
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self._file(entry.tokens)
-        partial = final.with_name(f".{final.stem}.partial.safetensors")
-        try:
-            save_prompt_cache(str(partial), layers, metadata)
-            os.replace(partial, final)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
 
     def _load_directory(self):
         """Entries of this pair from the directory, oldest first (so the newest are kept); files of another
         pair or format are left alone, unreadable ones skipped."""
         if not self.directory.is_dir():
             return
-        files = sorted(self.directory.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)
-        for f in files:
-            if f.name.startswith("."):
-                continue
-            try:
-                layers, metadata = load_prompt_cache(str(f), return_metadata=True)
-            except Exception:  # a torn or foreign file: never fatal
-                continue
-            if metadata.get("format") != FORMAT or metadata.get("identity") != self.identity:
-                continue
-            n = int(metadata["target_layers"])
-            tokens, context = layers[-1].cache
-            draft_cache = []
-            for holder in layers[n:-1]:
-                c = KVCache()
-                keys, values = holder.cache
-                if keys is not None:
-                    c.update_and_fetch(keys, values)
-                draft_cache.append(c)
-            state = DecodeState(layers[:n], draft_cache, tokens.tolist(), context)
-            entry = entry_of(state, metadata.get("trimmable") == "True")
-            self._entries[tuple(state.tokens)] = entry
+        for f in sorted(self.directory.glob("*.safetensors"), key=lambda f: f.stat().st_mtime):
+            entry = None if f.name.startswith(".") else read_entry(f, self.identity)
+            if entry is not None:
+                self._entries[tuple(entry.state.tokens)] = entry
         self._evict()
+
+    def save_file(self, path, tokens: list) -> bool:
+        """Write the entry a later prompt starting like `tokens` would start from to `path` (atomically),
+        as `generate --prompt-cache-file` keeps it between runs. Returns whether there was one."""
+        key, _ = self.best(list(tokens) + [-1])  # as if one more token followed: all of `tokens` counts
+        if key is None:
+            return False
+        write_entry(Path(path), self._entries[key], self.identity)
+        return True
+
+    def load_file(self, path) -> bool:
+        """Take the entry in `path` (written by save_file) if it belongs to this pair. Returns whether it did."""
+        entry = read_entry(Path(path), self.identity) if Path(path).is_file() else None
+        if entry is not None:
+            self._entries[tuple(entry.state.tokens)] = entry
+            self._evict()
+        return entry is not None
+
+
+def write_entry(path: Path, entry: Entry, identity: str):
+    """One kept state as a safetensors file (mlx-lm's prompt-cache format): the target's cache layers, one
+    ArraysCache per drafter layer (keys, values), one per checkpoint (its recurrent arrays, layer by layer),
+    and last one holding (tokens, unread feature rows)."""
+    state, points = entry.state, sorted((entry.checkpoints or {}).items())
+    holders = []
+    for c in state.draft_cache:
+        holders.append(ArraysCache(2))
+        holders[-1].cache = _drafter_arrays(c)
+    for _, point in points:
+        holders.append(ArraysCache(0))
+        holders[-1].cache = [a for layer in sorted(point) for a in point[layer]]
+    holders.append(ArraysCache(2))
+    holders[-1].cache = [mx.array(entry.tokens), state.context]
+    metadata = {"format": FORMAT, "identity": identity, "target_layers": str(len(state.cache)),
+                "drafter_layers": str(len(state.draft_cache)),
+                "checkpoints": json.dumps(None if entry.checkpoints is None else
+                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points])}
+    partial = path.with_name(f".{path.stem}.partial.safetensors")
+    try:
+        save_prompt_cache(str(partial), list(state.cache) + holders, metadata)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def read_entry(path: Path, identity: str) -> Optional[Entry]:
+    """The kept state in `path`, or None if it is unreadable, of another format or of another pair."""
+    try:
+        layers, metadata = load_prompt_cache(str(path), return_metadata=True)
+        if metadata.get("format") != FORMAT or metadata.get("identity") != identity:
+            return None
+        n, d = int(metadata["target_layers"]), int(metadata["drafter_layers"])
+        layout = json.loads(metadata["checkpoints"])
+    except Exception:  # a torn or foreign file: never fatal
+        return None
+    draft_cache = []
+    for holder in layers[n : n + d]:
+        c = KVCache()
+        keys, values = holder.cache
+        if keys is not None:
+            c.update_and_fetch(keys, values)
+        draft_cache.append(c)
+    checkpoints = None
+    if layout is not None:
+        checkpoints = {}
+        for (position, counts), holder in zip(layout, layers[n + d : -1]):
+            arrays, point = list(holder.cache), {}
+            for layer, count in counts.items():
+                point[int(layer)], arrays = arrays[:count], arrays[count:]
+            checkpoints[position] = point
+    tokens, context = layers[-1].cache
+    return Entry(np.array(tokens, dtype=np.int32), DecodeState(layers[:n], draft_cache, tokens.tolist(), context),
+                 checkpoints)
 
 
 def rungs(prompt_tokens: int, boundaries=()) -> list:
-    """Where a hybrid target's states are kept inside a prompt: the given boundaries (chat message ends),
-    every RUNG_EVERY tokens, and one token before the end."""
+    """Where a hybrid target's state is checkpointed inside a prompt: the given boundaries (chat message
+    ends), every RUNG_EVERY tokens, and one token before the end."""
     marks = set(boundaries) | set(range(RUNG_EVERY, prompt_tokens, RUNG_EVERY)) | {prompt_tokens - 1}
     return sorted(b for b in marks if 0 < b < prompt_tokens)
 
 
-def read_to_rungs(target, state: DecodeState, ids: list, prompt_cache: PromptCache, boundaries=(),
-                  step: int = 2048, progress=None) -> DecodeState:
-    """Read the prompt into `state` up to each rung past what it holds, keeping a copy at each, for a target
-    whose state cannot be trimmed (the decoder reads the rest)."""
+def read_to_rungs(target, state: DecodeState, ids: list, checkpoints: dict, boundaries=(), step: int = 2048,
+                  progress=None) -> DecodeState:
+    """For a target whose state cannot be trimmed: read the prompt into `state` up to each rung past what it
+    holds, checkpointing the recurrent layers at each (into `checkpoints`); the decoder reads the rest."""
     for mark in rungs(len(ids), boundaries):
         start = len(state.tokens)
         if mark <= start:
             continue
         report = None if progress is None else (lambda done, _, start=start: progress(start + done, len(ids)))
-        features = target.read(mx.array(ids[start:mark]), state.cache, step, report)
-        state.extend(ids[start:mark], features)
-        prompt_cache.insert(state, copy_state=True)
+        state.extend(ids[start:mark], target.read(mx.array(ids[start:mark]), state.cache, step, report))
+        checkpoints[mark] = checkpoint(state.cache)
     return state

@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from .errors import DFlashError
-from .options import check_rank_timeout, pair_options, sampling_options, shard_options, width_options
+from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_options,
+                      shard_options, width_options)
 from .policy import build_policy, check_width_options
 from .sampling import SamplingParams
 
@@ -25,9 +26,17 @@ from .sampling import SamplingParams
 @click.option("--max-tokens", default=256, show_default=True, type=int, help="Default for requests without max_tokens.")
 @sampling_options
 @width_options
+@click.option("--prompt-cache-size", default=10, show_default=True, type=int,
+              help="Conversation states the prefix cache keeps (least recently used go first); 0 turns it off.")
+@click.option("--prompt-cache-bytes", default=None, type=int,
+              help="Most bytes the kept states may take (default: a quarter of this machine's memory).")
+@click.option("--prompt-cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Also keep the states on disk here, so a restart keeps them (one file each, naming its pair).")
+@kv_options
 @shard_options
 def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, max_body_bytes, max_tokens, temp,
-         top_p, top_k, min_p, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup, shard, rank_timeout):
+         top_p, top_k, min_p, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size,
+         prompt_cache_bytes, prompt_cache_dir, kv_bits, kv_group_size, quantized_kv_start, shard, rank_timeout):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
     --max-tokens and the sampling flags are the defaults of requests that leave those fields out.
@@ -40,6 +49,9 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
 
     if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
         raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
+    if prompt_cache_size < 0 or (prompt_cache_bytes is not None and prompt_cache_bytes < 1):
+        raise DFlashError("--prompt-cache-size must be at least 0 (0 turns the cache off), --prompt-cache-bytes "
+                          "at least 1")
     sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     check_width_options(width, n_max, cost_table)
     rank = 0
@@ -55,6 +67,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
         else:
             target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path or shipped_drafter_dir(),
                                                                   shard, "serve")
+        apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
         policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
         for note in policy.notes if rank == 0 else ():
             click.echo(note, err=True)
@@ -74,7 +87,12 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
                           api_key=api_key, max_body_bytes=max_body_bytes)
     if shard:
         from .server.sharded import ShardedEngine as Engine
-    engine = Engine(load_models, max_queue)  # a load error ends here, in one line, as for other commands
+    prompt_cache = None
+    if prompt_cache_size and not shard:
+        prompt_cache = dict(max_entries=prompt_cache_size, max_bytes=prompt_cache_bytes, directory=prompt_cache_dir)
+    elif prompt_cache_size:
+        click.echo("note: --shard: the prefix cache is off (each rank would keep its own shard's states)", err=True)
+    engine = Engine(load_models, max_queue, prompt_cache)  # a load error ends here, in one line, as for other commands
     try:
         run_server(engine, config, sock)
     except DFlashError as e:  # a sharded server lost a rank

@@ -154,7 +154,9 @@ def load_target(path_or_repo: str):
         model, tokenizer = mlx_lm_load(str(path))
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise DFlashError(f"mlx-lm cannot load target model {path}: {e}") from None
-    return Target(model), tokenizer
+    target = Target(model)
+    target.source = path
+    return target, tokenizer
 
 
 def load_drafter(path_or_repo: str):

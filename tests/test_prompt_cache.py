@@ -176,6 +176,21 @@ def test_a_kv_group_size_that_does_not_divide_the_head_dim_is_refused(tiny_chat_
         Target(tiny_chat_pair[0].model).quantize_kv(8, group_size=32)
 
 
+def test_a_hybrid_state_that_a_newer_one_extends_is_folded_into_it(pairs):
+    pair = pairs["hybrid"]
+    cache = new_cache(pair[0])
+    first = conversation(pair[2], TURNS[:1], [None])
+    answer(pair, first, cache)
+    (kept,) = cache._entries.values()
+    older = set(kept.checkpoints)
+    assert {len(first) - 1, len(kept.tokens)} <= older  # one token before the prompt's end, and its end
+    extended = kept.tokens.tolist() + chat_ids(pair[2], "Go on.")  # exactly what the first state holds, then more
+    warm = answer(pair, extended, cache)
+    assert warm.stats.cached_tokens == len(kept.tokens) and warm.tokens == answer(pair, extended).tokens
+    (entry,) = cache._entries.values()  # one state per conversation: the older one was folded in
+    assert older < set(entry.checkpoints)
+
+
 def test_rungs_mark_message_ends_long_prompts_and_the_last_token():
     assert rungs(10, [3, 7]) == [3, 7, 9]
     assert rungs(5000, [100]) == [100, 2048, 4096, 4999]

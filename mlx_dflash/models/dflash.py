@@ -169,6 +169,7 @@ class DFlashDraftModel(nn.Module):
         # drafter's module tree (saving, quantizing or training the drafter leaves them alone).
         self._borrowed: Optional[Borrowed] = None
         self._draft_vocab: Optional[mx.array] = None  # token ids the drafts come from (None: all)
+        self.source = None  # the checkpoint directory, when loaded from one
 
     @property
     def draft_vocab(self) -> Optional[mx.array]:

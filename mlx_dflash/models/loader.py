@@ -51,6 +51,7 @@ def drafter_from_dir(path: Path) -> DFlashDraftModel:
     load_strict(model, weights, where=str(path))
     model.set_draft_vocab(draft_vocab, where=str(path))
     model.eval()
+    model.source = path  # the directory it came from (what a kept prefix-cache state names)
     return model
 
 

@@ -63,6 +63,7 @@ class Target:
         self._attention = ([], "mlx")  # (sites, route) of the verify forward's attention (verify_attention.py)
         self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
         self.kv_quantization = None  # (bits, group_size, start): see quantize_kv
+        self.source = None  # the model directory, when loaded from one
 
     def quantize_kv(self, bits: int, group_size: int = 64, start: int = 0):
         """Store attention keys and values quantized (mlx-lm's QuantizedKVCache) once a cache holds more than

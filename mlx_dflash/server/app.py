@@ -25,11 +25,13 @@ from typing import Optional
 import mlx.core as mx
 
 from ..generate import GenerationStats, encode_prompt, stream_generate
+from ..prompt_cache import PromptCache, pair_identity
 from ..errors import DFlashError
 from .protocol import (APIError, Defaults, GenerationRequest, Outcome, StopMatcher, chunk_body,
                              completion_body, parse_chat, parse_completion, usage_chunk_body)
 
 log = logging.getLogger("mlx_dflash.server")
+MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
 
 
 @dataclass
@@ -43,8 +45,9 @@ class ServerConfig:
 class Job:
     """One request on its way through the engine. The engine thread talks to it through emit()."""
 
-    def __init__(self, request: GenerationRequest, prompt_ids: list):
+    def __init__(self, request: GenerationRequest, prompt_ids: list, boundaries=()):
         self.request, self.prompt_ids = request, prompt_ids
+        self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
@@ -88,8 +91,10 @@ class Engine:
 
     fatal_errors: tuple = ()  # errors after which the engine stops (none for one process)
 
-    def __init__(self, load, max_queue: int = 16):
+    def __init__(self, load, max_queue: int = 16, prompt_cache: Optional[dict] = None):
         self.max_queue = max_queue
+        self.prompt_cache_settings = prompt_cache  # PromptCache keywords (max_entries, ...); None: no cache
+        self.prompt_cache: Optional[PromptCache] = None
         self.failure: Optional[Exception] = None  # why the engine stopped, if it did
         self.on_failure = None  # called (from the engine thread) when it does
         self.waiting = 0  # submitted, not yet started
@@ -135,6 +140,9 @@ class Engine:
 
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
+        if self.prompt_cache_settings is not None:
+            self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
+                                            **self.prompt_cache_settings)
 
     def _next_job(self) -> Optional[Job]:
         return self._jobs.get()
@@ -217,7 +225,8 @@ class Engine:
     def _responses(self, job: Job):
         req = job.request
         return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
-                               seed=req.seed, policy=self.policy, **req.sampling.keywords())
+                               seed=req.seed, policy=self.policy, prompt_cache=self.prompt_cache,
+                               boundaries=job.boundaries, **req.sampling.keywords())
 
     def _ended_early(self):
         pass  # one process: closing the generator was all
@@ -242,6 +251,20 @@ class Engine:
         if not ids:
             raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
         return ids
+
+    def message_boundaries(self, req: GenerationRequest, ids: list) -> list:
+        """Where the last few chat messages end in `ids`, when the prefix cache keeps a hybrid target's state
+        only at chosen positions (a trimmable state serves every prefix: nothing to mark)."""
+        if req.kind != "chat" or self.prompt_cache is None or self.prompt_cache.trimmable:
+            return []
+        marks = []
+        for n in range(max(1, len(req.prompt) - MARKED_MESSAGES), len(req.prompt)):
+            try:
+                head = encode_prompt(self.tokenizer, req.prompt[:n], chat_template=True)
+            except Exception:  # a template that refuses a partial conversation: no mark there
+                continue
+            marks.append(next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))))
+        return marks
 
 
 def _sse(body: dict) -> str:
@@ -275,7 +298,10 @@ def make_app(engine: Engine, config: ServerConfig):
     model_card = {"id": config.model_name, "object": "model", "created": started, "owned_by": "mlx-dflash"}
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": config.model_name, "waiting": engine.waiting})
+        body = {"status": "ok", "model": config.model_name, "waiting": engine.waiting}
+        if engine.prompt_cache is not None:
+            body["prompt_cache"] = engine.prompt_cache.stats()
+        return JSONResponse(body)
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [model_card]})
@@ -303,7 +329,8 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def generate(request, parse):
         req = parse(await read_json(request), config.defaults, config.model_name)
-        job = Job(req, engine.prompt_ids(req))
+        ids = engine.prompt_ids(req)
+        job = Job(req, ids, engine.message_boundaries(req, ids))
         engine.submit(job)
         info = _log_info(request)
         _record(info, req, None)

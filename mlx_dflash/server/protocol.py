@@ -214,8 +214,10 @@ class Outcome:
     seconds: float = 0.0
 
     def usage(self) -> dict:
+        cached = self.stats.cached_tokens if self.stats is not None else 0
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def speculative(self) -> dict:
         s = self.stats
@@ -227,6 +229,8 @@ class Outcome:
             "block_size": s.block_size,
             "max_width": s.max_width,
             "prefill_tokens_per_s": round(s.prefill_tps, 2),
+            "cached_tokens": s.cached_tokens,
+            "prefill_seconds_saved": round(s.prefill_seconds_saved, 3),
             "decode_tokens_per_s": round(s.decode_tps, 2),
             "queue_seconds": round(self.queue_seconds, 4),
             "seconds": round(self.seconds, 4),

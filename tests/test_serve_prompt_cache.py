@@ -1,0 +1,85 @@
+"""The server's prefix cache as clients see it: a conversation's later turns report their cached prompt
+tokens (OpenAI's usage.prompt_tokens_details.cached_tokens) and answer as a server without the cache does;
+/health reports the cache; concurrent clients leave it consistent."""
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from serving import MODEL, client, running
+from test_prompt_cache import HYBRID, tiny_target
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
+
+SYSTEM = "You answer in short sentences. " * 8
+QUESTIONS = ["What is the sea?", "Why is it salty?", "How deep is it?"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    return target, drafter, tokenizer
+
+
+def chat(c, messages, **kw):
+    return c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **kw)
+
+
+def converse(c, questions=QUESTIONS, stream=False):
+    """A multi-turn chat: each turn sends the whole conversation so far. Returns [(text, cached tokens)]."""
+    messages, out = [{"role": "system", "content": SYSTEM}], []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        if stream:
+            chunks = list(chat(c, messages, stream=True, stream_options={"include_usage": True}))
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+        else:
+            r = chat(c, messages)
+            text, cached = r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+        messages.append({"role": "assistant", "content": text})
+        out.append((text, cached))
+    return out
+
+
+def health(url):
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_later_turns_are_cached_and_answer_as_a_server_without_the_cache(pair, kind):
+    if kind == "hybrid":
+        target = tiny_target(HYBRID, pair[0].vocab_size, seed=3)
+        config = drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2)
+        pair = (target, init_drafter(config, seed=0).bind(target), pair[2])
+    with running(pair) as (url, _):
+        cold = converse(client(url))
+    with running(pair, prompt_cache=dict(max_entries=8)) as (url, engine):
+        warm = converse(client(url))
+        streamed = converse(client(url), stream=True)  # the same conversation again: longer hits still
+        stats = health(url)["prompt_cache"]
+    assert [t for t, _ in warm] == [t for t, _ in cold] == [t for t, _ in streamed]
+    assert warm[0][1] == 0 and all(cached > 50 for _, cached in warm[1:])  # the system prompt and more
+    assert all(s[1] >= w[1] for s, w in zip(streamed, warm))
+    assert 0 < stats["entries"] <= 8 and stats["bytes"] > 0 and stats["hits"] >= 2 * len(QUESTIONS) - 1
+
+
+def test_concurrent_clients_leave_the_cache_consistent(pair):
+    conversations = [[f"Question {i}.{j}: tell me about topic {i}." for j in range(2)] for i in range(4)]
+    with running(pair) as (url, _):
+        want = [converse(client(url), qs) for qs in conversations]
+    got = [None] * len(conversations)
+    with running(pair, prompt_cache=dict(max_entries=3)) as (url, engine):
+        def talk(i):
+            got[i] = converse(client(url), conversations[i])
+
+        threads = [threading.Thread(target=talk, args=(i,)) for i in range(len(conversations))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        stats = health(url)["prompt_cache"]
+    assert [[t for t, _ in c] for c in got] == [[t for t, _ in c] for c in want]
+    assert stats["entries"] <= 3 and stats["hits"] + stats["misses"] == 2 * len(conversations)
