@@ -195,3 +195,24 @@ def test_rungs_mark_message_ends_long_prompts_and_the_last_token():
     assert rungs(10, [3, 7]) == [3, 7, 9]
     assert rungs(5000, [100]) == [100, 2048, 4096, 4999]
     assert rungs(1, []) == []
+
+
+@pytest.mark.slow
+def test_the_shipped_pair_answers_a_chat_alike_with_the_cache(smollm2):
+    """The real SmolLM2 target and the shipped drafter: a 3-turn chat with a long system prompt; every turn
+    equals a cold start, and the later turns read only what is new."""
+    from mlx_dflash.downloads import shipped_drafter_dir
+    from mlx_dflash.models.loader import drafter_from_dir
+
+    target, tokenizer = smollm2
+    pair = (target, drafter_from_dir(shipped_drafter_dir()).bind(target), tokenizer)
+    cache = new_cache(target)
+    answers, previous = [], []
+    for i in range(len(TURNS)):
+        ids = conversation(tokenizer, TURNS[: i + 1], answers + [None])
+        warm = generate(*pair, ids, max_tokens=24, prompt_cache=cache)
+        cold = generate(*pair, ids, max_tokens=24)
+        assert warm.tokens == cold.tokens
+        assert warm.stats.cached_tokens >= len(previous) - 1
+        answers.append(str(cold))
+        previous = ids
