@@ -9,14 +9,12 @@ speculative statistics.
 
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import click
 import mlx.core as mx
 
-from .decoder import DecodeState, Round, speculative_rounds
+from .decoder import DecodeState, speculative_rounds
 from .distributed import SingleProcess
 from .errors import DFlashError
 from .models.base import DraftModel
@@ -25,82 +23,8 @@ from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_opt
                       shard_options, width_options)
 from .policy import WidthPolicy, build_policy, check_width_options
 from .prompt_cache import PromptCache, pair_identity, read_to_rungs
+from .responses import GenerationResponse, GenerationStats, ResponseStream
 from .sampling import SamplingParams
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0  # a stop token counts, as in mlx-lm
-    rounds: int = 0  # verify rounds (the prefill's first token is not one)
-    accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
-    widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
-    looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
-    cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
-    prefill_seconds_saved: float = 0.0  # what reading them would have cost, at recent prefill speed
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    peak_memory_gb: float = 0.0
-    block_size: int = 0
-    max_width: int = 0
-    notes: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length: tokens per verify round, bonus token included."""
-        total = sum(n * c for n, c in self.accepted_lengths.items())
-        return total / self.rounds if self.rounds else 0.0
-
-    @property
-    def prefill_tps(self) -> float:
-        """Prompt tokens read per second (those a prefix cache held were not read)."""
-        read = self.prompt_tokens - self.cached_tokens
-        return read / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        decoded = self.generated_tokens - 1  # the first token belongs to the prefill
-        return decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
-
-    def count(self, rnd: Round):
-        """A verify round (or plain step) seen."""
-        self.rounds += 1
-        self.accepted_lengths[len(rnd.tokens)] += 1
-        self.widths[rnd.width] += 1
-        self.looked_up_rounds += rnd.looked_up > 0
-
-    def summary(self) -> str:
-        hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
-        cached = f" ({self.cached_tokens} cached, ~{self.prefill_seconds_saved:.1f} s saved)" if self.cached_tokens else ""
-        lines = [
-            f"prompt: {self.prompt_tokens} tokens{cached}, {self.prefill_tps:.1f} tokens/s",
-            f"generation: {self.generated_tokens} tokens, {self.decode_tps:.1f} tokens/s, "
-            f"{self.rounds} rounds, tau {self.tau:.2f} (block {self.block_size}, verify width <= {self.max_width})",
-            f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
-            "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths))
-            + f"; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
-            f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",
-        ]
-        return "\n".join(lines)
-
-
-@dataclass
-class GenerationResponse:
-    """One generated token, with mlx-lm's fields (`mlx_lm.generate.GenerationResponse`) and ours."""
-
-    text: str  # new text since the previous response
-    token: int
-    logprobs: Optional[mx.array]  # [V] the target's log-probabilities for this token's position
-    from_draft: bool  # a drafted token the target kept (else the target's own choice)
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float  # GB
-    finish_reason: Optional[str] = None  # "stop" or "length" on the last response
-    round: Optional[Round] = None  # the round that emitted this token (its tokens, acceptance, width)
-    stats: Optional[GenerationStats] = None  # running totals; final once finish_reason is set
 
 
 class GeneratedText(str):
@@ -204,48 +128,16 @@ def stream_generate(
             read_to_rungs(target, state, ids, checkpoints, boundaries, prefill_step_size, prompt_progress_callback)
     rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
                                 ranks, prompt_progress_callback, state)
+    stream = ResponseStream(tokenizer, stats, max_tokens, tic, prompt_cache)
     try:
-        yield from _responses(rounds, stats, tokenizer, ids, max_tokens, tic, prompt_cache)
+        for rnd in rounds:
+            yield from stream.feed(rnd)
+            if stream.finished:
+                return
     finally:
         rounds.close()
         if prompt_cache is not None:
             prompt_cache.insert(state, checkpoints)
-
-
-def _responses(rounds, stats: GenerationStats, tokenizer, ids: list, max_tokens: int, tic: float, prompt_cache):
-    """The rounds' tokens as per-token responses, up to the first stop token or max_tokens."""
-    stop_ids = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    for i, rnd in enumerate(rounds):
-        if i == 0:
-            stats.prefill_seconds = time.perf_counter() - tic
-            if prompt_cache is not None:
-                prompt_cache.observe_prefill(len(ids) - stats.cached_tokens, stats.prefill_seconds)
-            tic = time.perf_counter()
-        else:
-            stats.count(rnd)
-            stats.decode_seconds = time.perf_counter() - tic
-        for j, token in enumerate(rnd.tokens):
-            # Stop at the first stop token (not part of the text) or at max_tokens; nothing past either.
-            stats.generated_tokens += 1
-            if token in stop_ids:
-                stats.finish_reason = "stop"
-            else:
-                detokenizer.add_token(token)
-                if stats.generated_tokens == max_tokens:
-                    stats.finish_reason = "length"
-            if stats.finish_reason:
-                detokenizer.finalize()
-                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            yield GenerationResponse(
-                text=detokenizer.last_segment, token=token,
-                logprobs=None if rnd.logprobs is None else rnd.logprobs[j], from_draft=j < rnd.accepted,
-                prompt_tokens=len(ids), prompt_tps=stats.prefill_tps, generation_tokens=stats.generated_tokens,
-                generation_tps=stats.decode_tps, peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=stats.finish_reason, round=rnd, stats=stats)
-            if stats.finish_reason:
-                return
 
 
 def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False,

@@ -129,6 +129,59 @@ def make_policy(
     return policy
 
 
+class Calibration:
+    """The chance that a draft is kept once the drafts before it were, learned as rounds run: for the
+    drafter's own drafts, the acceptance rate seen so far of drafts whose top-1 probability fell in the
+    same tenth of [0, 1] (starting from the raw probability); for drafts prompt lookup proposed, the rate
+    seen so far at that position (starting from lookup.py's measured prior)."""
+
+    BINS = 10
+    PRIOR = 4.0  # pseudo-observations of the prior in each bin
+
+    def __init__(self, block_size: int):
+        self.hits, self.trials = np.zeros(self.BINS), np.zeros(self.BINS)
+        self.lookup_hits, self.lookup_trials = np.zeros(block_size), np.zeros(block_size)  # by draft position
+
+    def calibrated(self, confidence: float) -> float:
+        b = min(int(confidence * self.BINS), self.BINS - 1)
+        return (self.hits[b] + self.PRIOR * confidence) / (self.trials[b] + self.PRIOR)
+
+    def looked_up_acceptance(self, k: int) -> float:
+        """The observed chance that looked-up draft k+1 is kept once the ones before it were."""
+        prior = ACCEPTANCE_PRIOR[min(k, len(ACCEPTANCE_PRIOR) - 1)]
+        return (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
+
+    def expected_tokens(self, confidence: list, width: int, looked_up: int = 0) -> float:
+        """Tokens a round verifying `width` rows emits in expectation: 1 + sum_k prod_{j<=k} a_j."""
+        expected, survive = 1.0, 1.0
+        for k, c in enumerate(confidence[: width - 1]):
+            survive *= self.looked_up_acceptance(k) if k < looked_up else self.calibrated(c)
+            expected += survive
+        return expected
+
+    def record(self, confidence: list, drafted: int, accepted: int, looked_up: int = 0):
+        """A round's verdict. Drafts up to the first rejection were judged; later ones say nothing."""
+        for k in range(min(accepted + 1, drafted)):
+            if k < looked_up:
+                self.lookup_trials[k] += 1
+                self.lookup_hits[k] += k < accepted
+            else:
+                b = min(int(confidence[k] * self.BINS), self.BINS - 1)
+                self.trials[b] += 1
+                self.hits[b] += k < accepted
+
+
+def observe_cost(costs: dict, width: int, seconds: float, weight: float):
+    """A measured cost moves costs[width] by `weight`; more rows never cost less, so it bounds the narrower
+    widths from above and the wider ones from below, also those not tried yet."""
+    costs[width] = running(costs[width], seconds, weight)
+    for v in costs:
+        if v < width:
+            costs[v] = min(costs[v], costs[width])
+        elif v > width:
+            costs[v] = max(costs[v], costs[width])
+
+
 class CostAwarePolicy(WidthPolicy):
     """`--width auto`: each round, the verify width with the most expected tokens per second.
 
@@ -159,8 +212,6 @@ class CostAwarePolicy(WidthPolicy):
     costs do not drift with context length within a run (the running averages follow slow drift).
     """
 
-    BINS = 10
-    PRIOR = 4.0  # pseudo-observations of the raw probability in each bin
     SMOOTHING = 0.2  # weight of a new timing in the running averages
     MEASURE_STEPS = 4  # plain steps that measure the plain rate
     REFRESH_EVERY = 64  # while drafting pays, re-measure the plain rate after this many rounds
@@ -171,10 +222,7 @@ class CostAwarePolicy(WidthPolicy):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
         self.verify_seconds = interpolate_costs(verify_seconds, max(block_size, max_width))
         self.draft_seconds = 0.0
-        self.hits = np.zeros(self.BINS)
-        self.trials = np.zeros(self.BINS)
-        self.lookup_hits = np.zeros(block_size)  # by draft position, for drafts prompt lookup proposed
-        self.lookup_trials = np.zeros(block_size)
+        self.calibration = Calibration(block_size)
         self.drafting_rate = None  # tokens/s expected of rounds that run the drafter
         self.plain_rate = None  # tokens/s of plain target steps, as observed
         self.probe_next = False  # the last call planned plain steps: draft once now
@@ -208,25 +256,10 @@ class CostAwarePolicy(WidthPolicy):
         weight = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
         self.plain_rate = running(self.plain_rate, tokens / seconds, weight)
 
-    def calibrated(self, confidence: float) -> float:
-        b = min(int(confidence * self.BINS), self.BINS - 1)
-        return (self.hits[b] + self.PRIOR * confidence) / (self.trials[b] + self.PRIOR)
-
-    def looked_up_acceptance(self, k: int) -> float:
-        """The observed chance that looked-up draft k+1 is kept once the ones before it were."""
-        prior = ACCEPTANCE_PRIOR[min(k, len(ACCEPTANCE_PRIOR) - 1)]
-        return (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
-
-    def expected_tokens(self, confidence: list, width: int, looked_up: int = 0) -> float:
-        expected, survive = 1.0, 1.0
-        for k, c in enumerate(confidence[: width - 1]):
-            survive *= self.looked_up_acceptance(k) if k < looked_up else self.calibrated(c)
-            expected += survive
-        return expected
-
     def expected_rate(self, confidence: list, width: int, looked_up: int = 0) -> float:
         """Expected tokens per second of a round verifying `width` rows, at the current costs."""
-        return self.expected_tokens(confidence, width, looked_up) / (self.draft_seconds + self.verify_seconds[width])
+        expected = self.calibration.expected_tokens(confidence, width, looked_up)
+        return expected / (self.draft_seconds + self.verify_seconds[width])
 
     def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
         width = super().cut(width, confidence, looked_up)  # p_min / n_min first, when given
@@ -240,25 +273,8 @@ class CostAwarePolicy(WidthPolicy):
             self.plain_rate = running(self.plain_rate, (accepted + 1) / (draft_seconds + verify_seconds), a)
         if drafted:
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
-        w = drafted + 1
-        costs = self.verify_seconds
-        costs[w] = running(costs[w], verify_seconds, a)
-        # More rows never cost less: a width's observed cost bounds the narrower ones from above and the
-        # wider ones from below, also those not tried yet.
-        for v in costs:
-            if v < w:
-                costs[v] = min(costs[v], costs[w])
-            elif v > w:
-                costs[v] = max(costs[v], costs[w])
-        # Drafts up to the first rejection were judged; later ones say nothing.
-        for k in range(min(accepted + 1, drafted)):
-            if k < looked_up:
-                self.lookup_trials[k] += 1
-                self.lookup_hits[k] += k < accepted
-            else:
-                b = min(int(confidence[k] * self.BINS), self.BINS - 1)
-                self.trials[b] += 1
-                self.hits[b] += k < accepted
+        observe_cost(self.verify_seconds, drafted + 1, verify_seconds, a)
+        self.calibration.record(confidence, drafted, accepted, looked_up)
 
 
 def running(average: Optional[float], value: float, weight: float) -> float:

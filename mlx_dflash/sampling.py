@@ -95,7 +95,7 @@ def _leading_true(keep: mx.array) -> mx.array:
 
 
 def rejection_accept(drafts: mx.array, p: mx.array, q: Optional[mx.array] = None,
-                     candidates: Optional[mx.array] = None) -> tuple:
+                     candidates: Optional[mx.array] = None, key: Optional[mx.array] = None) -> tuple:
     """(number of drafts kept, next token), lazy, by speculative rejection sampling.
 
     p: target probabilities [n+1, V] (row i is the distribution of the token drafts[i] stands for).
@@ -103,15 +103,16 @@ def rejection_accept(drafts: mx.array, p: mx.array, q: Optional[mx.array] = None
     [n, k] over the tokens `candidates` [n, k] (k distinct tokens per row, q zero outside them), as DFlash 2's
     candidate selector proposes. Each q[i] may depend on the drafts before it (the selector's walk):
     rejection sampling stays exact, since draft i is only judged once the drafts it was conditioned on
-    were kept.
+    were kept. key: a random stream of the caller's own (a batch row's), else MLX's global one.
 
     Draft i is kept with probability min(1, p(d)/q(d)); at the first rejection the token is drawn from
     normalize(max(p - q, 0)) of that row, and when all are kept from p's last row. Everything stays on
     the device, so the caller reads the count and the token back at once.
     """
     n = drafts.size
+    keys = (None, None) if key is None else mx.random.split(key)
     if n == 0:
-        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(p[0]))
+        return mx.array(0, dtype=mx.int32), mx.random.categorical(mx.log(p[0]), key=keys[1])
     rows = mx.arange(n)
     p_d = p[rows, drafts]
     if q is None:
@@ -120,7 +121,7 @@ def rejection_accept(drafts: mx.array, p: mx.array, q: Optional[mx.array] = None
         q_d = q[rows, drafts]
     else:
         q_d = (q[:n] * (candidates[:n] == drafts[:, None])).sum(axis=-1)
-    accepted = _leading_true(mx.random.uniform(shape=(n,)) * q_d < p_d)
+    accepted = _leading_true(mx.random.uniform(shape=(n,), key=keys[0]) * q_d < p_d)
     row = mx.minimum(accepted, n - 1)  # the rejected draft's row (unused when all were kept)
     p_row = mx.take(p, row, axis=0)
     if q is None:
@@ -134,7 +135,7 @@ def rejection_accept(drafts: mx.array, p: mx.array, q: Optional[mx.array] = None
     # If p is (numerically) no wider than q the residual vanishes; p itself is then the exact answer.
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_row)
     final = mx.where(accepted == n, p[n], residual)
-    return accepted, mx.random.categorical(mx.log(final))
+    return accepted, mx.random.categorical(mx.log(final), key=keys[1])
 
 
 def accept(drafts: mx.array, target_logits: mx.array, params: SamplingParams, proposal=None) -> tuple:

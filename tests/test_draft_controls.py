@@ -74,7 +74,7 @@ def test_auto_width_calibrates_on_observed_acceptance():
     for round_ in range(200):  # verify 4 drafts; the first is accepted one round in five
         policy.observe(confidence, drafted=4, accepted=1 if round_ % 5 == 0 else 0,
                        draft_seconds=0.01, verify_seconds=cost[5])
-    assert abs(policy.calibrated(0.95) - 0.2) < 0.05
+    assert abs(policy.calibration.calibrated(0.95) - 0.2) < 0.05
     assert policy.cut(16, confidence) <= 2
 
 

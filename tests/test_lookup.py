@@ -152,11 +152,11 @@ def test_replayed_acceptance_with_lookup_equals_decoding(pair, greedy):
 
 def test_auto_learns_looked_up_acceptance_apart_from_the_drafters():
     policy = CostAwarePolicy(16, 16, {1: 0.1, 16: 0.2})
-    before = policy.calibrated(0.99)
-    assert policy.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
+    before = policy.calibration.calibrated(0.99)
+    assert policy.calibration.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
     for _ in range(50):  # looked-up drafts at confidence 1: kept at positions 1-2, the third rejected
         policy.observe([1.0, 1.0, 1.0, 0.4], drafted=4, accepted=2, draft_seconds=0.01, verify_seconds=0.1,
                        looked_up=3)
-    assert policy.calibrated(0.99) == before  # the drafter's calibration is untouched
-    assert policy.looked_up_acceptance(0) > 0.9 and policy.looked_up_acceptance(2) < 0.1
-    assert policy.expected_tokens([1.0] * 3, 4, looked_up=3) > 2.8
+    assert policy.calibration.calibrated(0.99) == before  # the drafter's calibration is untouched
+    assert policy.calibration.looked_up_acceptance(0) > 0.9 and policy.calibration.looked_up_acceptance(2) < 0.1
+    assert policy.calibration.expected_tokens([1.0] * 3, 4, looked_up=3) > 2.8

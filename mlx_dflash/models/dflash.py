@@ -275,6 +275,31 @@ class DFlashDraftModel(nn.Module):
         confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
         return Draft(self.draft_tokens(logits), confidence)
 
+    def batch_hidden(self, anchors: list, contexts: list, cache: list, block_size: int, width: int) -> mx.array:
+        """Final-norm hidden rows 1..width-1 of B blocks in one pass, one block per batch row: row b drafts
+        after anchors[b], reading its new context rows contexts[b] ([1, c_b, F] or None) into its row of the
+        batch cache (RaggedKVCache layers, models/batch_cache.py); the rows are padded to the longest, and the
+        padding never enters a row's length."""
+        counts = [0 if c is None else c.shape[1] for c in contexts]
+        width_f = next(c.shape[-1] for c in contexts if c is not None) if any(counts) else self.fc.weight.shape[1]
+        rows = [mx.zeros((1, max(counts), width_f), self.fc.weight.dtype) if c is None else
+                mx.pad(c, [(0, 0), (0, max(counts) - c.shape[1]), (0, 0)]) for c in contexts]
+        before = list(cache[0].sizes)
+        starts = [n + c for n, c in zip(before, counts)]
+        block = mx.array([[a] + [self.mask_token_id] * (block_size - 1) for a in anchors])
+        hidden = self.hidden(block, mx.concatenate(rows), cache, block_start=mx.array(starts))
+        for c in cache:
+            c.shorten(starts)  # each row's own new context, not the padding
+        return hidden[:, 1:width]
+
+    def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+                   keys=None) -> Draft:
+        """`draft` for a batch (see batch_hidden): ids and confidence [B, width-1]. v1 proposes its argmax
+        whatever each row's sampling."""
+        logits = self.draft_logits(self.batch_hidden(anchors, contexts, cache, block_size, width))
+        confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
+        return Draft(self.draft_tokens(logits), confidence)
+
     def sanitize(self, weights: dict, where: str) -> dict:
         """Checkpoint tensor names -> this module tree's names."""
         return {k: v for k, v in weights.items() if k not in BORROWED_KEYS}

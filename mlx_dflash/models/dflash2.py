@@ -92,9 +92,11 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
         self.successor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
 
-    def __call__(self, hidden: mx.array, logits: mx.array, anchors: mx.array, temperature: float = 0.0) -> Walk:
+    def __call__(self, hidden: mx.array, logits: mx.array, anchors: mx.array, temperature=0.0, noise=None) -> Walk:
         """hidden [B, n, H] (final-norm draft rows), logits [B, n, V] (after the output transforms),
-        anchors [B]. Walk left to right; each step's choice is the next step's predecessor."""
+        anchors [B]. Walk left to right; each step's choice is the next step's predecessor. A batch whose
+        rows sample differently passes `temperature` [B] (0: that row is greedy) and Gumbel `noise`
+        [B, n, k] drawn from each row's own random stream: argmax(score / T + noise) samples softmax(score / T)."""
         k = self.top_k
         candidates = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
@@ -105,7 +107,12 @@ class CandidateSelector(nn.Module):
         for t in range(hidden.shape[1]):
             query = self.predecessor_codebook(previous).astype(mx.float32) * row_weight[:, t]  # [B, R]
             score = unary[:, t] + (successors[:, t] @ query[..., None])[..., 0]  # [B, k]
-            if temperature > 0:
+            if noise is not None:
+                sampled = (temperature > 0)[:, None]
+                scaled = score / mx.where(sampled, temperature[:, None], 1.0)
+                prob = mx.softmax(scaled, axis=-1)
+                index = mx.argmax(mx.where(sampled, scaled + noise[:, t], score), axis=-1)
+            elif temperature > 0:
                 prob = mx.softmax(score / temperature, axis=-1)
                 index = mx.random.categorical(mx.log(prob))
             else:
@@ -145,6 +152,23 @@ class DFlash2DraftModel(DFlashDraftModel):
         confidence = mx.take_along_axis(walk.probs[0], walk.chosen[0][:, None], axis=-1)[:, 0]
         proposal = None if sampling.greedy else (walk.candidates[0], walk.probs[0])
         return Draft(walk.tokens[0], confidence, proposal)
+
+    def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+                   keys=None) -> Draft:
+        """`draft` for a batch (DFlashDraftModel.batch_hidden): sampled rows draw their walk from their own
+        random streams (keys[b], else the global one); the proposal is every row's walk, used by sampled rows."""
+        hidden = self.batch_hidden(anchors, contexts, cache, block_size, width)
+        temps = [0.0 if s.greedy else s.temperature for s in samplings]
+        if not any(temps):
+            walk = self.walk(hidden, mx.array(anchors), 0.0)
+        else:
+            shape = (hidden.shape[1], self.candidate_selector.top_k)
+            noise = mx.stack([mx.random.gumbel(shape, key=None if keys is None else keys[b])
+                              for b in range(len(anchors))])
+            logits = self.logits(hidden)
+            walk = self.candidate_selector(hidden, logits, mx.array(anchors), mx.array(temps), noise)
+        confidence = mx.take_along_axis(walk.probs, walk.chosen[..., None], axis=-1)[..., 0]
+        return Draft(walk.tokens, confidence, None if not any(temps) else (walk.candidates, walk.probs))
 
     def sanitize(self, weights: dict, where: str) -> dict:
         """Published names -> ours (the codebooks gain `.weight`), checking what would otherwise fail

@@ -143,18 +143,24 @@ class RecurrentTape:
             for name, child in children.items():
                 self.module[name] = child
 
-    def rewind(self, keep: int) -> list:
-        """Leave the cache as plain decoding of the first `keep` rows would. Returns its new arrays."""
+    def rewind(self, keep) -> list:
+        """Leave the cache as plain decoding of the first `keep` rows would: one count for the whole batch,
+        or a list of counts, one per batch row (rows of a batch keep different numbers of tokens; steps
+        past a row's count then pass through with no decay and no update). Returns the new arrays."""
         cache, module = self.cache, self.module
         if self.mask is not None or self.snapshot[2] is not None:
             raise DFlashError("rolling back a padded batch of a hybrid target is not supported (batch size 1 only)")
+        after = cache.cache[1]  # the forward's own state: rows that keep every step keep it, bit for bit
         (conv, state), cache.left_padding, cache.lengths = self.snapshot
-        if keep > 0:
-            conv_in, conv_out = self.records["conv1d"]
-            conv = mx.contiguous(conv_in[:, keep : keep + module.conv_kernel_size - 1])
-            a, b = SUPPORTED[_kind(module)](module, {n: out[:, :keep] for n, (_, out) in self.records.items()})
+        conv_in, conv_out = self.records.get("conv1d", (None, None))
+        keeps = [keep] * conv_in.shape[0] if isinstance(keep, int) and conv_in is not None else keep
+        steps = max(keeps) if conv_in is not None else 0
+        if steps > 0:
+            window = mx.array(keeps, mx.int32)[:, None] + mx.arange(module.conv_kernel_size - 1)  # [B, K-1]
+            conv = mx.take_along_axis(conv_in, window[..., None], axis=1)
+            a, b = SUPPORTED[_kind(module)](module, {n: out[:, :steps] for n, (_, out) in self.records.items()})
             B, T = a.shape[:2]
-            qkv = nn.silu(conv_out[:, :keep])
+            qkv = nn.silu(conv_out[:, :steps])
             q, k, v = mx.split(qkv, [module.key_dim, 2 * module.key_dim], axis=-1)
             q = q.reshape(B, T, module.num_k_heads, module.head_k_dim)
             k = k.reshape(B, T, module.num_k_heads, module.head_k_dim)
@@ -163,7 +169,15 @@ class RecurrentTape:
             if state is None:  # the forward started from an empty cache
                 state = mx.zeros((B, module.num_v_heads, module.head_v_dim, module.head_k_dim), mx.float32)
             log_g = -mx.exp(module.A_log.astype(mx.float32)) * nn.softplus(a + module.dt_bias)
-            state = delta_rule_state(state, k, v, log_g, mx.sigmoid(b)).astype(state.dtype)
+            beta = mx.sigmoid(b)
+            if min(keeps) < steps:  # a row's steps past its count: g = 1, beta = 0 leave its state alone
+                taken = (mx.arange(T)[None] < mx.array(keeps)[:, None])[..., None]
+                log_g, beta = mx.where(taken, log_g, 0.0), mx.where(taken, beta, 0.0)
+            state = delta_rule_state(state, k, v, log_g, beta).astype(state.dtype)
+            rows = conv_in.shape[1] - (module.conv_kernel_size - 1)
+            if rows in keeps:
+                whole = mx.array([n == rows for n in keeps])[:, None, None, None]
+                state = mx.where(whole, after, state)
         cache.cache = [conv, state]
         self.release()
         return cache.cache

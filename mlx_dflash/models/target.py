@@ -240,6 +240,18 @@ class Target:
                 c.trim(n)
         mx.eval([tape.rewind(rows - n) for tape in tapes])  # frees the round's tapes now
 
+    def trim_rows(self, cache: list, drop: list):
+        """A batch's rollback: forget the last drop[b] positions of row b's last forward (models/batch_cache.py)."""
+        pending, self._pending = self._pending, None
+        for c in cache:
+            if c.is_trimmable():
+                c.shorten([n - d for n, d in zip(c.sizes, drop)])
+        if self._recurrent and any(drop):
+            if pending is None or pending[0] is not cache:
+                raise DFlashError("a hybrid target rewinds only the rows of its last forward")
+            _, rows, tapes = pending
+            mx.eval([tape.rewind([rows - d for d in drop]) for tape in tapes])
+
     # Forward passes.
     @contextmanager
     def _recording(self):

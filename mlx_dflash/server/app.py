@@ -24,7 +24,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..generate import GenerationStats, encode_prompt, stream_generate
+from ..generate import encode_prompt, stream_generate
+from ..responses import GenerationStats
 from ..prompt_cache import PromptCache, pair_identity
 from ..errors import DFlashError
 from .protocol import (APIError, Defaults, GenerationRequest, Outcome, StopMatcher, chunk_body,
