@@ -17,16 +17,19 @@ its own random stream) accept by rejection sampling, as a single request does.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
 
 from .decoder import DecodeState, Round, log_softmax, read
+from .errors import DFlashError
 from .lookup import PromptLookup, with_lookup
 from .models.base import Draft
 from .models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
-from .sampling import SamplingParams, rejection_accept, target_probs
+from .prompt_cache import checkpoint, rungs
+from .sampling import SamplingParams, next_token, rejection_accept, target_probs
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Batch:
         self.cache = batched(target.make_cache())
         self.draft_cache = [RaggedKVCache() for _ in drafter.make_cache()]
         self.rows: list[Row] = []
+        self.width = 0  # the last round's verify width
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -89,10 +93,11 @@ class Batch:
         tic = time.perf_counter()
         drafts, proposal, confidence, looked_up = None, None, None, None
         if width > 1:
+            # a row draws from its own stream only when it drafts: what it samples never depends on its neighbours
+            keys = [r.next_key() if r.remaining > 1 else None for r in rows] if any(r.key is not None for r in rows) \
+                else None
             draft = self.drafter.draft_rows([r.anchor for r in rows], [r.context for r in rows], self.draft_cache,
-                                            self.drafter.block_size, width, [r.sampling for r in rows],
-                                            [r.next_key() for r in rows] if any(r.key is not None for r in rows)
-                                            else None)
+                                            self.drafter.block_size, width, [r.sampling for r in rows], keys)
             draft = self._with_lookup(draft, width)
             for r in rows:
                 r.context = None  # the drafter's cache holds it now
@@ -107,6 +112,7 @@ class Batch:
         anchors = mx.array([[r.anchor] for r in rows], mx.int32)
         block = anchors if width == 1 else mx.concatenate([anchors, drafts.astype(mx.int32)], axis=1)
         logits, features = self.target.forward(block, self.cache)
+        self.width = width
         limits = [min(width - 1, r.remaining - 1) for r in rows]
         accepted, bonus = self._accept(block[:, 1:], logits, limits, proposal)
         values = read(block[:, 1:], accepted, bonus, looked_up if looked_up is not None else mx.zeros(len(rows)))
@@ -162,3 +168,195 @@ class Batch:
             candidates, q = (None, None) if proposal is None else (proposal[0][b, :n], proposal[1][b, :n])
             accepted[b], tokens[b] = rejection_accept(drafts[b, :n], p, q, candidates, key=r.next_key())
         return mx.stack(accepted), mx.stack(tokens)
+
+
+@dataclass
+class Request:
+    """A request for the scheduler: its prompt's token ids and how to answer."""
+
+    handle: object
+    ids: list
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: Optional[int] = None
+    boundaries: tuple = ()  # chat message ends, for a hybrid target's prefix-cache checkpoints
+
+
+@dataclass
+class Prefill:
+    """A request being read into its own single-row state, a chunk per step."""
+
+    request: Request
+    state: DecodeState
+    checkpoints: dict
+    marks: list  # prompt positions to checkpoint at (a hybrid target with a prefix cache), in order
+    started: float
+    cached: int
+
+
+class Scheduler:
+    """Continuous batching: requests wait, are read a chunk per step (so a long prompt never stalls the
+    rows decoding), join the batch at the next round once read, and leave it at once when done.
+
+    step() returns events (handle, kind, value): ("admitted", cached prompt tokens) when a request's
+    prefill starts, ("round", Round) for each of its rounds (the prefill's token first), ("done", None)
+    when it has left the batch. A request ends at a stop token, at max_tokens, or by cancel()."""
+
+    def __init__(self, target, drafter, policy, max_batch: int, stop_ids=(), prompt_cache=None,
+                 prefill_step: int = 512):
+        self.target, self.drafter = target, drafter
+        self.batch = Batch(target, drafter, policy)
+        self.max_batch, self.stop_ids, self.prompt_cache = max_batch, set(stop_ids), prompt_cache
+        self.prefill_step = prefill_step
+        self.waiting: deque = deque()
+        self.reading: Optional[Prefill] = None
+        self.checkpoints: dict = {}  # handle -> its prefill's checkpoints, kept with its state when it leaves
+        self.ending: set = set()
+        self.stats = BatchStats()
+
+    def submit(self, request: Request):
+        self.waiting.append(request)
+
+    def cancel(self, handle):
+        """End a request: a waiting one is dropped, the one being read stops, a row leaves at the next step."""
+        self.ending.add(handle)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.reading or self.batch.rows)
+
+    def step(self) -> list:
+        events = self._retire()
+        if self.reading is None and self.waiting and len(self.batch) < self.max_batch:
+            events += self._start(self.waiting.popleft())
+        if self.reading is not None:
+            events += self._read_chunk()
+        if self.batch.rows:
+            rows = len(self.batch)
+            rounds = self.batch.round()
+            self.stats.count(rows, self.batch.width)
+            for handle, rnd in rounds:
+                events.append((handle, "round", rnd))
+                if any(t in self.stop_ids for t in rnd.tokens):
+                    self.ending.add(handle)
+        events += self._retire()
+        return events
+
+    def _retire(self) -> list:
+        """Rows that are done leave the batch (their states to the prefix cache); cancelled waiters go."""
+        done = {r.handle for r in self.batch.rows if r.remaining <= 0 or r.handle in self.ending}
+        events = []
+        for handle, state in self.batch.leave(done) if done else []:
+            if self.prompt_cache is not None:
+                self.prompt_cache.insert(state, self.checkpoints.pop(handle, {}))
+            events.append((handle, "done", None))
+        for request in [r for r in self.waiting if r.handle in self.ending]:
+            self.waiting.remove(request)
+            events.append((request.handle, "done", None))
+        if self.reading is not None and self.reading.request.handle in self.ending:
+            events.append((self.reading.request.handle, "done", None))
+            self.reading = None
+        self.ending -= done | {e[0] for e in events}
+        return events
+
+    def _start(self, request: Request) -> list:
+        state, checkpoints = None, {}
+        if self.prompt_cache is not None:
+            state, checkpoints = self.prompt_cache.fetch(request.ids)
+        state = state or DecodeState.fresh(self.target, self.drafter)
+        marks = []
+        if self.prompt_cache is not None and not self.target.trimmable:
+            marks = [m for m in rungs(len(request.ids), request.boundaries) if m > len(state.tokens)]
+        self.reading = Prefill(request, state, checkpoints, marks, time.perf_counter(), len(state.tokens))
+        return [(request.handle, "admitted", len(state.tokens))]
+
+    def _read_chunk(self) -> list:
+        """One chunk of the prompt being read; the last one picks its first token and joins the batch."""
+        p = self.reading
+        ids, state, done = p.request.ids, p.state, len(p.state.tokens)
+        end = min([done + self.prefill_step, len(ids) - 1] + [m for m in p.marks if m > done])
+        if end > done:
+            state.extend(ids[done:end], self.target.read(mx.array(ids[done:end]), state.cache, self.prefill_step))
+            if end in p.marks:
+                p.checkpoints[end] = checkpoint(state.cache)
+            return []
+        request = p.request
+        logits, features = self.target.prefill(mx.array(ids[done:]), state.cache)
+        key = None if request.seed is None else mx.random.split(mx.random.key(request.seed))[0]
+        (anchor,) = read(next_token(logits, request.sampling, key))
+        state.extend(ids[done:], features)
+        self.reading = None
+        self.checkpoints[request.handle] = p.checkpoints
+        self.batch.join(request.handle, state, anchor, request.sampling, request.max_tokens,
+                        None if request.seed is None else request.seed + 1)
+        first = Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
+        if anchor in self.stop_ids or request.max_tokens == 1:
+            self.ending.add(request.handle)
+        return [(request.handle, "round", first)]
+
+
+def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,
+                   max_batch: Optional[int] = None, width=None, policy=None, temp: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, min_p: float = 0.0, prompt_cache=None, prefill_step_size: int = 512):
+    """Answer several prompts decoding together, as `mlx_lm.batch_generate` does: prompts are token-id lists
+    (or strings, used as given); max_tokens one for all or one per prompt. Returns a `BatchResponse`: the
+    texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""
+    from .dcut import build_batch_policy
+    from .generate import check_context, encode_prompt
+    from .responses import GenerationStats, ResponseStream
+
+    ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
+    limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
+    if len(limits) != len(ids) or any(n < 1 for n in limits) or any(not i for i in ids):
+        raise DFlashError("batch_generate needs non-empty prompts and, per prompt, max_tokens >= 1")
+    limits = [check_context(target, len(i), n) for i, n in zip(ids, limits)]
+    max_batch = max_batch or len(ids)
+    if not drafter.is_bound:
+        drafter.bind(target)
+    policy = policy or build_batch_policy(target, drafter, max_batch, width)
+    sampling = SamplingParams(temp, top_p, top_k, min_p)
+    scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache, prefill_step_size)
+    streams, texts, tokens = {}, [[] for _ in ids], [[] for _ in ids]
+    for i, (prompt, limit) in enumerate(zip(ids, limits)):
+        scheduler.submit(Request(i, prompt, limit, sampling))
+    while scheduler.busy:
+        for i, kind, value in scheduler.step():
+            if kind == "admitted":
+                stats = GenerationStats(prompt_tokens=len(ids[i]), block_size=policy.block_size,
+                                        max_width=policy.max_width, cached_tokens=value)
+                streams[i] = ResponseStream(tokenizer, stats, limits[i], time.perf_counter(), prompt_cache)
+            elif kind == "round" and not streams[i].finished:
+                for response in streams[i].feed(value):
+                    texts[i].append(response.text)
+                    tokens[i].append(response.token)
+                    if verbose:
+                        print(f"[{i}] {response.text}", end="", flush=True)
+                if streams[i].finished:
+                    scheduler.cancel(i)  # the stream ended it (a stop token); the row leaves now
+    for i, s in streams.items():
+        if s.stats.finish_reason == "stop":
+            tokens[i].pop()  # the stop token is counted, not returned
+    return BatchResponse(["".join(t) for t in texts], tokens, [streams[i].stats for i in range(len(ids))],
+                         scheduler.stats)
+
+
+@dataclass
+class BatchStats:
+    """What the batch did: rows per round and the widths it verified."""
+
+    rounds: int = 0
+    rows: Counter = field(default_factory=Counter)  # rows verified together: rounds
+    widths: Counter = field(default_factory=Counter)  # verify width: rounds
+
+    def count(self, rows: int, width: int):
+        self.rounds += 1
+        self.rows[rows] += 1
+        self.widths[width] += 1
+
+
+@dataclass
+class BatchResponse:
+    texts: list
+    token_ids: list
+    stats: list  # each prompt's GenerationStats
+    batch: BatchStats

@@ -71,12 +71,15 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(filtered_logprobs(logits, params).astype(mx.float32) * (1.0 / params.temperature), axis=-1)
 
 
-def next_token(logits: mx.array, params: SamplingParams) -> mx.array:
+def next_token(logits: mx.array, params: SamplingParams, key: Optional[mx.array] = None) -> mx.array:
     """The token one row of target logits picks, as a lazy array (greedy, or mlx-lm's own draw), so a
-    step can be built before the host reads the token before it, as mlx-lm's generate_step does."""
+    step can be built before the host reads the token before it, as mlx-lm's generate_step does. key: a
+    random stream of the caller's own (a batch row's), else MLX's global one."""
     if params.greedy:
         return mx.argmax(logits, axis=-1)
-    return categorical_sampling(filtered_logprobs(logits, params), params.temperature)
+    if key is None:
+        return categorical_sampling(filtered_logprobs(logits, params), params.temperature)
+    return mx.random.categorical(filtered_logprobs(logits, params) * (1 / params.temperature), key=key)
 
 
 def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple:

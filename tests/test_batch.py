@@ -1,0 +1,184 @@
+"""Continuous batching: several requests decoding together give each request's single-request output
+(greedy), sampled rows keep the target's distribution beside greedy ones, and D-cut's width is the best
+the cost model allows."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import PROMPTS, assert_distributed_as, chat_ids
+from test_prompt_cache import HYBRID, tiny_target
+from mlx_dflash.batch_decoder import Batch, Request, Scheduler, batch_generate
+from mlx_dflash.dcut import BatchPolicy, DCutPolicy, build_batch_policy, probe_batch_costs
+from mlx_dflash.decoder import DecodeState
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.generate import generate
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
+from mlx_dflash.sampling import SamplingParams, target_probs
+
+MOE = dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, rope_theta=10000.0,
+           tie_word_embeddings=False, max_position_embeddings=512, norm_topk_prob=True)
+LIMITS = [20, 7, 15, 3, 12, 9, 18, 5]  # tokens per request: rows leave at different rounds
+
+
+def bound(target, block_size=8, dflash2=False):
+    config = drafter_config_for(target, num_layers=1, block_size=block_size, num_target_features=2)
+    if dflash2:
+        from mlx_dflash.models.config import parse_config
+
+        raw = dict(config.raw, architectures=["DFlash2DraftModel"])
+        raw["dflash_config"] = dict(raw["dflash_config"], conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                                    selector_top_k=8)
+        config = parse_config(raw)
+    return init_drafter(config, seed=0).bind(target)
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_chat_pair):
+    llama, tokenizer, drafter = tiny_chat_pair
+    vocab = llama.vocab_size
+    moe, hybrid = tiny_target(MOE, vocab, seed=4), tiny_target(HYBRID, vocab, seed=3)
+    return {"dense": (llama, drafter, tokenizer), "moe": (moe, bound(moe), tokenizer),
+            "hybrid": (hybrid, bound(hybrid), tokenizer), "dflash2": (llama, bound(llama, dflash2=True), tokenizer)}
+
+
+def prompts(tokenizer, n):
+    return [chat_ids(tokenizer, p) for p in (PROMPTS * 2)[:n]]
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "hybrid", "dflash2"])
+def test_batched_greedy_output_equals_single_requests(pairs, name):
+    target, drafter, tokenizer = pairs[name]
+    ids = prompts(tokenizer, len(LIMITS))
+    want = [generate(target, drafter, tokenizer, p, max_tokens=n, width=4).tokens for p, n in zip(ids, LIMITS)]
+    for max_batch in (1, 3, 8) if name == "dense" else (4,):
+        got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=max_batch, width=4)
+        assert got.token_ids == want, (name, max_batch)
+        assert max(got.batch.rows) <= max_batch and (max_batch == 1 or max(got.batch.rows) > 2)
+    if name == "dense":  # rows of every count 1..8 at once, D-cut choosing the widths
+        got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=8, width="auto")
+        assert got.token_ids == want and max(got.batch.rows) >= 4 and len(got.batch.widths) > 1
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on_unchanged(pairs):
+    target, drafter, tokenizer = pairs["dense"]
+    ids = prompts(tokenizer, 3)
+    want = [generate(target, drafter, tokenizer, p, max_tokens=16, width=4).tokens for p in ids]
+    policy = build_batch_policy(target, drafter, 3, 4)
+    scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
+    for i, p in enumerate(ids):
+        scheduler.submit(Request(i, p, 16))
+    emitted = {i: [] for i in range(3)}
+    done = []
+    while scheduler.busy:
+        for i, kind, value in scheduler.step():
+            if kind == "round":
+                emitted[i] += value.tokens
+                if i == 1 and len(emitted[1]) >= 4:
+                    scheduler.cancel(1)
+            elif kind == "done":
+                done.append(i)
+    assert sorted(done) == [0, 1, 2] and done.index(1) == 0  # the cancelled row left first, at once
+    for i in (0, 2):
+        stop = next((j for j, t in enumerate(emitted[i]) if t in tokenizer.eos_token_ids), None)
+        assert emitted[i][: None if stop is None else stop] == want[i]
+    assert emitted[1][:4] == want[1][:4] and len(emitted[1]) < 16
+
+
+def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
+    """At a fixed width with a v1 drafter (its drafts are argmaxes), a seeded row's own random stream makes
+    its answer independent of the rows decoding beside it."""
+    target, drafter, tokenizer = pairs["dense"]
+    ids = prompts(tokenizer, 3)
+    policy = build_batch_policy(target, drafter, 3, 4)
+
+    def run(requests):
+        scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
+        for r in requests:
+            scheduler.submit(r)
+        out = {r.handle: [] for r in requests}
+        while scheduler.busy:
+            for h, kind, value in scheduler.step():
+                if kind == "round":
+                    out[h] += value.tokens
+        return out
+
+    sampled = Request("s", ids[0], 12, SamplingParams(0.9, top_k=20), seed=11)
+    alone = run([sampled])["s"]
+    beside = run([Request("g", ids[1], 12), sampled, Request("t", ids[2], 12, SamplingParams(1.0))])["s"]
+    assert alone == beside and alone != run([Request("s", ids[0], 12, SamplingParams(0.9, top_k=20), seed=12)])["s"]
+
+
+def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
+    """One batch round from fixed states: the sampled row's first new token (its drafts judged by rejection
+    sampling) follows the target's distribution after its anchor; the greedy row beside it is the argmax."""
+    target, drafter, tokenizer = pairs["dense"]
+    params = SamplingParams(1.0, top_k=4)
+    ids = prompts(tokenizer, 2)
+    anchors = [11, 12]
+    states = []
+    for p in ids:
+        state = DecodeState.fresh(target, drafter)
+        _, features = target.prefill(mx.array(p), state.cache)
+        state.extend(p, features)
+        states.append(state)
+    p_next = target_probs(target.model(mx.array([ids[0] + [anchors[0]]]))[0, -1], params)
+    greedy_next = int(mx.argmax(target.model(mx.array([ids[1] + [anchors[1]]]))[0, -1]))
+    import copy
+
+    firsts = []
+    for trial in range(300):
+        batch = Batch(target, drafter, BatchPolicy(drafter.block_size, 4, prompt_lookup=False))
+        batch.join("s", copy.deepcopy(states[0]), anchors[0], params, 8, seed=trial)
+        batch.join("g", copy.deepcopy(states[1]), anchors[1], SamplingParams(), 8)
+        rounds = dict(batch.round())
+        firsts.append(rounds["s"].tokens[0])
+        assert rounds["g"].tokens[0] == greedy_next
+    assert_distributed_as(firsts, p_next)
+
+
+def brute_force(policy, confidence, remaining, batch):
+    """The best rate over every per-row choice of kept drafts (a padded verify costs its longest row)."""
+    best = 0.0
+    for keeps in itertools.product(*[range(min(len(c), n - 1) + 1) for c, n in zip(confidence, remaining)]):
+        width = max(keeps) + 1
+        tokens = sum(policy.calibration.expected_tokens(c, k + 1) for c, k in zip(confidence, keeps))
+        best = max(best, tokens / (policy.draft_seconds + policy.cost(batch, width)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dcut_chooses_the_width_a_brute_force_over_per_row_keeps_finds(seed):
+    rng = np.random.default_rng(seed)
+    steps = rng.uniform(0.002, 0.02, size=(3, 5)).cumsum(axis=1)  # more rows never cost less
+    costs = {b: {w: 0.05 + 0.01 * b + b * steps[b - 1, w - 1] for w in range(1, 6)} for b in (1, 2, 3)}
+    policy = DCutPolicy(8, 5, costs)
+    policy.draft_seconds = 0.01
+    for batch in (1, 2, 3):
+        confidence = rng.uniform(0.05, 1.0, size=(batch, 4)).tolist()
+        remaining = rng.integers(2, 8, size=batch).tolist()
+        width = policy.cut(min(5, max(remaining)), confidence, [0] * batch, remaining)
+        assert policy.rate(confidence, [0] * batch, remaining, width) == pytest.approx(
+            brute_force(policy, confidence, remaining, batch))
+
+
+def test_dcut_interpolates_costs_between_measured_batch_sizes_and_learns_from_rounds():
+    policy = DCutPolicy(8, 4, {1: {w: 0.1 * w for w in range(1, 5)}, 4: {w: 0.4 * w for w in range(1, 5)}})
+    assert policy.cost(2, 3) == pytest.approx(0.6) and policy.cost(8, 1) == pytest.approx(0.8)
+    policy.observe([[0.9, 0.9, 0.9]], [3], [3], 1, 4, 0.01, 0.2, [0])
+    assert policy.cost(1, 4) < 0.4 and policy.cost(1, 2) <= policy.cost(1, 4)  # moved, still non-decreasing
+    assert policy.calibration.trials.sum() == 3
+
+
+def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(pairs):
+    target, drafter, _ = pairs["dense"]
+    costs = probe_batch_costs(target, [1, 2], 6, context=16, repeats=1)
+    assert sorted(costs) == [1, 2] and all(sorted(row) == list(range(1, 7)) for row in costs.values())
+    assert all(row[w] <= row[w + 1] for row in costs.values() for w in range(1, 6))
+    with pytest.raises(DFlashError, match="--max-batch must be at least 1"):
+        build_batch_policy(target, drafter, 0)
+    with pytest.raises(DFlashError, match="verify width 9 is out of range"):
+        build_batch_policy(target, drafter, 2, 9)
