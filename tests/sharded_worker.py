@@ -26,9 +26,9 @@ def main(model, drafter_dir, mode, cases_file, out):
         if seed is not None and case.get("seed_per_rank"):
             seed += group.rank()
         with ranks.watch():
-            out = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
-                           temp=case.get("temp", 0.0), policy=policy, seed=seed, ranks=ranks)
-            tokens, stats = out.tokens, out.stats
+            text = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
+                            temp=case.get("temp", 0.0), policy=policy, seed=seed, ranks=ranks)
+            tokens, stats = text.tokens, text.stats
         results[case["name"]] = dict(tokens=tokens, widths=dict(stats.widths), accepted=sum(
             (n - 1) * c for n, c in stats.accepted_lengths.items()), exchanges=ranks.exchanges)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))

@@ -140,7 +140,7 @@ def test_two_ranks_decode_like_one_process(tmp_path, pairs, family, mode):
 def test_only_rank0_prints_and_matches_one_process(pairs):
     target_dir, drafter_dir = pairs["qwen2"]
     args = ["generate", "--model", str(target_dir), "--drafter", str(drafter_dir), "--prompt", "Hello there",
-            "--max-tokens", "16", "--block-size", "4"]
+            "--max-tokens", "16", "--width", "4"]
     alone = CliRunner().invoke(main, args)
     assert alone.exit_code == 0, alone.output
     sharded = launch([*CLI, *args, "--shard", "pipeline"])
@@ -158,7 +158,7 @@ def start_long_run(tmp_path, pairs, *extra):
     """Both ranks of a long tensor-sharded CLI run; returns them once rank 0 has printed text."""
     target_dir, drafter_dir = pairs["qwen2"]
     procs = start_ranks([*CLI, "generate", "--model", str(target_dir), "--drafter", str(drafter_dir),
-                         "--prompt", "Hello there", "--max-tokens", "100000", "--block-size", "4",
+                         "--prompt", "Hello there", "--max-tokens", "100000", "--width", "4",
                          "--shard", "tensor", *extra], tmp_path / "hostfile.json")
     assert procs[0].stdout.read(20), procs[0].stderr.read()  # generation is under way
     return procs
