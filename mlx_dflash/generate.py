@@ -273,10 +273,11 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
                                                               drafter_path or shipped_drafter_dir(), shard)
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
+    ids = encode_prompt(tokenizer, prompt, chat_template)
+    check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
     policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
-    ids = encode_prompt(tokenizer, prompt, chat_template)
     bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
     stats, shown = None, None
     try:
