@@ -11,7 +11,7 @@ model.safetensors.index.json, and split in 2 pipeline stages of 15 layers. The s
 re-saved model's greedy output equals the llama model's before anything is timed.
 
 Under one launch, both ranks load once, then for each repeat and prompt run, in a seeded random order:
-* drafting off: `--block-size 1`, every round a plain target step (one collective forward per token);
+* drafting off: `--width 1`, every round a plain target step (one collective forward per token);
 * drafting on: the drafter's trained block size (16).
 Each row: decode tokens/s (generated - 1 over the time from the first token to the last), tau, rounds, and
 the wall time per round in the rank-agreement exchanges (`Ranks.comm_seconds`, which includes waiting for

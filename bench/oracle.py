@@ -12,8 +12,8 @@ width, no stop rule) and one warm-up of every task. Then, for each repeat, these
 order (seeded):
 * target alone: mlx-lm's `generate_step` with the decoder's stop rule, timed like bench/e2e.py; t(1) =
   its decode seconds / (generated tokens - 1), seconds per token;
-* oracle width w (w in --widths, default 1 2 3 4 6 8 12 16): `mlx_dflash.decoder.generate` with the
-  fixed-width policy `build_policy(target, oracle, block_size=w, force_width=True)` and `OracleDrafter`,
+* oracle width w (w in --widths, default 1 2 3 4 6 8 12 16): `mlx_dflash.generate` with the
+  fixed-width policy `build_policy(target, oracle, w, force_width=True)` and `OracleDrafter`,
   whose `draft` returns the next w - 1 tokens of the continuation (a list slice) at the position it
   reads from the context rows the decoder hands it. Decode tokens/s = (generated tokens - 1) / seconds
   from the first token to the last (the decoder's own stats). t_draft(w) = the oracle's own wall time
@@ -49,13 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/e2e.py
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from e2e import first_difference, run_target_alone  # noqa: E402
+from e2e import load_prompts, mark_identical, run_target_alone  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.policy import timed  # noqa: E402
-from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
 from mlx_dflash.policy import build_policy  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
+from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target  # noqa: E402
 from mlx_dflash.models.base import Draft  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic, write_json  # noqa: E402
@@ -98,6 +97,7 @@ class OracleDrafter(nn.Module):
 
     def bind(self, target) -> "OracleDrafter":
         target.check_drafter(self.config)
+        target.capture(self.config.target_layer_ids)  # the real drafter's features, so the verify costs the same
         self._bound = True
         return self
 
@@ -205,7 +205,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
     ap.add_argument("--drafter", help="drafter directory whose config (target layers) the oracle takes "
@@ -224,9 +224,96 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: oracle-<device>)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
-    args = ap.parse_args(argv)
-    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    return ap.parse_args(argv)
 
+
+class Tasks:
+    """The measured tasks of one run, on prepared prompts: the target alone, the oracle at each width, and the
+    verify forward at each width (see the module docstring)."""
+
+    def __init__(self, target, tokenizer, oracle, prompt_ids: list, widths: list, max_tokens: int):
+        self.target, self.tokenizer, self.oracle, self.prompt_ids = target, tokenizer, oracle, prompt_ids
+        self.continuations = [greedy_continuation(target.model, ids, max_tokens + max(widths)) for ids in prompt_ids]
+        self.context_tokens = max_tokens // 2
+        self.caches = [verify_cache(target, ids, c, self.context_tokens)
+                       for ids, c in zip(prompt_ids, self.continuations)]
+        self.tasks = [("target", None)] + [("oracle", w) for w in widths] + [("verify", w) for w in widths]
+
+    def run(self, kind: str, w, i: int, max_tokens: int, repeats: int) -> dict:
+        ids, cont = self.prompt_ids[i], self.continuations[i]
+        if kind == "target":
+            res = run_target_alone(self.target.model, self.tokenizer, ids, max_tokens)
+            decoded = res["generated_tokens"] - 1
+            return {"tokens": res["tokens"], "generated_tokens": res["generated_tokens"],
+                    "finish_reason": res["finish_reason"], "decode_seconds": res["decode_seconds"],
+                    "decode_tps": res["decode_tps"], "t1": res["decode_seconds"] / decoded if decoded > 0 else 0.0}
+        if kind == "oracle":
+            return run_oracle(self.target, self.oracle, self.tokenizer, ids, cont, w, max_tokens)
+        rows = cont[self.context_tokens:self.context_tokens + w]
+        return {"seconds": time_verify(self.target, self.caches[i], rows, repeats),
+                "context": len(ids) + self.context_tokens}
+
+
+def check_oracle_runs(done: list[dict], prompt_index: int, repeat: int, log) -> int:
+    """Mark each oracle run of one prompt identical or not to the target alone's; the mismatches."""
+    base = next(r for r in done if r["kind"] == "target")["tokens"]
+    return sum(mark_identical(r, base, f"oracle width {r['width']} on prompt {prompt_index} (repeat {repeat + 1})", log)
+               for r in done if r["kind"] == "oracle")
+
+
+def measure(tasks: Tasks, args, log) -> tuple[list[dict], int]:
+    """One warm-up of every task, then per repeat and prompt every task in a seeded random order."""
+    log(f"warm-up: {len(tasks.tasks)} tasks")
+    for kind, w in tasks.tasks:
+        tasks.run(kind, w, 0, min(args.max_tokens, 17), 1)
+    rng = random.Random(args.seed)
+    runs, mismatches = [], 0
+    t_start = time.perf_counter()
+    for rep in range(args.repeats):
+        for i, ids in enumerate(tasks.prompt_ids):
+            order = list(tasks.tasks)
+            rng.shuffle(order)
+            done = [{"repeat": rep, "prompt": i, "prompt_index": args.prompt_offset + i, "order": pos, "kind": kind,
+                     "width": w, "prompt_tokens": len(ids), **tasks.run(kind, w, i, args.max_tokens, args.verify_repeats)}
+                    for pos, (kind, w) in enumerate(order)]
+            mismatches += check_oracle_runs(done, args.prompt_offset + i, rep, log)
+            runs += done
+            line = "  ".join(f"w{r['width']} {r['decode_tps']:.0f}" for r in
+                             sorted((r for r in done if r["kind"] == "oracle"), key=lambda r: r["width"]))
+            base_tps = next(r for r in done if r["kind"] == "target")["decode_tps"]
+            log(f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(tasks.prompt_ids)} "
+                f"{time.perf_counter() - t_start:.0f}s] tok/s: target {base_tps:.0f}; oracle {line}")
+    return runs, mismatches
+
+
+def write_results(out_dir: Path, args, model, drafter_dir, prompt_file, prompts, tasks: Tasks, widths, runs,
+                  mismatches) -> dict:
+    """oracle.json (machine, versions, settings, summary, every run) and oracle.md (the table)."""
+    rows = summarize(runs, widths)
+    settings = {"model": portable_path(model), "drafter_config": portable_path(drafter_dir),
+                "prompts_file": portable_path(prompt_file), "prompt_offset": args.prompt_offset,
+                "num_prompts": len(prompts), "max_tokens": args.max_tokens, "widths": widths,
+                "repeats": args.repeats, "verify_repeats": args.verify_repeats, "quantize": args.quantize,
+                "seed": args.seed, "sampling": "greedy", "verify_context_tokens": tasks.context_tokens,
+                "prompts": prompts, "prompt_tokens": [len(p) for p in tasks.prompt_ids]}
+    results = {"schema": SCHEMA,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": machine_info(), "versions": versions(), "settings": settings,
+               "summary": rows, "mismatches": mismatches,
+               "runs": runs}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "oracle.json", results, indent=1)
+    m = results["machine"]
+    write_atomic(out_dir / "oracle.md",
+                 f"Oracle ceiling, {m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}: "
+                 f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_tokens} max tokens, greedy, "
+                 f"verify at {tasks.context_tokens} tokens past the prompt.\n\n{markdown_table(rows)}\n")
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
     try:
         from mlx_dflash.utils import load_drafter, load_target
 
@@ -234,12 +321,7 @@ def main(argv=None) -> int:
         if widths[0] < 1 or args.max_tokens < 2 or args.repeats < 1 or args.verify_repeats < 1:
             raise DFlashError("--widths must be >= 1, --max-tokens >= 2, --repeats and --verify-repeats >= 1")
         model, drafter_dir = default_target(args.model), (args.drafter or shipped_drafter_dir())
-        prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
-        all_prompts = read_prompts(prompt_file)
-        prompts = all_prompts[args.prompt_offset:args.prompt_offset + args.num_prompts]
-        if len(prompts) < args.num_prompts or args.num_prompts < 1:
-            raise DFlashError(f"{prompt_file} has {len(all_prompts)} prompts; asked for {args.num_prompts} "
-                              f"from {args.prompt_offset}")
+        prompt_file, prompts = load_prompts(args.prompts, args.prompt_offset, args.num_prompts)
         out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
 
         log(f"target {model}\ndrafter config {drafter_dir}")
@@ -249,83 +331,15 @@ def main(argv=None) -> int:
             mx.eval(target.model.parameters())
         oracle = OracleDrafter(load_drafter(drafter_dir).config, block_size=max(widths)).bind(target)
         prompt_ids = [encode_prompt(tokenizer, p, chat_template=None) for p in prompts]
-        continuations = [greedy_continuation(target.model, ids, args.max_tokens + max(widths)) for ids in prompt_ids]
-        context_tokens = args.max_tokens // 2
-        caches = [verify_cache(target, ids, c, context_tokens) for ids, c in zip(prompt_ids, continuations)]
-
-        tasks = [("target", None)] + [("oracle", w) for w in widths] + [("verify", w) for w in widths]
-
-        def run_task(kind, w, i, max_tokens, repeats):
-            ids, cont = prompt_ids[i], continuations[i]
-            if kind == "target":
-                res = run_target_alone(target.model, tokenizer, ids, max_tokens)
-                decoded = res["generated_tokens"] - 1
-                return {"tokens": res["tokens"], "generated_tokens": res["generated_tokens"],
-                        "finish_reason": res["finish_reason"], "decode_seconds": res["decode_seconds"],
-                        "decode_tps": res["decode_tps"], "t1": res["decode_seconds"] / decoded if decoded > 0 else 0.0}
-            if kind == "oracle":
-                return run_oracle(target, oracle, tokenizer, ids, cont, w, max_tokens)
-            rows = cont[context_tokens:context_tokens + w]
-            return {"seconds": time_verify(target, caches[i], rows, repeats), "context": len(ids) + context_tokens}
-
-        log(f"warm-up: {len(tasks)} tasks")
-        for kind, w in tasks:
-            run_task(kind, w, 0, min(args.max_tokens, 17), 1)
-
-        rng = random.Random(args.seed)
-        runs, mismatches = [], 0
-        t_start = time.perf_counter()
-        for rep in range(args.repeats):
-            for i in range(len(prompts)):
-                order = list(tasks)
-                rng.shuffle(order)
-                done = []
-                for pos, (kind, w) in enumerate(order):
-                    res = run_task(kind, w, i, args.max_tokens, args.verify_repeats)
-                    done.append({"repeat": rep, "prompt": i, "prompt_index": args.prompt_offset + i, "order": pos,
-                                 "kind": kind, "width": w, "prompt_tokens": len(prompt_ids[i]), **res})
-                base = next(r for r in done if r["kind"] == "target")["tokens"]
-                for r in done:
-                    if r["kind"] == "oracle":
-                        diff = first_difference(r["tokens"], base)
-                        r["identical"] = diff is None
-                        if diff is not None:
-                            mismatches += 1
-                            r["first_difference"] = diff
-                            log(f"!!!!! MISMATCH: oracle width {r['width']} on prompt {args.prompt_offset + i} "
-                                f"(repeat {rep + 1}) differs from the target alone at token {diff} !!!!!")
-                runs += done
-                line = "  ".join(f"w{r['width']} {r['decode_tps']:.0f}" for r in
-                                 sorted((r for r in done if r["kind"] == "oracle"), key=lambda r: r["width"]))
-                base_tps = next(r for r in done if r["kind"] == "target")["decode_tps"]
-                log(f"[repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} "
-                    f"{time.perf_counter() - t_start:.0f}s] tok/s: target {base_tps:.0f}; oracle {line}")
-
-        rows = summarize(runs, widths)
-        settings = {"model": portable_path(model), "drafter_config": portable_path(drafter_dir),
-                    "prompts_file": portable_path(prompt_file), "prompt_offset": args.prompt_offset,
-                    "num_prompts": len(prompts), "max_tokens": args.max_tokens, "widths": widths,
-                    "repeats": args.repeats, "verify_repeats": args.verify_repeats, "quantize": args.quantize,
-                    "seed": args.seed, "sampling": "greedy", "verify_context_tokens": context_tokens,
-                    "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
-        results = {"schema": SCHEMA,
-                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": machine_info(), "versions": versions(), "settings": settings,
-                   "summary": rows, "mismatches": mismatches,
-                   "runs": runs}
-        out_dir.mkdir(parents=True, exist_ok=True)
-        table = markdown_table(rows)
-        write_json(out_dir / "oracle.json", results, indent=1)
-        m = results["machine"]
-        write_atomic(out_dir / "oracle.md",
-                     f"Oracle ceiling, {m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}: "
-                     f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_tokens} max tokens, greedy, "
-                     f"verify at {context_tokens} tokens past the prompt.\n\n{table}\n")
+        tasks = Tasks(target, tokenizer, oracle, prompt_ids, widths, args.max_tokens)
+        runs, mismatches = measure(tasks, args, log)
+        results = write_results(out_dir, args, model, drafter_dir, prompt_file, prompts, tasks, widths, runs,
+                                mismatches)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    log("\n" + table)
+    log("\n" + markdown_table(results["summary"]))
     log(f"\nwrote {out_dir / 'oracle.json'} and {out_dir / 'oracle.md'}")
     if mismatches:
         log(f"!!!!! {mismatches} oracle generation(s) differ from the target alone: NOT LOSSLESS !!!!!")

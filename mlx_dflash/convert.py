@@ -34,6 +34,7 @@ from .tuner.draft_vocab import response_token_counts, select_draft_vocab
 from .models.dflash import BORROWED_KEYS
 from .models.loader import load_strict, new_drafter, pop_draft_vocab, quantize_like_checkpoint, read_weights
 from .errors import DFlashError
+from .machine import fast_float_dtype, half_precision_warning, metal_available
 from .utils import DTYPES, safetensors_files, staged_dir, write_json
 from .utils import resolve
 
@@ -238,7 +239,8 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
     HF sources go through `mlx_lm.convert` (dtype default: the checkpoint's torch_dtype); extra
     keyword arguments of `mlx_lm.convert` (e.g. quant_predicate, q_mode, trust_remote_code,
     revision) pass through. GGUF sources are dequantized by `mlx_dflash.gguf.convert_gguf` (dtype
-    default float16) and then, with `quantize` or mlx-lm options, run through `mlx_lm.convert`.
+    default: the one fast here, `machine.fast_float_dtype`) and then, with `quantize` or mlx-lm options, run
+    through `mlx_lm.convert`.
     """
     from mlx_lm.convert import convert as mlx_lm_convert
 
@@ -260,10 +262,10 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
         source = str(gguf_path.resolve())
         with staged_dir(out_dir, overwrite) as work:
             if not (quantize or mlx_lm_options):
-                convert_gguf(gguf_path, work, dtype or "float16", source=source)
+                convert_gguf(gguf_path, work, dtype, source=source)
             else:
                 plain = work.parent / "dequantized"
-                convert_gguf(gguf_path, plain, dtype or "float16", source=source)
+                convert_gguf(gguf_path, plain, dtype, source=source)
                 _mlx_lm_convert(plain, work, src_str, dtype=None, **q_args, **mlx_lm_options)
             _stamp(work, source, None)
         return Path(out_dir).expanduser()
@@ -286,7 +288,7 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
 @click.option("--q-bits", default=4, show_default=True, type=int, help="4 or 8.")
 @click.option("--q-group-size", default=64, show_default=True, type=int, help="32, 64 or 128.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-              help="Default: the source's dtype (GGUF: float16).")
+              help="Default: the source's dtype (GGUF: float16 on Metal, float32 on MLX's CPU backend).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
 @click.option("--q-mode", default=None, help="Targets: mlx_lm.convert's quantization mode (e.g. affine, mxfp4).")
 @click.option("--quant-predicate", default=None, help="Targets: mlx_lm.convert's mixed-precision recipe.")
@@ -312,6 +314,16 @@ def main(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype,
         out = convert_drafter(drafter_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
                               dtype=dtype, overwrite=overwrite, draft_vocab=draft_vocab, vocab_data=vocab_data)
     else:
+        if dtype is None and model_src.lower().endswith(".gguf"):
+            dtype = fast_float_dtype()
+            where = "Metal" if metal_available() else "MLX's CPU backend"
+            click.echo(f"storing the weights as {dtype}, the float type that runs fast on {where} "
+                       "(--dtype chooses another)", err=True)
+        if warning := half_precision_warning(dtype):
+            click.echo(warning, err=True)
         out = convert_target(model_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
                              dtype=dtype, overwrite=overwrite, **passthrough)
+        if dtype is None and (warning := half_precision_warning(json.loads((out / "config.json").read_text())
+                                                                  .get("torch_dtype"))):
+            click.echo(warning, err=True)  # the checkpoint's own dtype, kept
     click.echo(f"wrote {out}")

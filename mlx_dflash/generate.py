@@ -204,6 +204,8 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
     apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
+    ids = encode_prompt(tokenizer, prompt, chat_template)
+    check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
     policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
     cache = None
     if prompt_cache_file:
@@ -211,7 +213,6 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         cache.load_file(prompt_cache_file)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
-    ids = encode_prompt(tokenizer, prompt, chat_template)
     bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
     stats, shown = None, None
     try:

@@ -3,7 +3,7 @@
 The output (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) loads with `mlx_lm.load(path)`. Every tensor is dequantized with
 `gguf.quants.dequantize` (numpy), so any GGUF quantization works, and the weights are stored
-as plain float16/bfloat16/float32. Only the `llama` and `qwen2` architectures are supported.
+as plain float16/bfloat16/float32 (default: the one that runs fast on this machine). Only the `llama` and `qwen2` architectures are supported.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tokenizers import pre_tokenizers, processors
 
 from . import __version__
 from .errors import DFlashError
+from .machine import fast_float_dtype
 from .utils import DTYPES, sha256_file, staged_dir, write_json
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -139,10 +140,13 @@ def build_config(meta: dict, tensor_names: set[str], dtype: str) -> dict:
 
 
 def convert_weights(reader: gguf.GGUFReader, config: dict, dtype: str) -> dict[str, mx.array]:
+    """Every tensor dequantized, un-permuted and cast, with a progress bar over the tensors (stderr)."""
+    from tqdm import tqdm
+
     target = DTYPES[dtype]
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     weights = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc=f"converting GGUF tensors to {dtype}", unit="tensor"):
         name = hf_tensor_name(t.name)
         w = dequantize_tensor(t)
         if config["model_type"] == "llama":
@@ -262,16 +266,19 @@ def _write_model(gguf_path: Path, out: Path, dtype: str, source: str, source_sha
     write_json(out / "config.json", config)
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float16", *,
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str | None = None, *,
                  overwrite: bool = False, source: str | None = None,
                  source_sha256: str | None = None) -> Path:
     """Convert `gguf_path` into an mlx-lm model directory `out_dir` and return its path.
 
+    dtype: of the stored weights; default the one that runs fast here (`machine.fast_float_dtype`: float16
+    on Metal, float32 on MLX's CPU backend).
     Everything is written into a temporary directory beside `out_dir` and renamed into place
     at the end (`files.staged_dir`), so a failure leaves nothing behind. `source` (default: the GGUF path) and
     `source_sha256` (default: computed) are recorded in config.json under "mlx_dflash".
     """
     gguf_path, out = Path(gguf_path), Path(out_dir)
+    dtype = dtype or fast_float_dtype()
     if dtype not in DTYPES:
         raise DFlashError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if not gguf_path.is_file():

@@ -1,5 +1,6 @@
 """What machine this is, as the benchmarks and bug reports record it: platform, chip, Metal or not, the
-versions of MLX, mlx-lm and this package, and what MLX's quantized matmul does with many rows on the chip."""
+versions of MLX, mlx-lm and this package, what MLX's quantized matmul does with many rows on the chip, and
+the float dtype that runs fast here."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def machine_info() -> dict:
     info["quantized_matmul_routing"] = quantized_matmul_routing(
         (info.get("device_info") or {}).get("architecture") if info["metal"] else None)
     return info
+
+
+def fast_float_dtype() -> str:
+    """The float dtype to store a converted model in here: float16 on Metal; float32 on MLX's CPU backend,
+    whose half-precision matmuls run many times slower than its float32 ones."""
+    return "float16" if metal_available() else "float32"
+
+
+def half_precision_warning(dtype: str | None) -> str | None:
+    """One line warning that half-precision weights crawl here (MLX on the CPU only), or None."""
+    if dtype in ("float16", "bfloat16") and not metal_available():
+        return (f"warning: {dtype} weights run many times slower than float32 on MLX's CPU backend (no Metal "
+                "here); convert with --dtype float32 to run the model on this machine")
+    return None
 
 
 def quantized_matmul_routing(architecture: str | None) -> str:

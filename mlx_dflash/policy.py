@@ -22,7 +22,9 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from .errors import DFlashError
+from .kernels.wide_qmm import WideQuantizedLinear
 from .lookup import ACCEPTANCE_PRIOR
+from .machine import machine_info
 
 QUANTIZED_MAX_WIDTH = 5
 
@@ -304,8 +306,8 @@ def interpolate_costs(table: dict, max_width: int) -> dict:
 # probe, which the cost-aware policy then refines from observed rounds.
 
 
-def load_cost_table(path) -> dict[int, float]:
-    """{width: verify seconds} from a cost_table.json; DFlashError naming the problem otherwise."""
+def read_cost_table(path) -> dict:
+    """A cost_table.json, checked; DFlashError naming the problem otherwise."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -322,7 +324,59 @@ def load_cost_table(path) -> dict[int, float]:
         raise DFlashError(f"cost table {path}: 'widths' must be distinct integers >= 1, got {widths}")
     if any(type(s) not in (int, float) or not math.isfinite(s) or s <= 0 for s in seconds):
         raise DFlashError(f"cost table {path}: 'verify_seconds' must be positive finite numbers, got {seconds}")
-    return {w: float(s) for w, s in sorted(zip(widths, seconds))}
+    return data
+
+
+def load_cost_table(path) -> dict[int, float]:
+    """{width: verify seconds} from a cost_table.json; DFlashError naming the problem otherwise."""
+    return table_costs(read_cost_table(path))
+
+
+def table_costs(table: dict) -> dict[int, float]:
+    return {w: float(s) for w, s in sorted(zip(table["widths"], table["verify_seconds"]))}
+
+
+def precision(target) -> dict:
+    """What a verify costs besides its width and the chip, as cost tables record it: the activation dtype
+    (of the input embedding, or of its scales when quantized) and the quantization of the matmuls
+    ({"bits", "group_size"}; {"mixed": [[bits, group_size], ...]} for mixed precision; None for a float model)."""
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding, WideQuantizedLinear)
+    found = sorted({(m.bits, m.group_size) for _, m in target.model.named_modules() if isinstance(m, quantized)})
+    embedding = target.embed_tokens
+    dtype = (embedding["scales"] if "scales" in embedding else embedding.weight).dtype
+    quantization = (None if not found else {"bits": found[0][0], "group_size": found[0][1]} if len(found) == 1
+                    else {"mixed": [list(f) for f in found]})
+    return {"dtype": str(dtype).replace("mlx.core.", ""), "quantization": quantization}
+
+
+def weights_text(quantization) -> str:
+    """A `precision()` quantization in words."""
+    if quantization is None:
+        return "float weights"
+    if "mixed" in quantization:
+        return "mixed-precision weights"
+    return f"{quantization['bits']}-bit weights (group {quantization['group_size']})"
+
+
+def cost_table_note(table: dict, path, target) -> Optional[str]:
+    """A one-line warning when the table was measured on another dtype, quantization or chip than this
+    target's (naming each difference and the fix), or does not record them; None when all three match."""
+    fix = "re-run `mlx-dflash bench widths --model` with this model on this machine and pass that table"
+    chip = (table.get("machine") or {}).get("chip")
+    if "dtype" not in table or "quantization" not in table or chip is None:
+        return (f"warning: cost table {path} does not record the dtype, quantization and chip it was measured "
+                f"with, so its costs may not be this run's; {fix}")
+    here, here_chip = precision(target), machine_info()["chip"]
+    differences = []
+    if table["dtype"] != here["dtype"]:
+        differences.append(f"{table['dtype']} activations (this target: {here['dtype']})")
+    if table["quantization"] != here["quantization"]:
+        differences.append(f"{weights_text(table['quantization'])} (this target: {weights_text(here['quantization'])})")
+    if chip != here_chip:
+        differences.append(f"chip {chip} (this machine: {here_chip})")
+    if not differences:
+        return None
+    return f"warning: cost table {path} was measured with {'; '.join(differences)}; {fix}"
 
 
 def filled_cache(target, length: int, seed: int = 0) -> list:
@@ -421,9 +475,12 @@ def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_m
     )
     if not auto:
         return policy
+    notes = list(policy.notes)
     if cost_table:
-        costs, source = load_cost_table(cost_table), f"cost table {cost_table}"
+        table = read_cost_table(cost_table)
+        costs, source = table_costs(table), f"cost table {cost_table}"
+        notes += [note] if (note := cost_table_note(table, cost_table, target)) else []
     else:
         costs, source = probe_verify_costs(target, policy.max_width), "a start-up probe"
-    notes = policy.notes + [f"width auto: verify costs from {source}, refined as rounds run"]
+    notes.append(f"width auto: verify costs from {source}, refined as rounds run")
     return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min, prompt_lookup)

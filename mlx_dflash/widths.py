@@ -18,11 +18,13 @@ It writes `widths.json`, `cost_table.json` (for the decoder, see `load_cost_tabl
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
 import random
 from pathlib import Path
+from typing import Sequence
 
 import click
 import mlx.core as mx
@@ -30,7 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .policy import filled_cache, timed
+from .policy import filled_cache, precision, timed, weights_text
 from .errors import DFlashError
 from .utils import DTYPES, portable_path, write_atomic
 from .kernels.wide_qmm import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
@@ -219,11 +221,6 @@ def _series(name: str, widths, per_width: dict, clock: str, **extra) -> dict:
             "min_seconds": [min(s) for s in chosen], "wall_seconds": wall, "cpu_seconds": cpu, **verdict(widths, med)}
 
 
-def _dtype_of(target) -> mx.Dtype:
-    emb = target.embed_tokens
-    return emb["scales"].dtype if "scales" in emb else emb.weight.dtype
-
-
 def _parse_shape(s) -> tuple[int, int]:
     try:
         k, n = (int(v) for v in (s.lower().split("x") if isinstance(s, str) else s))
@@ -232,123 +229,154 @@ def _parse_shape(s) -> tuple[int, int]:
     return k, n
 
 
-def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, full: bool = False, widths=WIDTHS,
-                     short_cache: int = 128, long_cache: int | None = None, repeats: int | None = None,
-                     warmup: int | None = None, quantize_bits: int | None = 4, group_size: int = 64,
-                     dtype: str | None = None, clock: str = "auto", seed: int = 0, note: str = "", log=print,
-                     progress: bool | None = None) -> dict:
+@dataclasses.dataclass
+class WidthsSettings:
+    """What `run_widths_bench` measures and how (recorded in widths.json's "settings").
+
+    full: the exhaustive sweep: 5 repeats, 2 warm-up rounds and a second, long cache (`long_cache`, default
+    4096); without it 3 repeats, 1 warm-up round and only the short cache (unless given), a few minutes on
+    a CPU. quantize_bits: quantize a float model in memory (mlx.nn.quantize, group_size) before measuring;
+    None measures it as stored (synthetic shapes: 4-bit). dtype: the activations of the synthetic matmuls
+    (default: the model's; without one, float16 on Metal, float32 on the CPU).
+    clock: which time the medians, cliffs and cost table use: "wall", or "cpu" (process CPU time: on a
+    shared CPU machine it leaves out other processes' time slices, which make wall-clock medians of long
+    calls jump); "auto" = wall on Metal (the GPU's work is not CPU time), cpu on the CPU backend. Both are
+    always recorded."""
+
+    full: bool = False
+    widths: Sequence[int] = WIDTHS
+    short_cache: int = 128
+    long_cache: int | None = None
+    repeats: int | None = None
+    warmup: int | None = None
+    quantize_bits: int | None = None
+    group_size: int = 64
+    dtype: str | None = None
+    clock: str = "auto"
+    seed: int = 0
+    note: str = ""
+
+    def __post_init__(self):
+        self.repeats = self.repeats or (5 if self.full else 3)
+        self.warmup = self.warmup if self.warmup is not None else (2 if self.full else 1)
+        if self.long_cache is None and self.full:
+            self.long_cache = 4096
+        self.widths = sorted({int(w) for w in self.widths})
+        if not self.widths or self.widths[0] < 1:
+            raise DFlashError("widths must be integers >= 1")
+        self.clock = self.clock if self.clock != "auto" else ("wall" if metal_available() else "cpu")
+        if self.clock not in ("wall", "cpu"):
+            raise DFlashError(f"clock must be auto, wall or cpu, not {self.clock!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise DFlashError(f"dtype must be float16, bfloat16 or float32, not {self.dtype!r}")
+
+    @property
+    def caches(self) -> list[int]:
+        return sorted({self.short_cache} | ({self.long_cache} if self.long_cache else set()))
+
+
+def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, *, log=print,
+                     progress: bool | None = None, **settings) -> dict:
     """Run the sweep, write widths.json, cost_table.json and widths.png into out_dir, return the results.
 
     model_path: mlx-lm directory or repo id, or a model instance (None: synthetic `shapes` only, no
-    verify forward).
-    shapes: [(K, N) or "KxN"] to time instead of the model's own layer shapes.
-    full: the exhaustive sweep: 5 repeats, 2 warm-up rounds and a second, long cache (`long_cache`,
-    default 4096); without it 3 repeats, 1 warm-up round and only the short cache (unless given), a few
-    minutes on a CPU. quantize_bits: quantize a non-quantized model in memory (mlx.nn.quantize,
-    group_size) before measuring; None keeps it as it is. progress: tqdm bars on stderr (default: when
-    `log` is given).
-    clock: which time the medians, cliffs and cost table use: "wall", or "cpu" (process CPU time: on a
-    shared CPU machine it leaves out other processes' time slices, which make wall-clock medians of
-    long calls jump); "auto" = wall on Metal (the GPU's work is not CPU time), cpu on the CPU backend.
-    Both are always recorded.
+    verify forward). shapes: [(K, N) or "KxN"] to time instead of the model's own layer shapes.
+    settings: the fields of `WidthsSettings`. progress: tqdm bars on stderr (default: when `log` is given).
     """
-    from .utils import load_target
-    from .policy import has_quantized_layers
-    from .models.target import Target
-
-    repeats = repeats or (5 if full else 3)
-    warmup = warmup if warmup is not None else (2 if full else 1)
-    if long_cache is None and full:
-        long_cache = 4096
-    caches = sorted({short_cache} | ({long_cache} if long_cache else set()))
-    progress = log is not None if progress is None else progress
-    widths = sorted({int(w) for w in widths})
-    if not widths or widths[0] < 1:
-        raise DFlashError("widths must be integers >= 1")
-    clock = clock if clock != "auto" else ("wall" if metal_available() else "cpu")
-    if clock not in ("wall", "cpu"):
-        raise DFlashError(f"clock must be auto, wall or cpu, not {clock!r}")
+    s = WidthsSettings(**settings)
     if model_path is None and not shapes:
         raise DFlashError("give a model or a list of shapes (KxN) to measure")
-    if dtype is not None and dtype not in DTYPES:
-        raise DFlashError(f"dtype must be float16, bfloat16 or float32, not {dtype!r}")
+    progress = log is not None if progress is None else progress
     log = log or (lambda *_: None)
-    mx.random.seed(seed)
+    mx.random.seed(s.seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"model": (None if model_path is None else type(model_path).__module__ if
-                          isinstance(model_path, nn.Module) else portable_path(model_path)), "full": full, "widths": widths,
-                "repeats": repeats, "warmup": warmup, "short_cache": short_cache, "long_cache": long_cache,
-                "quantize_bits": quantize_bits, "group_size": group_size, "clock": clock, "seed": seed,
-                "note": note}
-    target = None
-    if model_path is not None:
-        target = Target(model_path) if isinstance(model_path, nn.Module) else load_target(str(model_path))[0]
-        if quantize_bits and not has_quantized_layers(target.model):
-            nn.quantize(target.model, group_size=group_size, bits=quantize_bits)
-            settings["quantized_in_memory"] = True
-        settings["model_quantized"] = has_quantized_layers(target.model)
-    act = DTYPES[dtype] if dtype else (_dtype_of(target) if target else
-                                            (mx.float16 if metal_available() else mx.float32))
-    settings["dtype"] = str(act).replace("mlx.core.", "")
+    record = {"model": (None if model_path is None else type(model_path).__module__ if
+                        isinstance(model_path, nn.Module) else portable_path(model_path)), **dataclasses.asdict(s)}
+    target = None if model_path is None else _prepare_target(model_path, s, record)
+    act = DTYPES[s.dtype] if s.dtype else (DTYPES[record["model_precision"]["dtype"]] if target else
+                                           (mx.float16 if metal_available() else mx.float32))
+    record["dtype"] = str(act).replace("mlx.core.", "")
+    bits = s.quantize_bits or 4  # the synthetic or to-be-quantized shapes' bits
     if shapes:
-        shape_list = [{"K": k, "N": n, "group_size": group_size, "bits": quantize_bits or 4, "mode": "affine",
+        shape_list = [{"K": k, "N": n, "group_size": s.group_size, "bits": bits, "mode": "affine",
                        "count": 1, "layers": []} for k, n in map(_parse_shape, shapes)]
     else:
-        shape_list = model_shapes(target.model, group_size, quantize_bits or 4)
+        shape_list = model_shapes(target.model, s.group_size, bits)
     impls = ["mlx", "dflash"] if metal_available() else ["mlx"]
-    series = []
-
-    # Quantized matmul per shape.
-    cases, meta = {}, {}
-    for i, sh in enumerate(shape_list):
-        for impl in impls:
-            if impl == "dflash" and (sh["mode"], sh["bits"], sh["group_size"], act) not in WIDE_OK:
-                continue
-            name = f"matmul K={sh['K']} N={sh['N']} {impl}"
-            cases[name] = _qmm_case(sh, act, impl == "dflash", widths, seed + i)
-            meta[name] = {"kind": "matmul", "impl": impl, **sh}
-    log(f"quantized matmul: {len(shape_list)} shapes x {impls}, widths {widths[0]}..{widths[-1]}, "
-        f"{repeats} repeats, {settings['dtype']}")
-    times = sweep(cases, widths, repeats, warmup, seed, f"quantized matmul, {len(shape_list)} shapes x widths "
-                  f"{widths[0]}..{widths[-1]}", progress)
-    series += [_series(n, widths, times[n], clock, **meta[n]) for n in cases]
-    for impl in impls:
-        mine = [s for s in series if s["kind"] == "matmul" and s["impl"] == impl]
-        if mine:
-            per = {w: [(sum(s["count"] * s["median_seconds"][i] for s in mine),) * 2] for i, w in enumerate(widths)}
-            series.append(_series(f"matmul total {impl}", widths, per, clock, kind="matmul_total", impl=impl,
-                                  derived="sum over shapes of count x median seconds (no repeats of its own)"))
-
-    # Full verify forward.
+    log(f"quantized matmul: {len(shape_list)} shapes x {impls}, widths {s.widths[0]}..{s.widths[-1]}, "
+        f"{s.repeats} repeats, {record['dtype']}")
+    series = measure_matmuls(shape_list, impls, act, s, progress)
     if target is not None:
-        state = {"on": False}
-        wide_ok = "dflash" in impls and settings["model_quantized"]
-        cases, meta = {}, {}
-        for length in caches:
-            cache, offsets = filled_cache(target, length, seed), set()
-            for impl in (["mlx", "dflash"] if wide_ok else ["mlx"]):
-                name = f"verify cache={length} {impl}"
-                cases[name] = _verify_case(target, cache, length, impl == "dflash", state, widths, offsets, seed)
-                meta[name] = {"kind": "verify", "impl": impl, "cache_length": length, "cache_offsets": offsets}
-        times = sweep(cases, widths, repeats, warmup, seed, f"verify forward, cache {', '.join(map(str, caches))}",
-                      progress)
-        _set_wide(target.model, False, state)
-        for n in cases:
-            meta[n]["cache_offsets"] = sorted(meta[n]["cache_offsets"])
-            series.append(_series(n, widths, times[n], clock, **meta[n]))
-
+        series += measure_verify(target, "dflash" in impls and record["model_quantized"], s, progress)
     results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), "versions": versions(), "settings": settings, "cliff_rule": CLIFF_RULE,
-               "series": series, "cliff": {s["name"]: s["cliff_width"] for s in series}}
+               "machine": machine_info(), "versions": versions(), "settings": record, "cliff_rule": CLIFF_RULE,
+               "series": series, "cliff": {x["name"]: x["cliff_width"] for x in series}}
     results["cost_table"] = cost_table(results)
-    results["traffic_model"] = traffic_model(shape_list, widths, act)
+    results["traffic_model"] = traffic_model(shape_list, s.widths, act)
     written = write_outputs(results, out_dir)
     log(format_table(results))
     log(format_widths_model(results["traffic_model"]))
     log(f"wrote {', '.join(written)} in {out_dir}" + ("" if "widths.png" in written else
         " (no chart: pip install 'mlx-dflash[bench]' for matplotlib)"))
     return results
+
+
+def _prepare_target(model_path, s: WidthsSettings, record: dict):
+    """The target to measure, quantized in memory first when `s.quantize_bits` asks for it (a model stored
+    quantized is measured as stored); its precision goes into `record`."""
+    from .utils import load_target
+    from .policy import has_quantized_layers
+    from .models.target import Target
+
+    target = Target(model_path) if isinstance(model_path, nn.Module) else load_target(str(model_path))[0]
+    if s.quantize_bits and not has_quantized_layers(target.model):
+        nn.quantize(target.model, group_size=s.group_size, bits=s.quantize_bits)
+        record["quantized_in_memory"] = True
+    record["model_quantized"] = has_quantized_layers(target.model)
+    record["model_precision"] = precision(target)
+    return target
+
+
+def measure_matmuls(shape_list: list[dict], impls: list[str], act, s: WidthsSettings, progress: bool) -> list[dict]:
+    """One series per (shape, kernel) of `mx.quantized_matmul` (ours where it runs), plus each kernel's
+    layer-count weighted sum per width."""
+    cases, meta = {}, {}
+    for i, sh in enumerate(shape_list):
+        for impl in impls:
+            if impl == "dflash" and (sh["mode"], sh["bits"], sh["group_size"], act) not in WIDE_OK:
+                continue
+            name = f"matmul K={sh['K']} N={sh['N']} {impl}"
+            cases[name] = _qmm_case(sh, act, impl == "dflash", s.widths, s.seed + i)
+            meta[name] = {"kind": "matmul", "impl": impl, **sh}
+    times = sweep(cases, s.widths, s.repeats, s.warmup, s.seed, f"quantized matmul, {len(shape_list)} shapes x "
+                  f"widths {s.widths[0]}..{s.widths[-1]}", progress)
+    series = [_series(n, s.widths, times[n], s.clock, **meta[n]) for n in cases]
+    for impl in impls:
+        mine = [x for x in series if x["kind"] == "matmul" and x["impl"] == impl]
+        if mine:
+            per = {w: [(sum(x["count"] * x["median_seconds"][i] for x in mine),) * 2] for i, w in enumerate(s.widths)}
+            series.append(_series(f"matmul total {impl}", s.widths, per, s.clock, kind="matmul_total", impl=impl,
+                                  derived="sum over shapes of count x median seconds (no repeats of its own)"))
+    return series
+
+
+def measure_verify(target, wide_ok: bool, s: WidthsSettings, progress: bool) -> list[dict]:
+    """One series per (cache length, kernels) of the full verify forward."""
+    state = {"on": False}
+    cases, meta = {}, {}
+    for length in s.caches:
+        cache, offsets = filled_cache(target, length, s.seed), set()
+        for impl in (["mlx", "dflash"] if wide_ok else ["mlx"]):
+            name = f"verify cache={length} {impl}"
+            cases[name] = _verify_case(target, cache, length, impl == "dflash", state, s.widths, offsets, s.seed)
+            meta[name] = {"kind": "verify", "impl": impl, "cache_length": length, "cache_offsets": offsets}
+    times = sweep(cases, s.widths, s.repeats, s.warmup, s.seed, f"verify forward, cache {', '.join(map(str, s.caches))}",
+                  progress)
+    _set_wide(target.model, False, state)
+    for n in cases:
+        meta[n]["cache_offsets"] = sorted(meta[n]["cache_offsets"])
+    return [_series(n, s.widths, times[n], s.clock, **meta[n]) for n in cases]
 
 
 def traffic_model(shape_list: list[dict], widths, act) -> dict:
@@ -366,10 +394,15 @@ def cost_table(results: dict) -> dict:
     best = [x for x in rows if x["impl"] == "dflash"] or rows
     short = min(x.get("cache_length", 0) for x in best)
     main = next(x for x in best if x.get("cache_length", 0) == short)
-    m = results["machine"]
-    return {"widths": main["widths"], "verify_seconds": main["median_seconds"],
-            "source": (f"mlx-dflash bench widths: {main['name']} of {results['settings']['model'] or 'synthetic shapes'}"
-                       f", median {main['clock']} time of {results['settings']['repeats']}, {results['date']}"),
+    m, settings = results["machine"], results["settings"]
+    if main["kind"] == "verify":  # the model as measured
+        measured = settings["model_precision"]
+    else:  # synthetic shapes, at the bits and activations they were timed with
+        measured = {"dtype": settings["dtype"],
+                    "quantization": {"bits": settings["quantize_bits"] or 4, "group_size": settings["group_size"]}}
+    return {"widths": main["widths"], "verify_seconds": main["median_seconds"], **measured,
+            "source": (f"mlx-dflash bench widths: {main['name']} of {settings['model'] or 'synthetic shapes'}"
+                       f", median {main['clock']} time of {settings['repeats']}, {results['date']}"),
             "machine": {"chip": m.get("chip"), "platform": m["platform"], "mlx": results["versions"]["mlx"]},
             "impl": main["impl"], "clock": main["clock"], "cache_length": main.get("cache_length"),
             "cliff_width": main["cliff_width"],
@@ -402,6 +435,9 @@ def format_table(results: dict) -> str:
     if m.get("quantized_matmul_routing"):
         lines.insert(1, f"MLX quantized matmul here: {m['quantized_matmul_routing']}")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
+    table = results["cost_table"]
+    lines.append(f"cost table: {table['dtype']} activations, {weights_text(table['quantization'])}, chip "
+                 f"{table['machine']['chip']} (`generate --width auto --cost-table` warns when its target differs)")
     return "\n".join(lines)
 
 
@@ -417,9 +453,12 @@ def format_table(results: dict) -> str:
 @click.option("--max-width", default=16, show_default=True, type=int)
 @click.option("--short-cache", default=128, show_default=True, type=int)
 @click.option("--long-cache", default=None, type=int, help="Also measure on a cache this long (default with --full: 4096).")
-@click.option("--bits", default=4, show_default=True, type=int, help="Quantize in memory to this; 0: as stored.")
+@click.option("--bits", default=None, type=int, help="Quantize a float model in memory to this many bits first "
+              "(default: measure the model as stored; --shape matmuls: 4).")
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+              help="Activations of the timed matmuls (default: the model's; --shape alone: float16 on Metal, float32 "
+                   "on the CPU).")
 @click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
               help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
 def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, bits,
@@ -431,5 +470,4 @@ def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_ca
         model_path = default_target()
     run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, full=full, widths=range(1, max_width + 1),
                      short_cache=short_cache, long_cache=long_cache, repeats=repeats, warmup=warmup,
-                     quantize_bits=bits or None, group_size=int(group_size), dtype=dtype, clock=clock,
-                     log=click.echo)
+                     quantize_bits=bits, group_size=int(group_size), dtype=dtype, clock=clock, log=click.echo)

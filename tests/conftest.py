@@ -62,14 +62,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def tiny_llama(seed: int, vocab_size: int = 49152):
+TINY_LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def tiny_llama(seed: int, vocab_size: int = 49152, **config):
     """A random 4-layer llama (mlx-lm's class) over SmolLM2's vocabulary, weights scaled up so its greedy
-    text is not one repeated token."""
+    text is not one repeated token. config: overrides of TINY_LLAMA."""
     from mlx_lm.utils import _get_classes
 
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size,
-                  tie_word_embeddings=True)
+    config = dict(TINY_LLAMA, vocab_size=vocab_size, **config)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -89,6 +91,38 @@ def tiny_chat_pair(tmp_path_factory):
     target = Target(model)
     drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2), seed=0)
     return target, tokenizer, drafter.bind(target)
+
+
+def save_tiny_pair(folder, **config):
+    """Directories for CLI runs: `folder/target` (tiny_llama(7) with SmolLM2's tokenizer files; config:
+    overrides of TINY_LLAMA, e.g. max_position_embeddings) and `folder/drafter` (an untrained block-16
+    drafter for it). Returns (target dir, drafter dir)."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    from mlx_dflash.tuner.trainer import save_checkpoint
+
+    tokenizer_dir = ensure_smollm2("float32")
+    vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    model = tiny_llama(7, vocab_size, **config)
+    target_dir = folder / "target"
+    target_dir.mkdir(parents=True)
+    mx.save_safetensors(str(target_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (target_dir / "config.json").write_text(json.dumps(dict(TINY_LLAMA, vocab_size=vocab_size, **config)))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer_dir / name, target_dir / name)
+    drafter = init_drafter(drafter_config_for(Target(model), num_layers=1, block_size=16, num_target_features=2),
+                           seed=0)
+    save_checkpoint(drafter, folder / "drafter", state=None)
+    return target_dir, folder / "drafter"
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory):
+    """save_tiny_pair's (target dir, drafter dir), without a context limit."""
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
 
 
 @pytest.fixture(scope="session")

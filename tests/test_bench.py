@@ -254,3 +254,96 @@ def test_default_run_is_short_and_shows_what_it_measures(tiny_model, tmp_path, c
     assert "quantized matmul, 4 shapes x widths 1..3" in bars and "verify forward, cache 8" in bars
     assert res["machine"]["chip"] and res["machine"]["quantized_matmul_routing"]
     assert res["cost_table"]["machine"]["chip"] == res["machine"]["chip"]
+
+
+# What a cost table records, and the warning when it does not fit the target.
+
+def test_the_cost_table_records_the_dtype_quantization_and_chip_it_was_measured_with(tiny_model, tmp_path):
+    from mlx_dflash.machine import machine_info
+
+    table = run_widths_bench(tiny_model, tmp_path, widths=[1, 2], short_cache=8, repeats=1, warmup=0,
+                             log=None)["cost_table"]
+    assert (table["dtype"], table["quantization"]) == ("float32", {"bits": 4, "group_size": 64})
+    assert table["machine"]["chip"] == machine_info()["chip"]
+    synthetic = run_widths_bench(None, tmp_path, shapes=["64x64"], widths=[1, 2], repeats=1, warmup=0,
+                                 quantize_bits=8, group_size=32, dtype="bfloat16", log=None)["cost_table"]
+    assert (synthetic["dtype"], synthetic["quantization"]) == ("bfloat16", {"bits": 8, "group_size": 32})
+
+
+@pytest.mark.parametrize("bits, quantization", [(None, None), (8, {"bits": 8, "group_size": 64})])
+def test_bench_widths_measures_the_model_as_stored_unless_bits_are_given(tiny_pair_dirs, tmp_path, bits,
+                                                                         quantization):
+    from click.testing import CliRunner
+
+    from mlx_dflash.cli import main
+
+    target, _ = tiny_pair_dirs
+    result = CliRunner().invoke(main, ["bench", "widths", "--model", str(target), "--max-width", "2", "--short-cache",
+                                       "8", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]
+                                + (["--bits", str(bits)] if bits else []))
+    assert result.exit_code == 0, result.output
+    table = json.loads((tmp_path / "cost_table.json").read_text())
+    assert (table["dtype"], table["quantization"]) == ("float32", quantization)
+    settings = json.loads((tmp_path / "widths.json").read_text())["settings"]
+    assert settings.get("quantized_in_memory", False) == bool(bits)
+    weights = "float weights" if bits is None else "8-bit weights (group 64)"
+    assert f"cost table: float32 activations, {weights}, chip {table['machine']['chip']}" in result.stdout
+
+
+def write_table(path, **fields):
+    from mlx_dflash.machine import machine_info
+
+    table = {"widths": [1, 2, 4], "verify_seconds": [0.01, 0.012, 0.016], "dtype": "float32", "quantization": None,
+             "machine": {"chip": machine_info()["chip"]}, **fields}
+    path.write_text(json.dumps({k: v for k, v in table.items() if v != "absent"}))
+    return path
+
+
+def auto_notes(pair, table) -> list:
+    from mlx_dflash.policy import build_policy
+
+    target, _, drafter = pair
+    return [n for n in build_policy(target, drafter, "auto", cost_table=table).notes if "cost table" in n]
+
+
+def test_a_cost_table_that_fits_the_target_says_only_where_costs_come_from(tiny_chat_pair, tmp_path):
+    table = write_table(tmp_path / "fits.json")
+    assert auto_notes(tiny_chat_pair, table) == [f"width auto: verify costs from cost table {table}, refined as rounds run"]
+
+
+def test_a_cost_table_for_another_precision_or_chip_is_warned_of_naming_each_difference(tiny_chat_pair, tmp_path):
+    from mlx_dflash.machine import machine_info
+
+    table = write_table(tmp_path / "other.json", dtype="float16", quantization={"bits": 4, "group_size": 64},
+                        machine={"chip": "Apple M9 Max"})
+    warning, said = auto_notes(tiny_chat_pair, table)
+    assert warning == (f"warning: cost table {table} was measured with float16 activations (this target: float32); "
+                       "4-bit weights (group 64) (this target: float weights); chip Apple M9 Max (this machine: "
+                       f"{machine_info()['chip']}); re-run `mlx-dflash bench widths --model` with this model on this "
+                       "machine and pass that table")
+    assert said.startswith("width auto: verify costs from cost table")
+    only_bits = write_table(tmp_path / "bits.json", quantization={"bits": 8, "group_size": 32})
+    (warning, _) = auto_notes(tiny_chat_pair, only_bits)
+    assert "8-bit weights (group 32) (this target: float weights); re-run" in warning
+    assert "activations" not in warning and "chip" not in warning
+
+
+def test_an_old_cost_table_is_said_not_to_record_what_it_was_measured_with(tiny_chat_pair, tmp_path):
+    table = write_table(tmp_path / "old.json", dtype="absent", quantization="absent")
+    warning, _ = auto_notes(tiny_chat_pair, table)
+    assert warning.startswith(f"warning: cost table {table} does not record the dtype, quantization and chip it was "
+                              "measured with")
+    assert warning.endswith("re-run `mlx-dflash bench widths --model` with this model on this machine and pass that table")
+
+
+def test_generate_prints_the_cost_table_warning(tiny_pair_dirs, tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_dflash.cli import main
+
+    target, drafter = tiny_pair_dirs
+    table = write_table(tmp_path / "q4.json", quantization={"bits": 4, "group_size": 64})
+    result = CliRunner().invoke(main, ["generate", "--model", str(target), "--drafter", str(drafter), "--prompt", "hi",
+                                       "--max-tokens", "3", "--width", "auto", "--cost-table", str(table)])
+    assert result.exit_code == 0, result.output
+    assert f"warning: cost table {table} was measured with 4-bit weights (group 64) (this target: float weights)" in result.stderr

@@ -513,3 +513,50 @@ def test_gguf_target_quantized(tmp_path):
     q_logits, f_logits = np.array(model(ids)), np.array(float_model(ids))
     assert not np.array_equal(q_logits, f_logits)
     np.testing.assert_allclose(q_logits, f_logits, atol=0.02 * np.abs(f_logits).max())
+
+
+@pytest.mark.parametrize("metal, asked, stored, said, warned", [
+    (False, None, "float32", "storing the weights as float32, the float type that runs fast on MLX's CPU backend", False),
+    (True, None, "float16", "storing the weights as float16, the float type that runs fast on Metal", False),
+    (False, "float16", "float16", None, True),
+    (False, "bfloat16", "bfloat16", None, True),
+    (True, "bfloat16", "bfloat16", None, False),
+])
+def test_convert_says_the_dtype_it_picks_and_warns_of_half_precision_on_the_cpu(tmp_path, monkeypatch, metal,
+                                                                                asked, stored, said, warned):
+    from click.testing import CliRunner
+
+    import mlx_dflash.machine as machine
+    from mlx_dflash.cli import main
+    from test_gguf_smollm2 import write_gguf
+
+    monkeypatch.setattr(machine, "metal_available", lambda: metal)
+    monkeypatch.setattr(conv, "metal_available", lambda: metal)
+    src = tmp_path / "tiny.gguf"
+    write_gguf(src, "llama", pre="smollm", tied=True, layers=1)
+    result = CliRunner().invoke(main, ["convert", "--model", str(src), "--out", str(tmp_path / "out")]
+                                + (["--dtype", asked] if asked else []))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == stored
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if line.startswith("storing")] == ([f"{said} (--dtype chooses another)"] if said else [])
+    warning = [line for line in lines if line.startswith("warning:")]
+    assert warning == ([f"warning: {stored} weights run many times slower than float32 on MLX's CPU backend (no "
+                        "Metal here); convert with --dtype float32 to run the model on this machine"] if warned else [])
+
+
+def test_convert_warns_when_a_checkpoint_keeps_half_precision_on_the_cpu(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import mlx_dflash.machine as machine
+    from mlx_dflash.cli import main
+
+    monkeypatch.setattr(machine, "metal_available", lambda: False)
+    vocab = json.loads((ensure_smollm2("float32") / "config.json").read_text())["vocab_size"]
+    src = write_hf_llama(tmp_path / "bf16", vocab, torch_dtype="bfloat16")
+    result = CliRunner().invoke(main, ["convert", "--model", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "warning: bfloat16 weights run many times slower than float32" in result.stderr
+    again = CliRunner().invoke(main, ["convert", "--model", str(src), "--dtype", "float32", "--out",
+                                      str(tmp_path / "f32")])
+    assert again.exit_code == 0 and "warning" not in again.stderr

