@@ -51,7 +51,7 @@ import mlx.nn as nn  # noqa: E402
 
 from e2e import load_prompts, mark_identical, run_target_alone  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.policy import timed  # noqa: E402
+from mlx_dflash.verify_costs import timed  # noqa: E402
 from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
 from mlx_dflash.policy import build_policy  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target  # noqa: E402

@@ -28,7 +28,8 @@ import numpy as np
 
 from .errors import DFlashError
 from .models.batch_cache import add_row, batched
-from .policy import Calibration, filled_cache, non_decreasing, observe_cost, running
+from .policy import Calibration
+from .verify_costs import filled_cache, non_decreasing, observe_cost, running
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -139,7 +140,7 @@ def probe_batch_costs(target, batches: list, max_width: int, context: int = 256,
     """{rows: {width: verify seconds}} for a batch of `rows` sequences of `context` tokens each, timed in
     turns (after one warm-up turn; each pair's median), then made non-decreasing in width; widths between
     the probed ones are interpolated, as for one sequence (policy.interpolate_costs)."""
-    from .policy import interpolate_costs
+    from .verify_costs import interpolate_costs
 
     widths = sorted({min(w, max_width) for w in PROBE_WIDTHS})
     times = {(b, w): [] for b in batches for w in widths}

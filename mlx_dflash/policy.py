@@ -9,22 +9,16 @@ the weights once for up to 5 rows and again for every further 5 (`../shared/rese
 section 2), so without our wide kernels the verify width is clamped to 5 unless the user forces it.
 """
 
-import json
-import math
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache
 
 from .errors import DFlashError
-from .kernels.wide_qmm import WideQuantizedLinear
+from .verify_costs import (cost_table_note, interpolate_costs, observe_cost, probe_verify_costs, read_cost_table,
+                           running, table_costs)
 from .lookup import ACCEPTANCE_PRIOR
-from .machine import machine_info
 
 QUANTIZED_MAX_WIDTH = 5
 
@@ -173,17 +167,6 @@ class Calibration:
                 self.hits[b] += k < accepted
 
 
-def observe_cost(costs: dict, width: int, seconds: float, weight: float):
-    """A measured cost moves costs[width] by `weight`; more rows never cost less, so it bounds the narrower
-    widths from above and the wider ones from below, also those not tried yet."""
-    costs[width] = running(costs[width], seconds, weight)
-    for v in costs:
-        if v < width:
-            costs[v] = min(costs[v], costs[width])
-        elif v > width:
-            costs[v] = max(costs[v], costs[width])
-
-
 class CostAwarePolicy(WidthPolicy):
     """`--width auto`: each round, the verify width with the most expected tokens per second.
 
@@ -277,169 +260,6 @@ class CostAwarePolicy(WidthPolicy):
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
         observe_cost(self.verify_seconds, drafted + 1, verify_seconds, a)
         self.calibration.record(confidence, drafted, accepted, looked_up)
-
-
-def running(average: Optional[float], value: float, weight: float) -> float:
-    """A running average moved `weight` of the way to `value` (the value itself when there is none yet)."""
-    return value if average is None else (1 - weight) * average + weight * value
-
-
-def interpolate_costs(table: dict, max_width: int) -> dict:
-    """Verify seconds for every width 1..max_width, linear between measured widths, extended at the ends."""
-    if not table:
-        raise DFlashError("the verify cost table is empty")
-    widths = sorted(table)
-    seconds = [table[w] for w in widths]
-    out = {}
-    for w in range(1, max_width + 1):
-        if len(widths) == 1:
-            out[w] = seconds[0]
-        elif w <= widths[-1]:
-            out[w] = float(np.interp(w, widths, seconds))
-        else:  # past the table: continue its last slope
-            slope = (seconds[-1] - seconds[-2]) / (widths[-1] - widths[-2])
-            out[w] = seconds[-1] + slope * (w - widths[-1])
-    return out
-
-
-# Verify costs: a measured table (`mlx-dflash bench widths` writes cost_table.json) or a quick start-up
-# probe, which the cost-aware policy then refines from observed rounds.
-
-
-def read_cost_table(path) -> dict:
-    """A cost_table.json, checked; DFlashError naming the problem otherwise."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths`)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
-    if not isinstance(data, dict) or "widths" not in data or "verify_seconds" not in data:
-        raise DFlashError(f"cost table {path} needs an object with 'widths' and 'verify_seconds' lists")
-    widths, seconds = data["widths"], data["verify_seconds"]
-    if not isinstance(widths, list) or not isinstance(seconds, list) or len(widths) != len(seconds) or not widths:
-        raise DFlashError(f"cost table {path}: 'widths' and 'verify_seconds' must be non-empty lists of equal length")
-    if any(type(w) is not int or w < 1 for w in widths) or len(set(widths)) != len(widths):
-        raise DFlashError(f"cost table {path}: 'widths' must be distinct integers >= 1, got {widths}")
-    if any(type(s) not in (int, float) or not math.isfinite(s) or s <= 0 for s in seconds):
-        raise DFlashError(f"cost table {path}: 'verify_seconds' must be positive finite numbers, got {seconds}")
-    return data
-
-
-def load_cost_table(path) -> dict[int, float]:
-    """{width: verify seconds} from a cost_table.json; DFlashError naming the problem otherwise."""
-    return table_costs(read_cost_table(path))
-
-
-def table_costs(table: dict) -> dict[int, float]:
-    return {w: float(s) for w, s in sorted(zip(table["widths"], table["verify_seconds"]))}
-
-
-def precision(target) -> dict:
-    """What a verify costs besides its width and the chip, as cost tables record it: the activation dtype
-    (of the input embedding, or of its scales when quantized) and the quantization of the matmuls
-    ({"bits", "group_size"}; {"mixed": [[bits, group_size], ...]} for mixed precision; None for a float model)."""
-    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding, WideQuantizedLinear)
-    found = sorted({(m.bits, m.group_size) for _, m in target.model.named_modules() if isinstance(m, quantized)})
-    embedding = target.embed_tokens
-    dtype = (embedding["scales"] if "scales" in embedding else embedding.weight).dtype
-    quantization = (None if not found else {"bits": found[0][0], "group_size": found[0][1]} if len(found) == 1
-                    else {"mixed": [list(f) for f in found]})
-    return {"dtype": str(dtype).replace("mlx.core.", ""), "quantization": quantization}
-
-
-def weights_text(quantization) -> str:
-    """A `precision()` quantization in words."""
-    if quantization is None:
-        return "float weights"
-    if "mixed" in quantization:
-        return "mixed-precision weights"
-    return f"{quantization['bits']}-bit weights (group {quantization['group_size']})"
-
-
-def cost_table_note(table: dict, path, target) -> Optional[str]:
-    """A one-line warning when the table was measured on another dtype, quantization or chip than this
-    target's (naming each difference and the fix), or does not record them; None when all three match."""
-    fix = "re-run `mlx-dflash bench widths --model` with this model on this machine and pass that table"
-    chip = (table.get("machine") or {}).get("chip")
-    if "dtype" not in table or "quantization" not in table or chip is None:
-        return (f"warning: cost table {path} does not record the dtype, quantization and chip it was measured "
-                f"with, so its costs may not be this run's; {fix}")
-    here, here_chip = precision(target), machine_info()["chip"]
-    differences = []
-    if table["dtype"] != here["dtype"]:
-        differences.append(f"{table['dtype']} activations (this target: {here['dtype']})")
-    if table["quantization"] != here["quantization"]:
-        differences.append(f"{weights_text(table['quantization'])} (this target: {weights_text(here['quantization'])})")
-    if chip != here_chip:
-        differences.append(f"chip {chip} (this machine: {here_chip})")
-    if not differences:
-        return None
-    return f"warning: cost table {path} was measured with {'; '.join(differences)}; {fix}"
-
-
-def filled_cache(target, length: int, seed: int = 0) -> list:
-    """target.make_cache() holding `length` positions of random keys/values (the model's head shapes
-    and dtype, found by a one-token probe)."""
-    cache = target.make_cache()
-    if length <= 0:
-        return cache
-    probe = target.make_cache()
-    mx.eval(target.forward(mx.array([[0]]), probe)[0])
-    key = mx.random.key(seed)
-    for c, p in zip(cache, probe):
-        if isinstance(c, ArraysCache):  # a recurrent layer: its state and its cost do not grow with the context
-            continue
-        if getattr(p, "keys", None) is None or not hasattr(c, "update_and_fetch"):
-            raise DFlashError(f"cannot pre-fill a {type(c).__name__} cache for the long-context benchmark")
-        key, k1, k2 = mx.random.split(key, 3)
-        kshape, vshape = p.keys.shape, p.values.shape
-        c.update_and_fetch(mx.random.normal((1, kshape[1], length, kshape[3]), key=k1).astype(p.keys.dtype),
-                           mx.random.normal((1, vshape[1], length, vshape[3]), key=k2).astype(p.values.dtype))
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def probe_verify_costs(target, max_width: int, context: int = 256, widths=(1, 2, 3, 4, 6, 8, 12, 16),
-                       repeats: int = 3) -> dict:
-    """A quick start-up estimate of {width: verify seconds}, for `--width auto` when no cost table was
-    measured; the decoder refines it from observed rounds.
-
-    The widths are timed in turns (after one warm-up turn), so a slow moment of a shared machine
-    spreads over all of them, and each width keeps its median; then the costs are made non-decreasing
-    in width (more rows never cost less). Timed back to back, on this 2-core VM, width 4 came out
-    dearer than width 8, and auto shunned widths it never tried."""
-    cache = filled_cache(target, context)
-    chosen = sorted({min(w, max_width) for w in widths})
-    times = {w: [] for w in chosen}
-    for turn in range(repeats + 1):
-        for w in chosen:
-            seconds = timed(lambda: target.forward(mx.zeros((1, w), dtype=mx.int32), cache)[0])[0]
-            target.trim(cache, w)
-            if turn:
-                times[w].append(seconds)
-    return non_decreasing({w: float(np.median(t)) for w, t in times.items()})
-
-
-def non_decreasing(costs: dict) -> dict:
-    """The closest non-decreasing costs (least squares, pool-adjacent-violators), in width order."""
-    blocks = []  # [sum, count] of pooled neighbours
-    for w in sorted(costs):
-        blocks.append([costs[w], 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    values = [total / count for total, count in blocks for _ in range(count)]
-    return dict(zip(sorted(costs), values))
-
-
-def timed(fn) -> tuple[float, float]:
-    """(wall, process CPU) seconds of evaluating fn()."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    mx.eval(fn())
-    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def check_width_options(width, n_max=None, cost_table=None):

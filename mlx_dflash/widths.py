@@ -32,7 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .policy import filled_cache, precision, timed, weights_text
+from .verify_costs import filled_cache, precision, timed, weights_text
 from .errors import DFlashError
 from .utils import DTYPES, portable_path, write_atomic
 from .kernels.wide_qmm import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,

@@ -11,7 +11,7 @@ from mlx_lm.models import llama
 
 from mlx_dflash.machine import quantized_matmul_routing
 from mlx_dflash.widths import cliff_width, find_jumps, model_shapes, run_widths_bench
-from mlx_dflash.policy import filled_cache, load_cost_table
+from mlx_dflash.verify_costs import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels.wide_qmm import metal_available
 from mlx_dflash.plot import bar_chart_figure, widths_figure

@@ -8,7 +8,8 @@ import pytest
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import CostAwarePolicy, interpolate_costs, make_policy, running
+from mlx_dflash.policy import CostAwarePolicy, make_policy
+from mlx_dflash.verify_costs import interpolate_costs, running
 from mlx_dflash.sampling import SamplingParams, next_token
 
 
@@ -183,7 +184,7 @@ def test_auto_width_costs_stay_non_decreasing_in_width():
 
 
 def test_probe_costs_are_made_non_decreasing():
-    from mlx_dflash.policy import non_decreasing
+    from mlx_dflash.verify_costs import non_decreasing
 
     assert non_decreasing({1: 1.0, 2: 2.0, 4: 4.0, 8: 3.0, 16: 5.0}) == {1: 1.0, 2: 2.0, 4: 3.5, 8: 3.5, 16: 5.0}
     assert non_decreasing({1: 3.0, 2: 1.0, 4: 2.0}) == {1: 2.0, 2: 2.0, 4: 2.0}

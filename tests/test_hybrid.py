@@ -148,7 +148,7 @@ def test_rounds_patch_nothing_and_free_their_tapes():
 
 def test_width_auto_probe_measures_a_hybrid_target():
     """`--width auto` probes verify costs over a pre-filled context; recurrent layers need no filling."""
-    from mlx_dflash.policy import filled_cache, probe_verify_costs
+    from mlx_dflash.verify_costs import filled_cache, probe_verify_costs
 
     target, _ = bound_pair(tiny_model("qwen3_5"))
     costs = probe_verify_costs(target, 8, context=40)
