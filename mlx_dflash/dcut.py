@@ -189,3 +189,40 @@ def build_batch_policy(target, drafter, max_batch: int, width=None, n_max=None, 
     notes = single.notes + [f"width auto (D-cut over batches up to {max_batch}): verify costs from {source}"]
     return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup)
 
+
+
+BATCH_SCHEMA = "mlx-dflash/batch-costs/1"
+
+
+def batch_cost_table(costs: dict, target) -> dict:
+    """The file `mlx-dflash bench widths --batch` writes: verify seconds per (rows, width), and what they were
+    measured on (the model's dtype and weights, the chip)."""
+    from .machine import machine_info
+    from .verify_costs import precision
+
+    return {"schema": BATCH_SCHEMA, **precision(target), "machine": {"chip": machine_info().get("chip")},
+            "batch_verify_seconds": {str(b): [row[w] for w in sorted(row)] for b, row in sorted(costs.items())}}
+
+
+def read_batch_costs(path) -> dict:
+    """{rows: {width: seconds}} from a table `bench widths --batch` wrote; DFlashError naming the problem."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths --batch`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
+    table = data.get("batch_verify_seconds") if isinstance(data, dict) else None
+    if not isinstance(table, dict) or not table:
+        raise DFlashError(f"cost table {path} has no verify costs per batch size: make one with "
+                          "`mlx-dflash bench widths --batch 1,2,4,8` (a --batch server needs them)")
+    try:
+        costs = {int(b): {w + 1: float(s) for w, s in enumerate(row)} for b, row in table.items()}
+    except (TypeError, ValueError):
+        raise DFlashError(f"cost table {path}: batch_verify_seconds must map batch sizes to lists of seconds") from None
+    if any(b < 1 or not row or any(not s > 0 for s in row.values()) for b, row in costs.items()):
+        raise DFlashError(f"cost table {path}: batch sizes must be >= 1 and every cost positive")
+    return costs

@@ -3,6 +3,7 @@
 the cost model allows."""
 
 import itertools
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from conftest import PROMPTS, assert_distributed_as, chat_ids
 from test_prompt_cache import HYBRID, tiny_target
 from mlx_dflash.batch_decoder import Batch, Request, Scheduler, batch_generate
-from mlx_dflash.dcut import BatchPolicy, DCutPolicy, build_batch_policy, probe_batch_costs
+from mlx_dflash.dcut import (BatchPolicy, DCutPolicy, batch_cost_table, build_batch_policy, probe_batch_costs,
+                             read_batch_costs)
 from mlx_dflash.decoder import DecodeState
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.generate import generate
@@ -173,11 +175,19 @@ def test_dcut_interpolates_costs_between_measured_batch_sizes_and_learns_from_ro
     assert policy.calibration.trials.sum() == 3
 
 
-def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(pairs):
+def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(pairs, tmp_path):
     target, drafter, _ = pairs["dense"]
     costs = probe_batch_costs(target, [1, 2], 6, context=16, repeats=1)
     assert sorted(costs) == [1, 2] and all(sorted(row) == list(range(1, 7)) for row in costs.values())
     assert all(row[w] <= row[w + 1] for row in costs.values() for w in range(1, 6))
+    path = tmp_path / "batch_cost_table.json"
+    path.write_text(json.dumps(batch_cost_table(costs, target)))
+    assert read_batch_costs(path) == costs  # the same floats back (JSON keeps them exactly)
+    for bad, words in [({"widths": [1]}, "no verify costs per batch size"),
+                       ({"batch_verify_seconds": {"1": [0.1, -1]}}, "every cost positive")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(DFlashError, match=words):
+            read_batch_costs(path)
     with pytest.raises(DFlashError, match="--max-batch must be at least 1"):
         build_batch_policy(target, drafter, 0)
     with pytest.raises(DFlashError, match="verify width 9 is out of range"):

@@ -10,7 +10,8 @@ import pytest
 from mlx_lm.models import llama
 
 from mlx_dflash.machine import quantized_matmul_routing
-from mlx_dflash.widths import cliff_width, find_jumps, model_shapes, run_widths_bench
+from mlx_dflash.cliff import cliff_width, find_jumps
+from mlx_dflash.widths import model_shapes, run_widths_bench
 from mlx_dflash.verify_costs import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels.wide_qmm import metal_available
