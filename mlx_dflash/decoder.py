@@ -33,6 +33,7 @@ class Round:
     accepted: int  # of those, how many it kept
     looked_up: int = 0  # of those, how many prompt lookup proposed (lookup.py)
     logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities, lazy
+    plain: bool = False  # a plain target step: the policy skipped the drafter
 
     @property
     def width(self) -> int:
@@ -88,7 +89,7 @@ def speculative_rounds(
             for token, logprobs, features in plain_steps(target, cache, anchor, plain, sampling):
                 if policy.max_width > 1:  # a drafter will read these rows (drafting off: none ever will)
                     context = features if context is None else mx.concatenate([context, features], axis=1)
-                yield Round([token], drafted=0, accepted=0, logprobs=logprobs)
+                yield Round([token], drafted=0, accepted=0, logprobs=logprobs, plain=True)
                 history.extend([token])
             policy.observe_plain(plain, time.perf_counter() - tic)
             produced, anchor = produced + plain, token

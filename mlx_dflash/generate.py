@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .decoder import Round, speculative_rounds
 from .distributed import SingleProcess
+from .engine_report import Report, announce, engine_lines
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
@@ -34,12 +35,16 @@ class GenerationStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
     widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
     looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
+    drafted_rounds: int = 0  # rounds that verified at least one drafted token
+    plain_steps: int = 0  # rounds that were plain target steps (the policy skipped the drafter)
+    verify_paths: dict = field(default_factory=dict)  # what serves the verify's matmuls and attention
+    routes: list = field(default_factory=list)  # routed verify calls per shape bin (engine_report.py)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_gb: float = 0.0
     block_size: int = 0
     max_width: int = 0
-    notes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # the policy's notes, then every fallback met
     finish_reason: Optional[str] = None
 
     @property
@@ -63,8 +68,11 @@ class GenerationStats:
         self.accepted_lengths[len(rnd.tokens)] += 1
         self.widths[rnd.width] += 1
         self.looked_up_rounds += rnd.looked_up > 0
+        self.drafted_rounds += rnd.drafted > 0
+        self.plain_steps += rnd.plain
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """The statistics, as the CLI prints them; verbose adds what served the generation (engine_report.py)."""
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
         lines = [
             f"prompt: {self.prompt_tokens} tokens, {self.prefill_tps:.1f} tokens/s",
@@ -75,7 +83,7 @@ class GenerationStats:
             + f"; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
             f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",
         ]
-        return "\n".join(lines)
+        return "\n".join(lines + (engine_lines(self) if verbose else []))
 
 
 @dataclass
@@ -181,8 +189,9 @@ def stream_generate(
     stop_ids = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width,
-                            notes=list(policy.notes))
+    stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width)
+    # The policy's notes and the fallbacks known already, on stderr (rank 0) and in the statistics.
+    report = Report(target, policy, stats, quiet=ranks.rank != 0)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
@@ -194,6 +203,7 @@ def stream_generate(
         else:
             stats.count(rnd)
             stats.decode_seconds = time.perf_counter() - tic
+        report.update()
         for j, token in enumerate(rnd.tokens):
             # Stop at the first stop token (not part of the text) or at max_tokens; nothing past either.
             stats.generated_tokens += 1
@@ -236,7 +246,7 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
     if verbose:
         print()
         print("=" * 10)
-        print(stats.summary(), file=sys.stdout)
+        print(stats.summary(verbose=True), file=sys.stdout)
     result = GeneratedText("".join(text))
     result.tokens, result.stats = tokens, stats
     return result
@@ -250,7 +260,8 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
 @click.option("--seed", default=None, type=int)
 @width_options
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
-@click.option("--verbose", is_flag=True, help="Print each round's kept/drafted count to stderr.")
+@click.option("--verbose", is_flag=True, help="Print each round's kept/drafted count to stderr, and what served "
+              "the verify (our kernels or MLX's, per shape), the drafter or plain steps, and every fallback.")
 @shard_options
 def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, width, n_max, force_width,
          p_min, n_min, cost_table, prompt_lookup, chat_template, verbose, shard, rank_timeout):
@@ -259,6 +270,8 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
 
     from .distributed import Ranks, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
+    from .machine import slow_blas_warning
+    from .pitfalls import pair_warnings
     from .utils import load
 
     if prompt == "-":
@@ -267,6 +280,8 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         raise DFlashError("--prompt is empty: give the text to answer (or - to read it from stdin)")
     SamplingParams(temp, top_p, top_k, min_p)  # refuse bad settings before loading anything
     check_width_options(width, n_max, cost_table)
+    if blas := slow_blas_warning():
+        click.echo(blas, err=True)
     if shard:
         check_rank_timeout(rank_timeout)
         target, drafter, tokenizer, group = load_sharded_pair(default_target(model_path),
@@ -274,8 +289,11 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
     policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+    policy.notes += pair_warnings(target, drafter, tokenizer)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
+    for note in policy.notes if ranks.rank == 0 else ():  # before any work; stream_generate keeps them in the stats
+        announce(note)
     ids = encode_prompt(tokenizer, prompt, chat_template)
     bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
     stats, shown = None, None
@@ -287,8 +305,6 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
             ):
                 if stats is None:
                     bar.close()
-                    for note in response.stats.notes:
-                        echo(note, err=True)
                 stats = response.stats
                 if verbose and response.round is not shown:  # a new round: the one before has all its text
                     if shown is not None and shown.drafted:
@@ -300,10 +316,10 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         echo("\n" + "=" * 10, err=True)
         if stats is not None:
             stats.finish_reason = "interrupted"
-            echo(stats.summary(), err=True)
+            echo(stats.summary(verbose), err=True)
         sys.exit(130)
     echo()
     echo("=" * 10, err=True)
-    echo(stats.summary(), err=True)
+    echo(stats.summary(verbose), err=True)
     if shard:
         echo(ranks.summary(stats.rounds), err=True)
