@@ -173,7 +173,7 @@ def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
                  details, notes)
 
 
-def check_generation(loaded: dict, max_tokens: int = 16) -> Check:
+def check_generation(loaded: dict, max_tokens: int = 8) -> Check:
     """A short greedy generation with the pair, and what served it (engine_report.py)."""
     from .engine_report import silenced
     from .generate import encode_prompt, generate

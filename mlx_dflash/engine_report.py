@@ -59,7 +59,8 @@ def _matmul_path(model) -> tuple[str, list[str]]:
     if not ours:
         if refused:
             return "MLX's quantized matmul (no layer our wide kernel takes)", [note]
-        return f"MLX's quantized matmul (our wide kernel not installed; {wide_qmm.ROUTE_ENV}={wide_qmm.default_route()})", []
+        route = f"{wide_qmm.ROUTE_ENV}={wide_qmm.default_route()}"
+        return f"MLX's quantized matmul (our wide kernel not installed; {route})", []
     path = f"ours for 6..16 rows in {ours} quantized layers (race gate, or forced), MLX's quantized matmul otherwise"
     return path, [note] if refused else []
 

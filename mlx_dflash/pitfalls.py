@@ -3,6 +3,9 @@
 * Float16 activations of a quantized drafter or target on an M1/M2 GPU: reported against another DFlash
   runtime as acceptance falling to 0% (0.44x the target alone). Those chips have no bfloat16 hardware,
   so float16 is the tempting choice there; bfloat16 (emulated, slower per op) or float32 keep the drafts.
+* A quantized or half-precision pair on MLX's CPU backend, which runs them several times slower than
+  float32 where they are meant to be faster (SmolLM2-135M decoding on a 2-vCPU Linux VM, MLX 0.32 with
+  OpenBLAS: float32 about 10 tokens/s, bfloat16 5, float16 2, 4-bit 0.2).
 * A mask token that is not reserved: the drafter fills its block with the mask token, so a token the
   target reads in ordinary text (or BOS/EOS/PAD, or one the chat template writes) means the drafter was
   made for another tokenizer's layout. Reserved, as `mlx-dflash train` picks it
@@ -45,6 +48,22 @@ def float16_warning(target, drafter) -> Optional[str]:
             f"{'them' if len(which) > 1 else 'it'} with `mlx-dflash convert --dtype bfloat16` (or float32)")
 
 
+def cpu_dtype_warning(target, drafter) -> Optional[str]:
+    """The CPU pitfall: quantized layers or float16/bfloat16 activations where MLX computes on the CPU."""
+    if mx.default_device() != mx.cpu:
+        return None
+    slow = []
+    for name, model, dtype in (("target", target.model, target.activation_dtype), ("drafter", drafter, None)):
+        if has_quantized_layers(model):
+            slow.append(f"the {name} is quantized")
+        elif dtype is not None and dtype in (mx.float16, mx.bfloat16):  # (a Dtype cannot be compared with None)
+            slow.append(f"the {name} runs in {str(dtype).rsplit('.', 1)[-1]}")
+    if not slow:
+        return None
+    return (f"warning: {' and '.join(slow)}, which MLX's CPU backend runs several times slower than float32: on the "
+            "CPU use an unquantized float32 copy (`mlx-dflash convert --model SRC --out DIR --dtype float32`)")
+
+
 def mask_token_problem(mask_id: int, tokenizer, vocab_size: int) -> Optional[str]:
     """What is wrong with `mask_id` as the mask token of a target with this tokenizer and `vocab_size`
     embedding rows (None when it is reserved)."""
@@ -79,5 +98,6 @@ def mask_token_warning(drafter, tokenizer, vocab_size: int) -> Optional[str]:
 
 def pair_warnings(target, drafter, tokenizer) -> list[str]:
     """Every pitfall warning of this pair (empty when none applies)."""
-    found = (float16_warning(target, drafter), mask_token_warning(drafter, tokenizer, target.vocab_size))
+    found = (float16_warning(target, drafter), cpu_dtype_warning(target, drafter),
+             mask_token_warning(drafter, tokenizer, target.vocab_size))
     return [w for w in found if w]

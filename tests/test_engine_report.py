@@ -37,14 +37,16 @@ def fresh_announcements(monkeypatch):
 
 
 def head_dim_64_pair(bits=4):
-    """A quantized 4-layer llama with head dim 64 (what our attention kernel takes) and a drafter for it."""
+    """A 4-layer llama with head dim 64 (what our attention kernel takes), quantized to `bits` (None: not),
+    and a drafter for it."""
     config = dict(model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
                   tie_word_embeddings=False)
     model_class, args_class = _get_classes(config)
     mx.random.seed(11)
     model = model_class(args_class.from_dict(config))
-    nn.quantize(model, group_size=64, bits=bits)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
     mx.eval(model.parameters())
     target = Target(model)
     drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2), seed=0)
@@ -139,8 +141,8 @@ def test_attention_our_kernel_cannot_take_is_a_fallback(monkeypatch, tmp_path, t
     assert stats.verify_paths["attention"].startswith("ours for 2..16 rows in 4 attention modules")
     assert stats.routes and all(e["route"] == "mlx" and e["fallback"] for e in stats.routes)
     assert {e["kernel"] for e in stats.routes} == {"mr_attention"}
-    assert stats.notes == ["note: verify attention: MLX's SDPA instead of ours (head dim 16 not in (64, 128); the shape "
-                           "bins are in the routes)"]
+    assert stats.notes == ["note: verify attention: MLX's SDPA instead of ours (head dim 16 not in (64, 128); the "
+                           "shape bins are in the routes)"]
 
 
 def test_quantized_layers_our_kernel_does_not_take(monkeypatch, tmp_path, tiny_chat_pair):
@@ -204,6 +206,22 @@ def test_float16_quantized_on_m1_m2_is_warned(monkeypatch, tiny_chat_pair):
     assert "the quantized target and drafter run in float16" in pitfalls.float16_warning(target, drafter)
     target.model.set_dtype(mx.bfloat16)
     assert pitfalls.float16_warning(target, drafter) is None  # bfloat16 activations meet the drafter's float16
+
+
+def test_quantized_or_half_precision_on_the_cpu_is_warned(tiny_chat_pair):
+    _, _, plain_drafter = tiny_chat_pair
+    assert mx.default_device() == mx.cpu
+    target, drafter = head_dim_64_pair()
+    warning = pitfalls.cpu_dtype_warning(target, drafter)
+    assert warning.startswith("warning: the target is quantized, which MLX's CPU backend runs several times slower")
+    assert "`mlx-dflash convert --model SRC --out DIR --dtype float32`" in warning and "\n" not in warning
+    nn.quantize(drafter, group_size=64, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear)
+                and m.weight.shape[-1] % 64 == 0)
+    assert "the target is quantized and the drafter is quantized" in pitfalls.cpu_dtype_warning(target, drafter)
+    half, _ = head_dim_64_pair(bits=None)
+    assert pitfalls.cpu_dtype_warning(half, plain_drafter) is None  # float32
+    half.model.set_dtype(mx.float16)
+    assert "the target runs in float16" in pitfalls.cpu_dtype_warning(half, plain_drafter)
 
 
 def test_m1_or_m2_from_the_architecture(monkeypatch):

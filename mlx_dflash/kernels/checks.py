@@ -47,7 +47,8 @@ def attention_inputs(rows, hkv, groups, d, keys, dtype, seed: int = 0):
     a, b, c = mx.random.split(mx.random.key(seed), 3)
     dt = DTYPES[dtype]
     q = mx.random.normal((1, hkv * groups, rows, d), key=a).astype(dt)
-    return q, mx.random.normal((1, hkv, keys, d), key=b).astype(dt), mx.random.normal((1, hkv, keys, d), key=c).astype(dt)
+    k, v = (mx.random.normal((1, hkv, keys, d), key=key).astype(dt) for key in (b, c))
+    return q, k, v
 
 
 def qmm_label(rows, k, n, group_size, bits, dtype) -> str:
@@ -68,7 +69,7 @@ def qmm_sources(shapes=None) -> list[dict]:
     from .source import metal_source
 
     out = []
-    for rows, k, n, gs, bits, dtype in shapes or QMM_SHAPES:  # the source depends on shapes and dtypes only: zeros will do
+    for rows, k, n, gs, bits, dtype in shapes or QMM_SHAPES:  # the source depends on shapes and dtypes: zeros do
         dt = DTYPES[dtype]
         x, wq, s = mx.zeros((rows, k), dt), mx.zeros((n, k * bits // 32), mx.uint32), mx.zeros((n, k // gs), dt)
         kernel, call = wide_qmm.wide_qmm_call(x, wq, s, s, gs, bits)
