@@ -1,4 +1,4 @@
-"""The `mlx-dflash` command line: one command per module (generate, convert, serve, train, bench widths).
+"""The `mlx-dflash` command line: one command per module (generate, convert, serve, train, doctor, bench widths).
 User errors print as one line and exit with status 1."""
 
 import sys
@@ -6,6 +6,7 @@ import sys
 import click
 
 from .convert import main as convert
+from .doctor import main as doctor
 from .generate import main as generate
 from .serve import main as serve
 from .train import main as train
@@ -44,7 +45,7 @@ def bench():
     """Measurements on this machine."""
 
 
-for command in (generate, convert, serve, train):
+for command in (generate, convert, serve, train, doctor):
     main.add_command(command)
 bench.add_command(widths)
 

@@ -33,6 +33,7 @@ class Round:
     accepted: int  # of those, how many it kept
     looked_up: int = 0  # of those, how many prompt lookup proposed (lookup.py)
     logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities, lazy
+    plain: bool = False  # a plain target step: the policy skipped the drafter
 
     @property
     def width(self) -> int:
@@ -119,7 +120,7 @@ def speculative_rounds(
             for token, logprobs, features in plain_steps(target, cache, anchor, plain, sampling):
                 # the row of the token before entered the cache; drafting off keeps no features
                 state.extend([anchor], features if policy.max_width > 1 else None)
-                yield Round([token], drafted=0, accepted=0, logprobs=logprobs)
+                yield Round([token], drafted=0, accepted=0, logprobs=logprobs, plain=True)
                 history.extend([token])
                 anchor = token
             policy.observe_plain(plain, time.perf_counter() - tic)

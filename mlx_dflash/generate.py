@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from .decoder import DecodeState, speculative_rounds
 from .distributed import SingleProcess
+from .engine_report import Report, announce
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
@@ -113,8 +114,9 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
 
-    stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width,
-                            notes=list(policy.notes))
+    stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width)
+    # The policy's notes and the fallbacks known already, on stderr (rank 0) and in the statistics.
+    report = Report(target, policy, stats, quiet=ranks.rank != 0)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     state, checkpoints = None, {}
@@ -131,7 +133,9 @@ def stream_generate(
     stream = ResponseStream(tokenizer, stats, max_tokens, tic, prompt_cache)
     try:
         for rnd in rounds:
-            yield from stream.feed(rnd)
+            responses = stream.feed(rnd)
+            report.update()
+            yield from responses
             if stream.finished:
                 return
     finally:
@@ -173,7 +177,8 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
 @click.option("--seed", default=None, type=int)
 @width_options
 @click.option("--chat-template/--no-chat-template", default=None, help="Default: on when the tokenizer has one.")
-@click.option("--verbose", is_flag=True, help="Print each round's kept/drafted count to stderr.")
+@click.option("--verbose", is_flag=True, help="Print each round's kept/drafted count to stderr, and what served "
+              "the verify (our kernels or MLX's, per shape), the drafter or plain steps, and every fallback.")
 @click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None,
               help="Start from the state kept in this file for the prompt's longest shared prefix, and keep this "
                    "prompt's state there for the next run (written atomically; ignored if made for another pair).")
@@ -187,6 +192,8 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
 
     from .distributed import Ranks, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
+    from .machine import slow_blas_warning
+    from .pitfalls import pair_warnings
     from .utils import load
 
     if prompt == "-":
@@ -195,6 +202,8 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         raise DFlashError("--prompt is empty: give the text to answer (or - to read it from stdin)")
     SamplingParams(temp, top_p, top_k, min_p)  # refuse bad settings before loading anything
     check_width_options(width, n_max, cost_table)
+    if blas := slow_blas_warning():
+        click.echo(blas, err=True)
     if shard:
         check_rank_timeout(rank_timeout)
         if prompt_cache_file:
@@ -207,12 +216,15 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     ids = encode_prompt(tokenizer, prompt, chat_template)
     check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
     policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+    policy.notes += pair_warnings(target, drafter, tokenizer)
     cache = None
     if prompt_cache_file:
         cache = PromptCache(pair_identity(target, drafter), target.trimmable, max_entries=8)
         cache.load_file(prompt_cache_file)
     ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
+    for note in policy.notes if ranks.rank == 0 else ():  # before any work; stream_generate keeps them in the stats
+        announce(note)
     bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
     stats, shown = None, None
     try:
@@ -224,8 +236,6 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
             ):
                 if stats is None:
                     bar.close()
-                    for note in response.stats.notes:
-                        echo(note, err=True)
                 stats = response.stats
                 if verbose and response.round is not shown:  # a new round: the one before has all its text
                     if shown is not None and shown.drafted:
@@ -237,11 +247,11 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         echo("\n" + "=" * 10, err=True)
         if stats is not None:
             stats.finish_reason = "interrupted"
-            echo(stats.summary(), err=True)
+            echo(stats.summary(verbose), err=True)
         sys.exit(130)
     echo()
     echo("=" * 10, err=True)
-    echo(stats.summary(), err=True)
+    echo(stats.summary(verbose), err=True)
     if shard:
         echo(ranks.summary(stats.rounds), err=True)
     if cache is not None and cache.save_file(prompt_cache_file, ids):

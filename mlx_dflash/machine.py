@@ -1,16 +1,23 @@
-"""What machine this is, as the benchmarks and bug reports record it: platform, chip, Metal or not, the
-versions of MLX, mlx-lm and this package, what MLX's quantized matmul does with many rows on the chip, and
-the float dtype that runs fast here."""
+"""What machine this is, as the benchmarks and bug reports record it: platform, chip, Metal or not, memory,
+the versions of MLX, mlx-lm and this package, what MLX's quantized matmul does with many rows on the chip,
+the float dtype that runs fast here, and on Linux which BLAS serves MLX's CPU matmuls (the wheel's bundled
+reference BLAS is about 10x slower than OpenBLAS)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
+import sys
 
 import mlx.core as mx
 
 from .kernels.metal import metal_available
+from .kernels.race_gate import chip_name
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian/Ubuntu's libopenblas0-pthread
+BLAS_FIX = f"apt-get install libopenblas0-pthread, then export LD_PRELOAD={OPENBLAS}"
 
 
 def machine_info() -> dict:
@@ -27,6 +34,9 @@ def machine_info() -> dict:
         names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
         info["chip"] = names[0] if names else info.get("chip")
     info["chip"] = info.get("chip") or platform.processor() or platform.machine()
+    info["memory_gb"] = memory_gb()
+    if sys.platform.startswith("linux"):
+        info["blas"] = blas_library()
     info["quantized_matmul_routing"] = quantized_matmul_routing(
         (info.get("device_info") or {}).get("architecture") if info["metal"] else None)
     return info
@@ -52,10 +62,10 @@ def quantized_matmul_routing(architecture: str | None) -> str:
     tier d = Ultra); None for the CPU."""
     if architecture is None:
         return "CPU: every row costs the same (linear in rows, no weight-reuse path and no cliff)"
-    m = re.search(r"g(\d+)([a-z])$", architecture)
-    if not m:
+    gen = chip_generation(architecture)
+    if gen is None:
         return f"unknown Metal architecture {architecture!r}: routing not known"
-    gen, tier = int(m.group(1)), m.group(2)
+    tier = architecture[-1]
     if gen < 15:
         path = "M1/M2: no affine qmv_wide, so every row is one more full pass over the weights"
     else:
@@ -63,6 +73,88 @@ def quantized_matmul_routing(architecture: str | None) -> str:
     limit = {True: "18 rows (Ultra)", False: "25 rows (M5)" if gen >= 17 else
              ("10 rows, 6 for a 4096->14336 layer" if gen < 15 else "about 13-15 rows")}[tier == "d"]
     return f"{path}; from {limit} (4096-wide 4-bit layers) MLX switches to its tiled qmm"
+
+
+def chip_generation(architecture: str | None) -> int | None:
+    """The Apple GPU generation of a Metal architecture string (applegpu_g13s -> 13: M1; 14 M2, 15 M3,
+    16 M4, 17 M5); None for the CPU or a string of another form."""
+    m = re.search(r"g(\d+)[a-z]$", architecture or "")
+    return int(m.group(1)) if m else None
+
+
+def m1_or_m2() -> bool:
+    """True on an M1 or M2 GPU (no bfloat16 in hardware, no affine qmv_wide in MLX's quantized matmul)."""
+    gen = chip_generation(chip_name()) if metal_available() else None
+    return gen is not None and gen < 15
+
+
+def memory_gb() -> float | None:
+    """Physical memory of the machine, in GB (None where the OS does not say)."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def _mapped_libraries(maps: str) -> list[tuple[int, int, str]]:
+    """(start, end, path) of the file-backed mappings in /proc/self/maps text."""
+    out = []
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            start, end = (int(a, 16) for a in parts[0].split("-"))
+            out.append((start, end, parts[5]))
+    return out
+
+
+def blas_kind(path: str) -> str:
+    """"bundled" (the reference BLAS inside MLX's Linux wheel), "reference" (a system reference BLAS),
+    "optimized" (OpenBLAS, MKL, BLIS, ...) or "unknown", from the library's path."""
+    real = os.path.realpath(path)
+    if "mlx_cpu.libs" in path or re.search(r"/libblas-[0-9a-f]{8}\.so", path):
+        return "bundled"
+    if re.search(r"openblas|mkl|blis|armpl|flexiblas", real, re.I):
+        return "optimized"
+    if re.search(r"/blas/libblas\.so", real):  # Debian's alternatives: the netlib reference
+        return "reference"
+    return "unknown"
+
+
+def blas_library(maps: str | None = None, global_sgemm: int | None = -1) -> dict:
+    """Which BLAS serves MLX's CPU matmuls in this process: {"library" (its file, with the folder it is
+    in), "kind" (blas_kind), "slow"}.
+
+    libmlx calls cblas_sgemm; the dynamic linker binds it to the first library of the global scope that
+    defines it (LD_PRELOAD comes first), else to libmlx's own dependency, the wheel's bundled reference
+    BLAS. maps: /proc/self/maps text; global_sgemm: the global scope's cblas_sgemm address, None when it
+    has none (both read from this process by default)."""
+    if maps is None:
+        try:
+            maps = open("/proc/self/maps").read()
+        except OSError:
+            return {"library": None, "kind": "unknown", "slow": False}
+    if global_sgemm == -1:
+        sgemm = getattr(ctypes.CDLL(None), "cblas_sgemm", None)
+        global_sgemm = ctypes.cast(sgemm, ctypes.c_void_p).value if sgemm is not None else None
+    libraries = _mapped_libraries(maps)
+    if global_sgemm is not None:
+        path = next((p for start, end, p in libraries if start <= global_sgemm < end), None)
+    else:
+        path = next((p for _, _, p in libraries if re.search(r"/lib(cblas|blas)[^/]*\.so", p)), None)
+    kind = blas_kind(path) if path else "unknown"
+    library = "/".join(path.split("/")[-2:]) if path else None  # no machine's absolute path in records
+    return {"library": library, "kind": kind, "slow": kind in ("bundled", "reference")}
+
+
+def slow_blas_warning(blas: dict | None = None) -> str | None:
+    """One line saying how to get the fast BLAS, when MLX computes on the CPU with a reference BLAS."""
+    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
+        return None
+    blas = blas or blas_library()
+    if not blas["slow"]:
+        return None
+    what = "the reference BLAS bundled with MLX's wheel" if blas["kind"] == "bundled" else "a reference BLAS"
+    return f"warning: MLX runs its CPU matmuls on {what} ({blas['library']}), about 10x slower: {BLAS_FIX}"
 
 
 def versions() -> dict:

@@ -22,6 +22,10 @@ class GenerationStats:
     accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
     widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
     looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
+    drafted_rounds: int = 0  # rounds that verified at least one drafted token
+    plain_steps: int = 0  # rounds that were plain target steps (the policy skipped the drafter)
+    verify_paths: dict = field(default_factory=dict)  # what serves the verify's matmuls and attention
+    routes: list = field(default_factory=list)  # routed verify calls per shape bin (engine_report.py)
     cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
     prefill_seconds_saved: float = 0.0  # what reading them would have cost, at recent prefill speed
     prefill_seconds: float = 0.0
@@ -29,7 +33,7 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     block_size: int = 0
     max_width: int = 0
-    notes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # the policy's notes, then every fallback met
     finish_reason: Optional[str] = None
 
     @property
@@ -55,8 +59,13 @@ class GenerationStats:
         self.accepted_lengths[len(rnd.tokens)] += 1
         self.widths[rnd.width] += 1
         self.looked_up_rounds += rnd.looked_up > 0
+        self.drafted_rounds += rnd.drafted > 0
+        self.plain_steps += rnd.plain
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """The statistics, as the CLI prints them; verbose adds what served the generation (engine_report.py)."""
+        from .engine_report import engine_lines
+
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
         cached = f" ({self.cached_tokens} cached, ~{self.prefill_seconds_saved:.1f} s saved)" if self.cached_tokens else ""
         lines = [
@@ -68,7 +77,7 @@ class GenerationStats:
             + f"; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
             f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",
         ]
-        return "\n".join(lines)
+        return "\n".join(lines + (engine_lines(self) if verbose else []))
 
 
 @dataclass

@@ -43,6 +43,9 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .distributed import Ranks, launched_group, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
+    from .engine_report import announce
+    from .machine import slow_blas_warning
+    from .pitfalls import pair_warnings
     from .server.app import Engine, ServerConfig, bind, run_server
     from .server.protocol import Defaults
     from .utils import load
@@ -54,6 +57,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
                           "at least 1")
     sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     check_width_options(width, n_max, cost_table)
+    if blas := slow_blas_warning():
+        click.echo(blas, err=True)
     rank = 0
     if shard:
         check_rank_timeout(rank_timeout)
@@ -69,8 +74,9 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
                                                                   shard, "serve")
         apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
         policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+        policy.notes += pair_warnings(target, drafter, tokenizer)
         for note in policy.notes if rank == 0 else ():
-            click.echo(note, err=True)
+            announce(note)  # once: each request's statistics keep them
         if not shard:
             return target, drafter, tokenizer, policy
         return target, drafter, tokenizer, policy, Ranks(group, policy.block_size, shard == "pipeline", rank_timeout)

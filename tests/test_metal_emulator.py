@@ -24,7 +24,7 @@ from metal_emulator import (  # noqa: E402
 )
 from metal_emulator.mlx_sources import quantized_header  # noqa: E402
 
-from metal_emulator.kernel_source import metal_source  # noqa: E402
+from mlx_dflash.kernels.source import metal_source  # noqa: E402
 
 pytestmark = pytest.mark.emulator  # every test here runs kernels through the emulator
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source, unavailable_reason  # noqa: E402
 
 from mlx_dflash.kernels import wide_qmm as kernels  # noqa: E402
-from metal_emulator.kernel_source import metal_source  # noqa: E402
+from mlx_dflash.kernels.source import metal_source  # noqa: E402
 
 RTOL = {mx.float32: 1e-6, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}

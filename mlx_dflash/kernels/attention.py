@@ -17,8 +17,9 @@ import functools
 
 import mlx.core as mx
 
+from . import routes
 from .metal import metal_available, race_gate, read_metal_file
-from .race_gate import chip_name
+from .race_gate import OURS, chip_name
 
 MIN_ROWS, MAX_ROWS = 2, 16
 HEAD_DIMS = (64, 128)
@@ -125,19 +126,29 @@ def reference_attention(q, k, v, scale: float, keys: int | None = None):
                                                 mask=block_mask(q.shape[2], keys))
 
 
+def race_key(q, k, keys: int) -> str:
+    """The race gate's key of a call: speed depends on the cache size, so keys fall in power-of-two bins."""
+    b, hq, rows, d = q.shape
+    bucket = 1 << max(0, (keys - 1).bit_length())
+    dtype = str(q.dtype).rsplit(".", 1)[-1]
+    return f"{chip_name()}|mr_attention|{dtype}|B{b}|Hq{hq}|Hkv{k.shape[1]}|D{d}|keys<={bucket}|rows{rows}"
+
+
 def block_attention(q, k, v, scale: float, keys: int | None = None, route: str = "auto"):
     """Causal block attention, routed: ours (Metal, 2..16 rows, head dim 64/128) when ``route`` is
-    ``"dflash"`` or the race gate picked it for this (chip, shape, rows, cache size), else MLX's SDPA."""
+    ``"dflash"`` or the race gate picked it for this (chip, shape, rows, cache size), else MLX's SDPA.
+    Routed calls are recorded (routes.py)."""
     keys = k.shape[2] if keys is None else keys
     if route == "mlx" or not metal_available() or check_supported(q, k, v, keys) is not None:
         return reference_attention(q, k, v, scale, keys)
+    key = race_key(q, k, keys)
     if route == "auto":
-        b, hq, rows, d = q.shape
-        bucket = 1 << max(0, (keys - 1).bit_length())  # speed depends on the cache size: power-of-two bins
-        dtype = str(q.dtype).rsplit(".", 1)[-1]
-        key = f"{chip_name()}|mr_attention|{dtype}|B{b}|Hq{hq}|Hkv{k.shape[1]}|D{d}|keys<={bucket}|rows{rows}"
-        route = race_gate().route(key, lambda: multi_row_attention(q, k, v, scale, keys),
-                                  lambda: reference_attention(q, k, v, scale, keys), q.dtype)
-    if route == "dflash":
+        gate = race_gate()
+        route = gate.route(key, lambda: multi_row_attention(q, k, v, scale, keys),
+                           lambda: reference_attention(q, k, v, scale, keys), q.dtype)
+        routes.record(key, route, gate.describe(key), fallback=gate.disagreed(key))
+    else:
+        routes.record(key, route, f"route {route!r} forced")
+    if route == OURS:
         return multi_row_attention(q, k, v, scale, keys)
     return reference_attention(q, k, v, scale, keys)

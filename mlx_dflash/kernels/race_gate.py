@@ -65,6 +65,7 @@ class RaceGate:
         self.path = Path(path) if path is not None else cache_path()
         self.timer = timer or median_times
         self.verdicts = self._load()
+        self._described: dict[str, str] = {}
 
     def _load(self) -> dict:
         try:
@@ -101,3 +102,26 @@ class RaceGate:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json(self.path, self.verdicts, indent=1, sort_keys=True)
         return verdict
+
+    def describe(self, key: str) -> str:
+        """The verdict for `key` in a few words: both timings, or why ours lost without a race (the call
+        sites record it with every routed call: made once per verdict)."""
+        if key not in self._described:
+            found = self.verdicts.get(key)
+            if found is None:
+                return "no verdict yet"
+            self._described[key] = self._describe(found)
+        return self._described[key]
+
+    @staticmethod
+    def _describe(found: dict) -> str:
+        if not found.get("numerics_ok", True):
+            return f"race gate: ours disagreed with MLX's (relative error {found.get('max_rel_err', float('nan')):.3g})"
+        ours, theirs = found.get("dflash_s"), found.get("mlx_s")
+        if ours is None or theirs is None:
+            return f"race gate: {found['route']} (no timings recorded)"
+        return f"race gate: ours {ours * 1e3:.3g} ms, MLX's {theirs * 1e3:.3g} ms"
+
+    def disagreed(self, key: str) -> bool:
+        """Whether our kernel's result differed from MLX's for `key` (MLX's path then serves it)."""
+        return not self.verdicts.get(key, {}).get("numerics_ok", True)

@@ -33,6 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from . import attention as attn
+from . import routes
+from .race_gate import MLX
 from ..errors import DFlashError
 
 SDPA_NAME = "scaled_dot_product_attention"
@@ -84,8 +86,11 @@ def routed_sdpa(route: str):
     """A drop-in for mlx-lm's ``scaled_dot_product_attention`` that sends fitting calls to ours."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if why_not_routed(queries, keys, values, cache, mask, sinks) is None:
+        reason = why_not_routed(queries, keys, values, cache, mask, sinks)
+        if reason is None:
             return attn.block_attention(queries, keys, values, scale, route=route)
+        if queries.ndim == 4 and attn.MIN_ROWS <= queries.shape[2] <= attn.MAX_ROWS:  # a verify our kernel could take
+            routes.record(attn.race_key(queries, keys, keys.shape[2]), MLX, reason, fallback=True)
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                                                  sinks=sinks)
 

@@ -23,9 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from . import routes
 from ..errors import DFlashError
 from .metal import metal_available, race_gate, read_metal_file
-from .race_gate import chip_name
+from .race_gate import MLX, OURS, chip_name
 
 MIN_ROWS = 6
 MAX_ROWS = 16
@@ -165,33 +166,32 @@ class WideQuantizedLinear(nn.Module):
 
     _extra_repr = nn.QuantizedLinear._extra_repr
 
-    def _use_wide(self, x) -> bool:
-        rows = 1
-        for d in x.shape[:-1]:
-            rows *= d
-        if not MIN_ROWS <= rows <= MAX_ROWS or self.mode != "affine" or not metal_available():
-            return False  # decode (1 row) and long prefills return here
-        reason = check_wide_supported(
-            x.shape, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, x.dtype
-        )
-        return reason is None
-
     def _route(self, x) -> str:
-        if self.route != "auto":
-            return self.route
-        w, s, b, gs, bits = self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+        """"dflash" or "mlx" for this input; every 6..16-row call's route is recorded (kernels/routes.py)."""
         rows = x.size // x.shape[-1]
-        dtype = str(x.dtype).rsplit(".", 1)[-1]
-        key = f"{chip_name()}|wide_qmm|{dtype}|K{x.shape[-1]}xN{w.shape[0]}|gs{gs}|b{bits}|rows{rows}"
-        return race_gate().route(
+        if not MIN_ROWS <= rows <= MAX_ROWS or self.mode != "affine" or not metal_available():
+            return MLX  # decode (1 row) and long prefills: MLX's own path, by design
+        w, s, b, gs, bits = self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits
+        key = race_key(x, w, gs, bits)
+        reason = check_wide_supported(x.shape, w, s, b, gs, bits, x.dtype)
+        if reason is not None:
+            routes.record(key, MLX, reason, fallback=True)
+            return MLX
+        if self.route != "auto":
+            routes.record(key, self.route, f"route {self.route!r} forced ({ROUTE_ENV} or route=)")
+            return self.route
+        gate = race_gate()
+        route = gate.route(
             key,
             lambda: wide_quantized_matmul(x, w, s, b, gs, bits),
             lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits),
             x.dtype,
         )
+        routes.record(key, route, gate.describe(key), fallback=gate.disagreed(key))
+        return route
 
     def __call__(self, x):
-        if not self._use_wide(x) or self._route(x) != "dflash":
+        if self._route(x) != OURS:
             return nn.QuantizedLinear.__call__(self, x)
         y = wide_quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         if "bias" in self:
@@ -199,7 +199,15 @@ class WideQuantizedLinear(nn.Module):
         return y
 
 
-def _wide_capable(ql: nn.QuantizedLinear) -> bool:
+def race_key(x, w, group_size: int, bits: int) -> str:
+    """The race gate's key of a wide call (the verdict cache on disk is keyed by it)."""
+    rows = x.size // x.shape[-1]
+    dtype = str(x.dtype).rsplit(".", 1)[-1]
+    return f"{chip_name()}|wide_qmm|{dtype}|K{x.shape[-1]}xN{w.shape[0]}|gs{group_size}|b{bits}|rows{rows}"
+
+
+def wide_capable(ql: nn.QuantizedLinear) -> bool:
+    """Whether our wide kernel takes this layer's quantization (affine, 4/8 bits, group 32/64/128)."""
     return (
         ql.mode == "affine"
         and ql.bits in SUPPORTED_BITS
@@ -219,7 +227,7 @@ def install_wide_kernels(model: nn.Module, route: str | None = None) -> int:
     swaps = [
         (name, WideQuantizedLinear(module, route))
         for name, module in model.named_modules()
-        if type(module) is nn.QuantizedLinear and _wide_capable(module) and name
+        if type(module) is nn.QuantizedLinear and wide_capable(module) and name
     ]
     if swaps:
         model.update_modules(tree_unflatten(swaps))

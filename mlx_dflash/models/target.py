@@ -105,6 +105,11 @@ class Target:
         self._attention = install_sites(self._inner.layers, route)
         return len(self._attention[0])
 
+    @property
+    def attention_routing(self) -> tuple[int, str]:
+        """(attention modules the verify forward routes to our kernel, route: auto / dflash / mlx)."""
+        return len(self._attention[0]), self._attention[1]
+
     # What the drafter borrows.
     @property
     def embed_tokens(self):

@@ -234,6 +234,13 @@ class Outcome:
             "decode_tokens_per_s": round(s.decode_tps, 2),
             "queue_seconds": round(self.queue_seconds, 4),
             "seconds": round(self.seconds, 4),
+            # What served it (engine_report.py): the drafter or plain steps, the verify's paths, every fallback.
+            "drafted_rounds": s.drafted_rounds,
+            "plain_steps": s.plain_steps,
+            "looked_up_rounds": s.looked_up_rounds,
+            "verify": dict(s.verify_paths),
+            "routes": [dict(r) for r in s.routes],
+            "notes": list(s.notes),
         }
 
 

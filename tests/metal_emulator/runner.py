@@ -1,6 +1,6 @@
 """Run the exact Metal source of an ``mx.fast.metal_kernel`` call on the CPU.
 
-Pipeline: ``metal_emulator.kernel_source.metal_source`` (MLX prints the source it would compile) -> rewrite for g++
+Pipeline: ``mlx_dflash.kernels.source.metal_source`` (MLX prints the source it would compile) -> rewrite for g++
 (threadgroup arrays -> poisoned per-threadgroup arena, instantiation line -> launcher) -> compile against
 ``msl_shim.h`` (cached by hash) -> run every threadgroup with one fiber per GPU thread (see msl_shim.h).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from metal_emulator.kernel_source import metal_source
+from mlx_dflash.kernels.source import metal_source
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "msl_shim.h"

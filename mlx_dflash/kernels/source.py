@@ -2,7 +2,8 @@
 
 MLX prints the source of a metal_kernel call made while an export is being traced (verbose=True)
 instead of raising "No Metal back-end"; this captures that print (file descriptor 1, where MLX's C++
-writes) and returns the source. The CPU emulator of the tests (tests/metal_emulator) compiles it.
+writes) and returns the source. `mlx-dflash doctor` generates our kernels' sources this way where there is
+no Metal; the tests' CPU emulator (tests/metal_emulator) compiles and runs them.
 """
 
 from __future__ import annotations

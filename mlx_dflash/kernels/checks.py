@@ -1,0 +1,148 @@
+"""Our Metal kernels checked on this machine, for `mlx-dflash doctor`.
+
+* On a Mac (Metal): each kernel compiled and run on a few shapes, its result compared with MLX's own
+  (quantized matmul, SDPA, in float32) within the tests' tolerances, then raced against MLX's path by a
+  race gate of its own (the user's verdict cache is left alone): the verdict and both timings per shape.
+* Anywhere: the exact Metal source MLX generates for each of those launches (source.py): the sources
+  ship with the package, their templates instantiate and this MLX accepts the calls. Compiling and
+  running them needs Metal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import mlx.core as mx
+
+from . import attention as attn
+from . import wide_qmm
+from .race_gate import RaceGate
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# The tests' tolerances. Wide matmul (tests/test_metal_kernels.py): |ours - MLX's| <= RTOL |MLX's| +
+# 2e-5 max|MLX's|: float32 accumulation in both, so summation order plus half an ulp of the output dtype.
+QMM_RTOL = {mx.float32: 1e-6, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+QMM_ATOL_SHARE = 2e-5
+# Attention (tests/test_metal_attention.py), outputs of size ~1: output rounding plus summation order.
+ATTENTION_ATOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+# (rows, K, N, group size, bits, dtype): both ends of the row range, 4 and 8 bits, the three dtypes, a
+# 7B-class layer and its MLP width.
+QMM_SHAPES = [(6, 4096, 4096, 64, 4, "float16"), (16, 4096, 4096, 64, 4, "float16"),
+              (11, 4096, 14336, 64, 4, "bfloat16"), (16, 2048, 2048, 32, 8, "float32")]
+# (rows, kv heads, query heads per kv head, head dim, keys, dtype): GQA 4 and 8, both head dims, short
+# and long caches.
+ATTENTION_SHAPES = [(2, 8, 4, 128, 1024, "float16"), (9, 8, 4, 128, 4096, "bfloat16"),
+                    (16, 8, 4, 128, 4096, "float16"), (16, 2, 8, 64, 600, "float32")]
+
+
+def qmm_inputs(rows, k, n, group_size, bits, dtype, seed: int = 0):
+    kw, kx = mx.random.split(mx.random.key(seed))
+    wq, scales, biases = mx.quantize(mx.random.normal((n, k), key=kw), group_size, bits)
+    dt = DTYPES[dtype]
+    return mx.random.normal((rows, k), key=kx).astype(dt), wq, scales.astype(dt), biases.astype(dt)
+
+
+def attention_inputs(rows, hkv, groups, d, keys, dtype, seed: int = 0):
+    a, b, c = mx.random.split(mx.random.key(seed), 3)
+    dt = DTYPES[dtype]
+    q = mx.random.normal((1, hkv * groups, rows, d), key=a).astype(dt)
+    k, v = (mx.random.normal((1, hkv, keys, d), key=key).astype(dt) for key in (b, c))
+    return q, k, v
+
+
+def qmm_label(rows, k, n, group_size, bits, dtype) -> str:
+    return f"{dtype} {rows}x{k} @ {k}x{n} {bits}-bit gs{group_size}"
+
+
+def attention_label(rows, hkv, groups, d, keys, dtype) -> str:
+    return f"{dtype} {rows} rows, {hkv * groups}/{hkv} heads, D{d}, {keys} keys"
+
+
+def _identity(source: str) -> dict:
+    """What identifies a generated source in a report: its length and hash (the same on every machine)."""
+    return {"lines": len(source.splitlines()), "sha256": hashlib.sha256(source.encode()).hexdigest()[:16]}
+
+
+def qmm_sources(shapes=None) -> list[dict]:
+    """The Metal source MLX generates for each wide-kernel launch (no Metal needed)."""
+    from .source import metal_source
+
+    out = []
+    for rows, k, n, gs, bits, dtype in shapes or QMM_SHAPES:  # the source depends on shapes and dtypes: zeros do
+        dt = DTYPES[dtype]
+        x, wq, s = mx.zeros((rows, k), dt), mx.zeros((n, k * bits // 32), mx.uint32), mx.zeros((n, k // gs), dt)
+        kernel, call = wide_qmm.wide_qmm_call(x, wq, s, s, gs, bits)
+        shape = (rows, k, n, gs, bits, dtype)
+        out.append({"shape": qmm_label(*shape), "sources": [_identity(metal_source(kernel, **call))]})
+    return out
+
+
+def attention_sources(shapes=None) -> list[dict]:
+    """The Metal sources MLX generates for both passes of each attention launch (no Metal needed)."""
+    from .source import metal_source
+
+    out = []
+    for shape in shapes or ATTENTION_SHAPES:
+        rows, hkv, groups, d, keys, dtype = shape
+        q, k = mx.zeros((1, hkv * groups, rows, d), DTYPES[dtype]), mx.zeros((1, hkv, keys, d), DTYPES[dtype])
+        (k1, c1), (k2, c2) = attn.attention_calls(q, k, k, d ** -0.5)
+        partials = [mx.zeros(s, dtype=t) for s, t in zip(c1["output_shapes"], c1["output_dtypes"])]
+        sources = [metal_source(k1, **c1), metal_source(k2, **{**c2, "inputs": [*partials, c2["inputs"][2]]})]
+        out.append({"shape": attention_label(*shape), "sources": [_identity(src) for src in sources]})
+    return out
+
+
+def _raced(gate: RaceGate, key: str, ours, theirs, dtype) -> dict:
+    gate.route(key, ours, theirs, dtype)
+    v = gate.verdicts[key]
+    ms = lambda seconds: None if seconds is None else seconds * 1e3  # noqa: E731
+    return {"route": v["route"], "dflash_ms": ms(v["dflash_s"]), "mlx_ms": ms(v["mlx_s"])}
+
+
+def _checked(label: str, run) -> dict:
+    """run() -> (worst error as a share of the tolerance, race thunk); a kernel that fails to compile or
+    run is a failed check with the first line of its error."""
+    try:
+        share, race = run()
+        entry = {"shape": label, "error_share_of_tolerance": share, "ok": share <= 1.0}  # NaN: not ok
+        if entry["ok"]:
+            entry.update(race())
+    except Exception as e:  # a Metal compile or launch error: reported, not raised
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        entry = {"shape": label, "ok": False, "error": f"{type(e).__name__}: {first}"}
+    return entry
+
+
+def check_qmm(gate: RaceGate, shapes=None) -> list[dict]:
+    """Per shape: our wide kernel against MLX's quantized matmul in float32 (worst error as a share of the
+    tolerance, ok when <= 1), then the race gate's verdict and both timings."""
+
+    def run(rows, k, n, gs, bits, dtype):
+        x, wq, s, b = qmm_inputs(rows, k, n, gs, bits, dtype)
+        ours = lambda: wide_qmm.wide_quantized_matmul(x, wq, s, b, gs, bits)  # noqa: E731
+        theirs = lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits)  # noqa: E731
+        f = mx.float32
+        ref = mx.quantized_matmul(x.astype(f), wq, s.astype(f), b.astype(f), transpose=True, group_size=gs, bits=bits)
+        bound = QMM_RTOL[x.dtype] * mx.abs(ref) + QMM_ATOL_SHARE * mx.abs(ref).max()
+        share = (mx.abs(ours().astype(f) - ref) / bound).max().item()
+        return share, lambda: _raced(gate, wide_qmm.race_key(x, wq, gs, bits), ours, theirs, x.dtype)
+
+    return [_checked(qmm_label(*shape), lambda: run(*shape)) for shape in shapes or QMM_SHAPES]
+
+
+def check_attention(gate: RaceGate, shapes=None) -> list[dict]:
+    """Per shape: our multi-row attention against MLX's SDPA in float32 (worst absolute error as a share
+    of the tolerance), then the race gate's verdict and both timings."""
+
+    def run(*shape):
+        q, k, v = attention_inputs(*shape)
+        scale = q.shape[-1] ** -0.5
+        ours = lambda: attn.multi_row_attention(q, k, v, scale)  # noqa: E731
+        theirs = lambda: attn.reference_attention(q, k, v, scale)  # noqa: E731
+        f = mx.float32
+        ref = attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), scale)
+        share = mx.abs(ours().astype(f) - ref).max().item() / ATTENTION_ATOL[q.dtype]
+        return share, lambda: _raced(gate, attn.race_key(q, k, k.shape[2]), ours, theirs, q.dtype)
+
+    return [_checked(attention_label(*shape), lambda: run(*shape)) for shape in shapes or ATTENTION_SHAPES]
