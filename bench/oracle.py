@@ -98,6 +98,7 @@ class OracleDrafter(nn.Module):
 
     def bind(self, target) -> "OracleDrafter":
         target.check_drafter(self.config)
+        target.capture(self.config.target_layer_ids)
         self._bound = True
         return self
 

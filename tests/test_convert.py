@@ -491,9 +491,9 @@ def test_hf_target_bad_input_and_failure(hf_llama, tmp_path, monkeypatch):
 
 
 def test_gguf_target_quantized(tmp_path):
-    """A tiny llama GGUF (the GGUF tests' writer), dequantized and then quantized by mlx-lm."""
+    """A tiny llama GGUF (tiny_gguf.py), dequantized and then quantized by mlx-lm."""
     from mlx_lm import load
-    from test_gguf_smollm2 import write_gguf
+    from tiny_gguf import write_gguf
 
     src = tmp_path / "tiny.gguf"
     write_gguf(src, "llama", pre="smollm", tied=True)
