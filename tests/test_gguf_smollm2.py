@@ -200,10 +200,8 @@ def test_tokenizer_matches_reference_bpe(smollm2_dir, smollm2, smollm2_gguf):
     assert fast.get_vocab_size(with_added_tokens=True) == len(tokens) == 49152
     assert [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])] == tokens
 
-    strings = tokenizer_test_strings()
-    assert len(strings) >= 300
     mismatches = []
-    for s in strings:
+    for s in tokenizer_test_strings():
         expected = ref.encode(s)
         got = fast.encode(s, add_special_tokens=False).ids
         via_mlx_lm = wrapper.encode(s, add_special_tokens=False)

@@ -100,12 +100,15 @@ def prebuilt_grid():
         build_many(_sources(CASES), jobs=2)
 
 
-def test_grid_covers_every_supported_config():
+def test_the_cases_reach_every_supported_config():
+    """Every row count the kernel accepts is emulated, and every bits, group size and dtype it accepts
+    also in the default tier (with both ends of the row range)."""
+    assert {c[0] for c in CASES} == set(range(kernels.MIN_ROWS, kernels.MAX_ROWS + 1))
     for cases in (CASES, QUICK):
-        assert {c[0] for c in cases} >= {6, 16} and {c[4] for c in cases} == {4, 8}
-        assert {c[3] for c in cases} == {32, 64, 128} and {c[5] for c in cases} == set(DTYPES)
-        assert any(c[2] % 8 for c in cases) and any(c[1] % 128 for c in cases)
-    assert {c[0] for c in CASES} == set(range(6, 17))
+        assert {c[0] for c in cases} >= {kernels.MIN_ROWS, kernels.MAX_ROWS}
+        assert {c[4] for c in cases} == set(kernels.SUPPORTED_BITS)
+        assert {c[3] for c in cases} == set(kernels.SUPPORTED_GROUP_SIZES)
+        assert {DTYPES[c[5]] for c in cases} == set(kernels.SUPPORTED_DTYPES)
 
 
 def check_emulated(m, k, n, gs, bits, dt):
