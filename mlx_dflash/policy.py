@@ -4,9 +4,10 @@ The drafter always drafts its whole block in one pass (drafting cost is nearly f
 policy only decides how long a prefix of it the target checks. Width counts rows, anchor included:
 width w verifies w - 1 drafted tokens.
 
-The base rule is z-lab's advice for MLX, made real: on a quantized model, MLX's quantized matmul reads
-the weights once for up to 5 rows and again for every further 5 (`../shared/research/mlx-kernels.md`
-section 2), so without our wide kernels the verify width is clamped to 5 unless the user forces it.
+The base rule is z-lab's advice for MLX (z-lab/dflash README: "For quantized targets or drafts, use
+block_size <= 5"), made real: on a quantized model, MLX's quantized matmul reads the weights once for up
+to 5 rows and again for every further 5 (`qmv_wide` in MLX's mlx/backend/metal/quantized.cpp), so
+without our wide kernels the verify width is clamped to 5 unless the user forces it.
 """
 
 import json

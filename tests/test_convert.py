@@ -35,7 +35,7 @@ EXPECTED_QUANTIZED = sorted(["fc"] + [f"layers.{i}.{n}" for i in range(2) for n 
 
 
 def zlab_config(layout):
-    """A tiny drafter config in one of the two published layouts (reference 2.1)."""
+    """A tiny drafter config in one of the two published layouts (models/config.py)."""
     cfg = dict(
         architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
         model_type="qwen3", hidden_size=H, num_hidden_layers=2, num_attention_heads=4,

@@ -38,10 +38,11 @@ Design: record during the verify, recompute the accepted prefix's state in close
 - Memory: the records hold one round's arrays (L rows per child, one state per layer) and are freed
   by the trim (or the next forward). They never grow with the context.
 
-The designs not taken (../shared/research/peers.md): re-running the whole target on the accepted
-prefix (a second forward); re-running each layer's recurrence with `gated_delta_update` from the
-snapshot (z-lab, mlx-dspark: simple, but a sequential pass per kept step); an innovation tape written
-by a custom verify kernel (dflash-mlx: fast, but a kernel per mlx-lm code path and patched classes).
+The designs not taken: re-running the whole target on the accepted prefix (a second forward); re-running
+each layer's recurrence with `gated_delta_update` from the snapshot (z-lab's dflash/model_mlx.py in
+dflash 0.1.0, ARahim3/mlx-dspark: simple, but a sequential pass per kept step); an innovation tape written
+by a custom verify kernel and replayed (bstnxbt/dflash-mlx 0.1.8, `recurrent_rollback_cache.py` and the
+`tape_replay` kernel: fast, but a kernel per mlx-lm code path and patched classes).
 """
 
 from contextlib import contextmanager
