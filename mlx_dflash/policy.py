@@ -150,11 +150,10 @@ class CostAwarePolicy(WidthPolicy):
     plain target steps (pipelined, as fast as the target alone). The plain rate is measured, never
     guessed: a run starts with MEASURE_STEPS plain steps, and while drafting pays it takes them again
     every REFRESH_EVERY rounds (a guess from the probe's one-row verify, which is not a pipelined step,
-    was never corrected while it favoured drafting: on MT-Bench a drafter slightly worse than the
-    target alone kept drafting). While drafting is the slower
-    of the two, the policy skips the drafter for 7 plain steps, then drafts one round to re-measure;
-    each probe that loses again doubles the skip, up to MAX_SKIP steps, so a drafter that never pays
-    costs about one round in MAX_SKIP + 1.
+    would never be corrected while it favoured drafting, so a drafter slightly worse than the target
+    alone would go on drafting). While drafting is the slower of the two, the policy skips the drafter
+    for 7 plain steps, then drafts one round to re-measure; each probe that loses again doubles the
+    skip, up to MAX_SKIP steps, so a drafter that never pays costs about one round in MAX_SKIP + 1.
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
     costs do not drift with context length within a run (the running averages follow slow drift).
@@ -339,8 +338,8 @@ def probe_verify_costs(target, max_width: int, context: int = 256, widths=(1, 2,
 
     The widths are timed in turns (after one warm-up turn), so a slow moment of a shared machine
     spreads over all of them, and each width keeps its median; then the costs are made non-decreasing
-    in width (more rows never cost less). Timed back to back, on this 2-core VM, width 4 came out
-    dearer than width 8, and auto shunned widths it never tried."""
+    in width (more rows never cost less). Timed back to back instead, a slow moment falls on one width,
+    which can then look dearer than a wider one, and auto would shun a width it never tries."""
     cache = filled_cache(target, context)
     chosen = sorted({min(w, max_width) for w in widths})
     times = {w: [] for w in chosen}
