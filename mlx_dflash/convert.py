@@ -3,7 +3,7 @@
 Drafters: any published DFlash v1 or DFlash 2 layout (config.json + safetensors) becomes one normalized
 config.json plus safetensors under the published tensor names; with `quantize`, the linear layers are
 stored quantized and config.json lists them, so `drafter_from_dir` rebuilds exactly those modules (z-lab
-instead quantizes in memory at every load, reference 4.3). For DFlash 2 that includes the convolutions'
+instead quantizes at each load: `--draft-bits` in dflash/benchmark.py). For DFlash 2 that includes the convolutions'
 `kernel_projection` and the selector's `hidden_projection` (matmuls over the hidden size, run for every
 block row); the two selector codebooks stay float: they are only gathered (the previous token's row and
 the k candidates' rows per draft position), so quantizing them saves memory (about 150 MB of the real
@@ -108,7 +108,7 @@ def _provenance(source: str, revision: Optional[str], converted: str) -> dict:
 def _drafter_weights(path: Path) -> dict:
     _check_index(path)
     weights = read_weights(path)  # refuses *.bin/*.pt-only directories
-    # Some third-party copies prefix every key with "model."; z-lab's files do not (reference 2.2).
+    # Some third-party copies prefix every key with "model."; z-lab's files do not.
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model."):]: v for k, v in weights.items()}
     for key in BORROWED_KEYS:

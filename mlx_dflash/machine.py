@@ -57,7 +57,8 @@ def half_precision_warning(dtype: str | None) -> str | None:
 
 
 def quantized_matmul_routing(architecture: str | None) -> str:
-    """What MLX 0.32's quantized matmul does with M rows on this chip (mlx-kernels.md sections 2-3), from
+    """What MLX 0.32's quantized matmul does with M rows on this chip (`QuantizedMatmul::eval_gpu` and
+    `get_qmv_batch_limit` in MLX's mlx/backend/metal/quantized.cpp), from
     the Metal architecture string (applegpu_g<generation><tier>: 13 M1, 14 M2, 15 M3, 16 M4, 17 M5;
     tier d = Ultra); None for the CPU."""
     if architecture is None:

@@ -4,9 +4,10 @@ The drafter always drafts its whole block in one pass (drafting cost is nearly f
 policy only decides how long a prefix of it the target checks. Width counts rows, anchor included:
 width w verifies w - 1 drafted tokens.
 
-The base rule is z-lab's advice for MLX, made real: on a quantized model, MLX's quantized matmul reads
-the weights once for up to 5 rows and again for every further 5 (`../shared/research/mlx-kernels.md`
-section 2), so without our wide kernels the verify width is clamped to 5 unless the user forces it.
+The base rule is z-lab's advice for MLX (z-lab/dflash README: "For quantized targets or drafts, use
+block_size <= 5"), made real: on a quantized model, MLX's quantized matmul reads the weights once for up
+to 5 rows and again for every further 5 (`qmv_wide` in MLX's mlx/backend/metal/quantized.cpp), so
+without our wide kernels the verify width is clamped to 5 unless the user forces it.
 """
 
 from dataclasses import dataclass, field
@@ -187,11 +188,10 @@ class CostAwarePolicy(WidthPolicy):
     plain target steps (pipelined, as fast as the target alone). The plain rate is measured, never
     guessed: a run starts with MEASURE_STEPS plain steps, and while drafting pays it takes them again
     every REFRESH_EVERY rounds (a guess from the probe's one-row verify, which is not a pipelined step,
-    was never corrected while it favoured drafting: on MT-Bench a drafter slightly worse than the
-    target alone kept drafting). While drafting is the slower
-    of the two, the policy skips the drafter for 7 plain steps, then drafts one round to re-measure;
-    each probe that loses again doubles the skip, up to MAX_SKIP steps, so a drafter that never pays
-    costs about one round in MAX_SKIP + 1.
+    would never be corrected while it favoured drafting, so a drafter slightly worse than the target
+    alone would go on drafting). While drafting is the slower of the two, the policy skips the drafter
+    for 7 plain steps, then drafts one round to re-measure; each probe that loses again doubles the
+    skip, up to MAX_SKIP steps, so a drafter that never pays costs about one round in MAX_SKIP + 1.
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
     costs do not drift with context length within a run (the running averages follow slow drift).

@@ -156,8 +156,8 @@ def probe_verify_costs(target, max_width: int, context: int = 256, widths=(1, 2,
 
     The widths are timed in turns (after one warm-up turn), so a slow moment of a shared machine
     spreads over all of them, and each width keeps its median; then the costs are made non-decreasing
-    in width (more rows never cost less). Timed back to back, on this 2-core VM, width 4 came out
-    dearer than width 8, and auto shunned widths it never tried."""
+    in width (more rows never cost less). Timed back to back instead, a slow moment falls on one width,
+    which can then look dearer than a wider one, and auto would shun a width it never tries."""
     cache = filled_cache(target, context)
     chosen = sorted({min(w, max_width) for w in widths})
     times = {w: [] for w in chosen}

@@ -2,7 +2,9 @@
 
 On Metal, MLX's quantized matmul streams the weights once for <= 5 rows and 2-4 times (or through a
 32-row tile) for 6..16, and its attention switches to a padded tile kernel at q_len 9
-(`../shared/research/mlx-kernels.md` sections 2-3). On the CPU both are linear in rows (section 7).
+(MLX's mlx/backend/metal/quantized.cpp, `QuantizedMatmul::eval_gpu`, and
+mlx/backend/metal/scaled_dot_product_attention.cpp). On the CPU both are linear in rows
+(mlx/backend/cpu/quantized.cpp runs one pass per row; this benchmark shows it).
 
 `run_widths_bench` measures, at widths 1..16 (median of repeated, warmed runs, interleaved in a random
 order so drift and contention spread over all widths; wall and process CPU time are both recorded):

@@ -33,6 +33,17 @@ PROMPTS = [
     "Summarize the plot of Romeo and Juliet in two sentences.",
 ]
 
+# Grade-school word problems in the style the drafter was trained on, written for the tests (so never
+# trained on).
+WORD_PROBLEMS = [
+    "Maria has 24 stickers. She gives 6 to her brother and buys 10 more. How many stickers does she have now?",
+    "A bakery sells muffins for $3 each. On Monday it sold 45 muffins and on Tuesday twice as many. "
+    "How much money did it make on the two days?",
+    "Tom reads 12 pages a day. His book has 180 pages. How many days will it take him to finish the book?",
+    "A farmer has 5 rows of apple trees with 14 trees in each row. He plants 3 more rows of the same size. "
+    "How many apple trees does he have now?",
+]
+
 
 TORCH_MISSING = ("the parity tests need PyTorch, which is not installed: pip install -e '.[parity]' "
                  "(on Linux first the CPU build: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)")
@@ -76,6 +87,22 @@ def tiny_llama(seed: int, vocab_size: int = 49152, **config):
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))  # livelier than init
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_quantized_llama():
+    """A random 2-layer llama (mlx-lm's class, vocabulary 96), every linear layer quantized to 4 bits
+    (group size 32): 15 quantized matmuls."""
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                           tie_word_embeddings=False)
+    mx.random.seed(5)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     return model
 

@@ -1,4 +1,5 @@
-"""A server on a free loopback port for the tests, and the openai client that talks to it."""
+"""A test server: `mlx-dflash serve`'s app for a (target, drafter, tokenizer) pair on a free loopback port, in
+a thread, and the official `openai` client pointed at it."""
 
 import contextlib
 import socket
@@ -10,7 +11,7 @@ import openai
 from mlx_dflash.policy import build_policy
 from mlx_dflash.server.app import Engine, ServerConfig, make_app
 
-MODEL = "tiny"
+MODEL = "tiny"  # the model name the test servers answer to
 
 
 @contextlib.contextmanager

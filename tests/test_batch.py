@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS, assert_distributed_as, chat_ids
-from test_prompt_cache import HYBRID, tiny_target
+from tiny_families import tiny_chat_target
 from mlx_dflash.batch_decoder import Batch, Request, Scheduler, batch_generate
 from mlx_dflash.dcut import (BatchPolicy, DCutPolicy, batch_cost_table, build_batch_policy, probe_batch_costs,
                              read_batch_costs)
@@ -20,9 +20,6 @@ from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.sampling import SamplingParams, target_probs
 
-MOE = dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
-           moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, rope_theta=10000.0,
-           tie_word_embeddings=False, max_position_embeddings=512, norm_topk_prob=True)
 LIMITS = [20, 7, 15, 3, 12, 9, 18, 5]  # tokens per request: rows leave at different rounds
 
 
@@ -42,7 +39,7 @@ def bound(target, block_size=8, dflash2=False):
 def pairs(tiny_chat_pair):
     llama, tokenizer, drafter = tiny_chat_pair
     vocab = llama.vocab_size
-    moe, hybrid = tiny_target(MOE, vocab, seed=4), tiny_target(HYBRID, vocab, seed=3)
+    moe, hybrid = tiny_chat_target("qwen3_moe", vocab, seed=4), tiny_chat_target("qwen3_5", vocab, seed=3)
     return {"dense": (llama, drafter, tokenizer), "moe": (moe, bound(moe), tokenizer),
             "hybrid": (hybrid, bound(hybrid), tokenizer), "dflash2": (llama, bound(llama, dflash2=True), tokenizer)}
 

@@ -38,6 +38,9 @@ def test_oracle_reads_its_position_from_the_context_rows(tiny_chat_pair):
     assert orc.draft(7, rows(27), None, 8, 3, None).tokens == [0, 0]  # past the continuation
     assert orc.draft_calls == 4 and orc.draft_seconds > 0
     assert orc.is_bound and orc.block_size == 8 and orc.mask_token_id == drafter.mask_token_id
+    fresh = Target(target.model)
+    oracle.OracleDrafter(drafter.config, block_size=8).bind(fresh)
+    assert fresh.layer_ids == tuple(drafter.config.target_layer_ids)  # the features a real pair's verify makes
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])

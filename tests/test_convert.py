@@ -35,7 +35,7 @@ EXPECTED_QUANTIZED = sorted(["fc"] + [f"layers.{i}.{n}" for i in range(2) for n 
 
 
 def zlab_config(layout):
-    """A tiny drafter config in one of the two published layouts (reference 2.1)."""
+    """A tiny drafter config in one of the two published layouts (models/config.py)."""
     cfg = dict(
         architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
         model_type="qwen3", hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
@@ -491,9 +491,9 @@ def test_hf_target_bad_input_and_failure(hf_llama, tmp_path, monkeypatch):
 
 
 def test_gguf_target_quantized(tmp_path):
-    """A tiny llama GGUF (the GGUF tests' writer), dequantized and then quantized by mlx-lm."""
+    """A tiny llama GGUF (tiny_gguf.py), dequantized and then quantized by mlx-lm."""
     from mlx_lm import load
-    from test_gguf_smollm2 import write_gguf
+    from tiny_gguf import write_gguf
 
     src = tmp_path / "tiny.gguf"
     write_gguf(src, "llama", pre="smollm", tied=True)
@@ -528,7 +528,7 @@ def test_convert_says_the_dtype_it_picks_and_warns_of_half_precision_on_the_cpu(
 
     import mlx_dflash.machine as machine
     from mlx_dflash.cli import main
-    from test_gguf_smollm2 import write_gguf
+    from tiny_gguf import write_gguf
 
     monkeypatch.setattr(machine, "metal_available", lambda: metal)
     monkeypatch.setattr(conv, "metal_available", lambda: metal)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from conftest import PROMPTS, chat_ids, mlx_lm_greedy
+from conftest import PROMPTS, WORD_PROBLEMS, chat_ids, mlx_lm_greedy
 from mlx_dflash.cli import main
 from mlx_dflash.tuner.data import greedy_batch
 from mlx_dflash.decoder import speculative_rounds
@@ -18,18 +18,6 @@ from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 from mlx_dflash.tuner.replay import decoding_acceptance
-
-# Grade-school word problems in the style the drafter was trained on, written for this test (so never
-# trained on).
-WORD_PROBLEMS = [
-    "Maria has 24 stickers. She gives 6 to her brother and buys 10 more. How many stickers does she have now?",
-    "A bakery sells muffins for $3 each. On Monday it sold 45 muffins and on Tuesday twice as many. "
-    "How much money did it make on the two days?",
-    "Tom reads 12 pages a day. His book has 180 pages. How many days will it take him to finish the book?",
-    "A farmer has 5 rows of apple trees with 14 trees in each row. He plants 3 more rows of the same size. "
-    "How many apple trees does he have now?",
-]
-
 
 @pytest.fixture(scope="module")
 def pair(smollm2):
@@ -52,15 +40,17 @@ def test_default_drafter_ships_small_in_bf16():
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_default_pair_is_lossless_and_accepts(pair, block_size):
     target, drafter, tokenizer = pair
+    # Prompt lookup off: every draft kept is then the drafter's own.
+    policy = make_policy(drafter.block_size, block_size, prompt_lookup=False)
     accepted = 0
     for prompt in PROMPTS[:4]:
         ids = chat_ids(tokenizer, prompt)
         want = mlx_lm_greedy(target.model, ids, 24)
-        rounds = list(speculative_rounds(target, drafter, mx.array(ids), make_policy(drafter.block_size, block_size),
-                                         SamplingParams(), 24))
+        rounds = list(speculative_rounds(target, drafter, mx.array(ids), policy, SamplingParams(), 24))
         assert [t for r in rounds for t in r.tokens] == want, (block_size, prompt)
-        accepted += sum(len(r.tokens) - 1 for r in rounds[1:])
-    assert accepted > 0  # drafts really are kept, so the partial-acceptance paths run
+        assert not any(r.looked_up for r in rounds)
+        accepted += sum(r.accepted for r in rounds)
+    assert accepted > 0  # the drafter's drafts really are kept, so the partial-acceptance paths run
 
 
 def test_default_pair_acceptance_on_word_problems(pair):

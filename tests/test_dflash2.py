@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from dflash2_tiny import REAL_CONFIG, REAL_HEADER, VOCAB, randomize, tiny_checkpoint, tiny_config, tiny_glimmer
 from conftest import assert_distributed_as, mlx_lm_greedy
-from test_lossless import expected_acceptance
+from oracles import OracleDFlash2, Recorder, expected_acceptance
 from mlx_dflash.cli import main
 from mlx_dflash.models.config import config_to_dict, parse_config
 from mlx_dflash.convert import convert_drafter
@@ -118,21 +118,6 @@ def drafter(glimmer):
     return randomize(init_drafter(parse_config(tiny_config()), seed=1)).bind(target)
 
 
-class Recorder:
-    """A drafter seen through its draft() calls (everything else passes through)."""
-
-    def __init__(self, drafter):
-        self._drafter, self.drafts = drafter, []
-
-    def __getattr__(self, name):
-        return getattr(self._drafter, name)
-
-    def draft(self, *args):
-        d = self._drafter.draft(*args)
-        self.drafts.append(d)
-        return d
-
-
 def run(target, drafter, policy, sampling=SamplingParams(), max_tokens=MAX_TOKENS):
     rounds = list(speculative_rounds(target, drafter, mx.array(PROMPT), policy, sampling, max_tokens))
     return [t for r in rounds for t in r.tokens], rounds
@@ -167,39 +152,12 @@ def test_greedy_output_is_the_target_greedy_output(glimmer, drafter, width):
     assert next(drafts, None) is None
 
 
-class OracleDFlash2(DFlash2DraftModel):
-    """A real DFlash 2 drafter whose draft logits put the target's true continuation on top by a wide
-    margin (a planted wrong token at `errors`); the real candidate selector then walks over them."""
-
-    def setup(self, prompt_len, continuation, errors):
-        self.prompt_len, self.continuation, self.errors, self.seen = prompt_len, continuation, set(errors), 0
-        return self
-
-    def make_cache(self):
-        self.seen = 0
-        return super().make_cache()
-
-    def hidden(self, block, context, cache, block_start=None):
-        self.seen += 0 if context is None else context.shape[1]
-        self.anchor_index = self.seen - self.prompt_len
-        return super().hidden(block, context, cache, block_start)
-
-    def logits(self, hidden):
-        real = super().logits(hidden)
-        rows = []
-        for j in range(1, hidden.shape[1] + 1):
-            i = self.anchor_index + j
-            true = self.continuation[i] if i < len(self.continuation) else 0
-            rows.append((true + 1) % VOCAB if i in self.errors else true)
-        return real + 30.0 * (mx.arange(VOCAB) == mx.array(rows)[:, None])
-
-
 @pytest.mark.parametrize("width", [4, 16, pytest.param(2, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_oracle_through_the_selector_accepts_exactly(glimmer, drafter, width):
     target, want = glimmer
     oracle = OracleDFlash2(drafter.config)
     oracle.update(drafter.parameters())
-    oracle.bind(target).setup(len(PROMPT), want, errors={3, 4, 11, 19, 20})
+    oracle.bind(target).plant(len(PROMPT), want, errors={3, 4, 11, 19, 20})
     got, rounds = run(target, oracle, make_policy(oracle.block_size, width, prompt_lookup=False))
     assert got == want
     assert [r.accepted for r in rounds[1:]] == expected_acceptance(MAX_TOKENS, width, {3, 4, 11, 19, 20})

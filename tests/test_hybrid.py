@@ -1,6 +1,7 @@
 """Hybrid GatedDeltaNet targets beyond greedy decoding: sampling, 4-bit quantization, refusals, hygiene.
 
-The per-round state equality and greedy parity at every width are in test_families.py.
+The per-round state equality and greedy parity at every width are in test_families.py (the same tiny
+models: tiny_families.py).
 """
 
 import mlx.core as mx
@@ -12,14 +13,14 @@ from mlx_lm.models.gated_delta import gated_delta_ops
 from mlx_lm.utils import _get_classes
 
 from conftest import assert_distributed_as, mlx_lm_greedy
+from oracles import OracleDrafter, expected_acceptance
+from tiny_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import has_quantized_layers, make_policy
 from mlx_dflash.models.rollback import delta_rule_state
 from mlx_dflash.sampling import SamplingParams, target_probs
 from mlx_dflash.models.target import Target
-from test_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
-from test_lossless import OracleDrafter, expected_acceptance
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 5, 8, 15, 16])
@@ -65,11 +66,11 @@ def test_sampled_tokens_follow_the_hybrid_target_distribution():
     assert min(exact.values()) > 0.01, "a near-empty outcome would make the test weak"
 
     greedy = mlx_lm_greedy(model, prompt, 3)  # drafts: the greedy path, often right, often not
+    oracle = OracleDrafter(real.config, len(prompt), greedy).bind(target)
     policy = make_policy(real.block_size, 3)
     mx.random.seed(11)
     counts, rewinds, trials = dict.fromkeys(exact, 0), 0, 1500
     for _ in range(trials):
-        oracle = OracleDrafter(real, len(prompt), greedy, errors=())
         rounds = list(speculative_rounds(target, oracle, mx.array(prompt), policy, params, 3))
         counts[tuple(t for r in rounds for t in r.tokens)[:3]] += 1
         rewinds += any(r.accepted < r.drafted for r in rounds)
@@ -96,7 +97,7 @@ def test_quantized_hybrid_is_lossless_under_the_width_clamp(asked):
     target, real = bound_pair(model)
     want = mlx_lm_greedy(model, PROMPT, 30)
     errors = {2, 3, 9, 15, 16}
-    oracle = OracleDrafter(real, len(PROMPT), want, errors)
+    oracle = OracleDrafter(real.config, len(PROMPT), want, errors).bind(target)
     policy = make_policy(real.block_size, asked, quantized=has_quantized_layers(target.model), prompt_lookup=False)
     assert policy.max_width == 5 and (asked == 5 or "clamped from 16 to 5" in policy.notes[0])
     rounds = list(speculative_rounds(target, oracle, mx.array(PROMPT), policy, SamplingParams(), 30))

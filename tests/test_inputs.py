@@ -88,7 +88,7 @@ GOOD = config(dflash_config=dict(block_size=4, mask_token_id=99, target_layer_id
 
 def test_drafter_loads_strictly_and_drops_borrowed_keys(tmp_path):
     weights = drafter_weights(GOOD)
-    assert len(weights) == 3 + 11 * 2  # the published tensor count (reference 1.8)
+    assert len(weights) == 3 + 11 * 2  # fc, hidden_norm, norm + 11 per layer: what z-lab's loader loads
     extra = dict(weights, **{"embed_tokens.weight": mx.zeros((100, 64)), "lm_head.weight": mx.zeros((100, 64))})
     write_drafter(tmp_path / "d", GOOD, extra)
     loaded = drafter_from_dir(tmp_path / "d")

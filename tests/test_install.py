@@ -25,13 +25,25 @@ def module_file(name: str) -> Path | None:
     return None
 
 
+def load_time(tree: ast.Module) -> set:
+    """The ids of the nodes that run when the module loads: all but function bodies (a module-level
+    `if` or `try` runs too)."""
+    out, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            out.add(id(node))
+            todo += ast.iter_child_nodes(node)
+    return out
+
+
 def imports(name: str) -> tuple[set, set]:
-    """(modules imported at module level, modules imported anywhere) by the package module `name`:
+    """(modules imported when it loads, modules imported anywhere) by the package module `name`:
     third-party ones by their top-level name, ours by their full dotted name."""
     file = module_file(name)
     tree = ast.parse(file.read_text())
     package = name if file.name == "__init__.py" else name.rpartition(".")[0]
-    top, anywhere = set(), set()
+    top, anywhere, at_load = set(), set(), load_time(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = {a.name if a.name.startswith("mlx_dflash") else a.name.split(".")[0] for a in node.names}
@@ -48,13 +60,14 @@ def imports(name: str) -> tuple[set, set]:
         else:
             continue
         anywhere |= names
-        if node in tree.body:
+        if id(node) in at_load:
             top |= names
     return top, anywhere
 
 
 def reachable(roots: list) -> set:
-    """Every package module the roots import, at any depth, also from inside functions."""
+    """Every package module the roots import, at any depth, also from inside functions (and the packages
+    holding them, whose `__init__` runs first)."""
     seen, todo = set(), list(roots)
     while todo:
         name = todo.pop()
@@ -62,6 +75,7 @@ def reachable(roots: list) -> set:
             continue
         seen.add(name)
         todo += [m for m in imports(name)[1] if m.startswith("mlx_dflash") and m not in BENCHMARKS]
+        todo.append(name.rpartition(".")[0])
     return seen
 
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import PROMPTS, chat_ids, mlx_lm_greedy
+from conftest import PROMPTS, WORD_PROBLEMS, chat_ids, mlx_lm_greedy
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.models.base import Draft
 from mlx_dflash.models.loader import drafter_from_dir
@@ -16,7 +16,6 @@ from mlx_dflash.policy import CostAwarePolicy, make_policy
 from mlx_dflash.tuner.replay import decoding_acceptance, looked_up_acceptance
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.models.target import Target
-from test_default_drafter import WORD_PROBLEMS
 
 
 def scanned_proposal(history: list, k: int, longest: int = 3) -> list:

@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
+from oracles import OracleDrafter, expected_acceptance
 from mlx_dflash.decoder import speculative_rounds
 from mlx_dflash.generate import generate
-from mlx_dflash.models.dflash import DFlashDraftModel
 from mlx_dflash.policy import make_policy
 from mlx_dflash.sampling import SamplingParams
 
@@ -43,57 +43,6 @@ def test_untrained_drafter_output_equals_target_greedy(smollm2, random_drafter, 
         assert got == want, f"block {block_size}, prompt {prompt!r}"
 
 
-class OracleDrafter:
-    """Proposes the target's true greedy continuation, except at planted positions (absolute indices
-    into the generated tokens) where it proposes a wrong token. Tracks its position from the context it
-    is given, exactly as a real drafter's context grows."""
-
-    def __init__(self, real, prompt_len, continuation, errors):
-        self.block_size, self.mask_token_id = real.block_size, real.mask_token_id
-        self.is_bound = True
-        self.vocab = real.config.vocab_size
-        self.prompt_len, self.continuation, self.errors = prompt_len, continuation, set(errors)
-        self.seen = 0
-
-    draft = DFlashDraftModel.draft  # the real drafting step, over the oracle's hidden/logits
-
-    def make_cache(self):
-        self.seen = 0
-        return []
-
-    def hidden(self, block, context, cache):
-        self.seen += context.shape[1]
-        anchor_index = self.seen - self.prompt_len  # index of the anchor in the generated tokens
-        proposals = [block[0, 0].item()]
-        for j in range(1, block.shape[1]):
-            i = anchor_index + j
-            true = self.continuation[i] if i < len(self.continuation) else 0
-            proposals.append((true + 1) % self.vocab if i in self.errors else true)
-        return mx.array(proposals, dtype=mx.float32)[None, :, None]
-
-    def logits(self, hidden):
-        ids = hidden[..., 0].astype(mx.int32)
-        return (mx.arange(self.vocab) == ids[..., None]).astype(mx.float32) * 10
-
-    draft_logits = logits  # no draft vocabulary
-    draft_tokens = DFlashDraftModel.draft_tokens
-    _draft_vocab = None
-
-
-def expected_acceptance(n_tokens, width, errors):
-    """Accepted-draft counts per round when drafts are right except at `errors` (generated indices)."""
-    produced, out = 1, []
-    while produced < n_tokens:
-        w = min(width, n_tokens - produced)
-        anchor = produced - 1
-        accepted = 0
-        while accepted < w - 1 and anchor + 1 + accepted not in errors:
-            accepted += 1
-        out.append(accepted)
-        produced += accepted + 1
-    return out
-
-
 @pytest.fixture(scope="module")
 def oracle_case(smollm2):
     target, tokenizer = smollm2
@@ -107,8 +56,8 @@ def test_oracle_drafter_acceptance_lengths_are_exact(smollm2, random_drafter, or
     ids, want = oracle_case
     n = len(want)
     errors = {3, 4, 11, 19, 20, 21, 33}
-    oracle = OracleDrafter(random_drafter, len(ids), want, errors)
-    # Without prompt lookup: it would replace the oracle's drafts (confidence 0.31) with its own.
+    oracle = OracleDrafter(random_drafter.config, len(ids), want, errors).bind(target)
+    # Prompt lookup off: the acceptance asserted is the oracle's own.
     got, rounds = run_rounds(target, oracle, ids, block_size, n, prompt_lookup=False)
     assert got == want
     assert [r.accepted for r in rounds[1:]] == expected_acceptance(n, block_size, errors)

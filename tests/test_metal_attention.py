@@ -54,16 +54,19 @@ def check(rows, hkv, groups, d, keys, alloc, dt):
 
 # (rows, kv heads, GQA, head dim, keys attended, cache buffer length, dtype): ragged key counts, a cache
 # buffer longer than the keys attended, several key chunks.
-QUICK = [(16, 1, 4, 128, 37, 64, "f32"), (4, 1, 8, 64, 600, 620, "bf16")]  # 1 and 3 key chunks
+QUICK = [(16, 1, 4, 128, 37, 64, "f32"), (4, 1, 8, 64, 600, 620, "bf16")]  # 1 and 2 key chunks
 GRID = [(rows, 1 if g == 8 else 2, g, d, keys, keys + (rows % 3) * 7, ("f16", "bf16", "f32")[rows % 3])
         for rows in range(2, 17) for g in (1, 4, 8) for d in (64, 128)
         for keys in [rows + 3 * rows * g % 61 if (rows + g + d // 64) % 2 else 517 + rows]]
 
 
-def test_grid_covers_the_issue():
-    assert {c[0] for c in GRID} == set(range(2, 17)) and {c[2] for c in GRID} == {1, 4, 8}
-    assert {c[3] for c in GRID} == {64, 128} and any(c[4] < c[5] for c in GRID)
-    assert any(c[4] % 64 for c in GRID) and any(attn.key_chunks(1, 1, c[4], c[3], 2)[0] > 1 for c in GRID)
+def test_the_cases_reach_every_supported_shape_and_several_key_chunks():
+    """The grid emulates every row count and head dim the kernel accepts; the default tier's cases run
+    both one key chunk and several (pass 2's merge)."""
+    assert {c[0] for c in GRID} == set(range(attn.MIN_ROWS, attn.MAX_ROWS + 1))
+    assert {c[3] for c in GRID} == set(attn.HEAD_DIMS)
+    chunks = {attn.attention_calls(*make(*c)[:3], 1.0, c[4])[0][1]["grid"][2] for c in QUICK}
+    assert 1 in chunks and max(chunks) > 1
 
 
 @pytest.mark.emulator

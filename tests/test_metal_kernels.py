@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from metal_emulator import OutOfBoundsError, build_many, run_kernel, run_source, unavailable_reason  # noqa: E402
 
+from conftest import tiny_quantized_llama  # noqa: E402
 from mlx_dflash.kernels import wide_qmm as kernels  # noqa: E402
 from mlx_dflash.kernels.source import metal_source  # noqa: E402
 
@@ -99,12 +100,15 @@ def prebuilt_grid():
         build_many(_sources(CASES), jobs=2)
 
 
-def test_grid_covers_every_supported_config():
+def test_the_cases_reach_every_supported_config():
+    """Every row count the kernel accepts is emulated, and every bits, group size and dtype it accepts
+    also in the default tier (with both ends of the row range)."""
+    assert {c[0] for c in CASES} == set(range(kernels.MIN_ROWS, kernels.MAX_ROWS + 1))
     for cases in (CASES, QUICK):
-        assert {c[0] for c in cases} >= {6, 16} and {c[4] for c in cases} == {4, 8}
-        assert {c[3] for c in cases} == {32, 64, 128} and {c[5] for c in cases} == set(DTYPES)
-        assert any(c[2] % 8 for c in cases) and any(c[1] % 128 for c in cases)
-    assert {c[0] for c in CASES} == set(range(6, 17))
+        assert {c[0] for c in cases} >= {kernels.MIN_ROWS, kernels.MAX_ROWS}
+        assert {c[4] for c in cases} == set(kernels.SUPPORTED_BITS)
+        assert {c[3] for c in cases} == set(kernels.SUPPORTED_GROUP_SIZES)
+        assert {DTYPES[c[5]] for c in cases} == set(kernels.SUPPORTED_DTYPES)
 
 
 def check_emulated(m, k, n, gs, bits, dt):
@@ -290,22 +294,9 @@ def test_wide_linear_routing_with_metal_forced(monkeypatch):
     assert calls == [6, 8, 16]
 
 
-def _tiny_llama():
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
-                           tie_word_embeddings=False)
-    mx.random.seed(5)
-    model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
-
-
 def test_install_refuses_without_metal(monkeypatch):
     monkeypatch.setattr(kernels, "metal_available", lambda: False)
-    model = _tiny_llama()
+    model = tiny_quantized_llama()
     before = [(name, m) for name, m in model.named_modules()]
     assert kernels.install_wide_kernels(model) == 0
     after = [(name, m) for name, m in model.named_modules()]
@@ -314,7 +305,7 @@ def test_install_refuses_without_metal(monkeypatch):
 
 
 def test_install_replaces_quantized_linears(monkeypatch):
-    model = _tiny_llama()
+    model = tiny_quantized_llama()
     tokens = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
     expected = model(tokens)
     qnames = [n for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
@@ -339,7 +330,7 @@ def test_install_replaces_quantized_linears(monkeypatch):
     assert [k for k, _ in params_after] == [k for k, _ in params_before]
     assert all(a is b for (_, a), (_, b) in zip(params_after, params_before))
     assert [k for k, _ in tree_flatten(model.trainable_parameters())] == trainable_before
-    reference = _tiny_llama()
+    reference = tiny_quantized_llama()
     for m in (model, reference):
         m.unfreeze()
     assert [k for k, _ in tree_flatten(model.trainable_parameters())] == \

@@ -23,7 +23,7 @@ def test_float_models_verify_the_asked_width():
 
 def test_quantized_models_are_clamped_to_five_and_say_so():
     policy = make_policy(16, quantized=True)
-    assert policy.max_width == QUANTIZED_MAX_WIDTH == 5
+    assert policy.max_width == 5
     assert policy.block_size == 16  # the drafter still drafts its whole block
     assert len(policy.notes) == 1 and "clamped from 16 to 5" in policy.notes[0]
     assert make_policy(16, 4, quantized=True).max_width == 4 and make_policy(16, 4, quantized=True).notes == []

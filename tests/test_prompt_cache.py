@@ -4,10 +4,9 @@ DFlash 2 drafter, whichever kind of boundary the cache is hit at."""
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
-from mlx_lm.utils import _get_classes
 
 from conftest import chat_ids
+from tiny_families import tiny_chat_target
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
@@ -15,35 +14,17 @@ from mlx_dflash.prompt_cache import PromptCache, rungs
 
 SYSTEM = "You are a patient tutor. " * 6
 TURNS = ["What is 17 times 23?", "And 18 times 23?", "Explain the method in one sentence."]
-HYBRID = dict(model_type="qwen3_5", num_hidden_layers=4, linear_num_value_heads=4, linear_num_key_heads=2,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
-              head_dim=16, tie_word_embeddings=False)
-
-
-def tiny_target(config: dict, vocab_size: int, seed: int) -> Target:
-    """A random mlx-lm model of `config` over the tokenizer's vocabulary, weights scaled up so its greedy text
-    is not one repeated token."""
-    config = {**dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     rms_norm_eps=1e-5, vocab_size=vocab_size), **config}
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return Target(model)
-
-
 @pytest.fixture(scope="module")
 def pairs(tiny_chat_pair):
     """name -> (target, drafter, tokenizer): a dense llama, a hybrid GatedDeltaNet qwen3_5, the llama with
     an 8-bit KV cache, all speaking SmolLM2's tokenizer."""
     llama, tokenizer, drafter = tiny_chat_pair
     vocab = llama.vocab_size
-    hybrid = tiny_target(HYBRID, vocab, seed=3)
+    hybrid = tiny_chat_target("qwen3_5", vocab, seed=3)
     hybrid_drafter = init_drafter(drafter_config_for(hybrid, num_layers=1, block_size=8, num_target_features=2),
                                   seed=0).bind(hybrid)
-    quantized = tiny_target(dict(model_type="llama", num_hidden_layers=4, hidden_size=128, tie_word_embeddings=True),
-                            vocab, seed=5)  # head dim 32: one quantization group
+    quantized = tiny_chat_target("llama", vocab, seed=5, num_hidden_layers=4, hidden_size=128,
+                                 tie_word_embeddings=True)  # head dim 32: one quantization group
     quantized.quantize_kv(8, group_size=32, start=16)
     quantized_drafter = init_drafter(drafter_config_for(quantized, num_layers=1, block_size=8, num_target_features=2),
                                      seed=0).bind(quantized)

@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from conftest import tiny_quantized_llama
 from mlx_dflash.kernels import wide_qmm as kernels
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels.race_gate import RaceGate, cache_path, median_times
@@ -124,12 +125,10 @@ def test_forced_routes_skip_the_race(tmp_path, monkeypatch, route, wide):
 def test_route_from_environment(monkeypatch):
     from mlx_dflash.models.target import Target
 
-    from test_metal_kernels import _tiny_llama
-
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setenv(kernels.ROUTE_ENV, "mlx")
     assert kernels.default_route() == "mlx"
-    target = Target(_tiny_llama())
+    target = Target(tiny_quantized_llama())
     assert target.install_wide_kernels() == 0 and target.wide_kernels is False  # the <= 5 rule stays
     monkeypatch.setenv(kernels.ROUTE_ENV, "dflash")
     assert target.install_wide_kernels() == 15 and target.wide_kernels is True

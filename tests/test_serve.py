@@ -5,7 +5,6 @@ tier fast; the slow test runs the shipped pair through the real CLI and compares
 and with mlx-lm's own greedy output. Every server a test starts, the test stops.
 """
 
-import contextlib
 import json
 import logging
 import socket
@@ -22,14 +21,13 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import chat_ids
+from serving import MODEL, client, running
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
-from mlx_dflash.policy import build_policy
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.server.app import Engine, ServerConfig, make_app
+from mlx_dflash.server.app import Engine
 from mlx_dflash.server.protocol import StopMatcher
 
-MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
@@ -38,37 +36,6 @@ def tiny_pair(tiny_chat_pair):
     """conftest's random llama with SmolLM2's tokenizer and its untrained drafter, as (target, drafter, tokenizer)."""
     target, tokenizer, drafter = tiny_chat_pair
     return target, drafter, tokenizer
-
-
-@contextlib.contextmanager
-def running(pair, max_queue=16, **config):
-    """A server for `pair` on a free loopback port: yields (base url, engine); stops both after."""
-    import uvicorn
-
-    target, drafter, tokenizer = pair
-    engine = Engine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)), max_queue=max_queue)
-    app = make_app(engine, ServerConfig(MODEL, **config))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    try:
-        deadline = time.time() + 20
-        while not server.started:
-            assert thread.is_alive() and time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        engine.close()
-        sock.close()
-        assert not thread.is_alive()
-
-
-def client(url, key="unused", timeout=60):
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 def raw(url, path, body=None, method=None, headers=None):

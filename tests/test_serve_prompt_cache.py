@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from serving import MODEL, client, running
-from test_prompt_cache import HYBRID, tiny_target
+from tiny_families import tiny_chat_target
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 
 SYSTEM = "You answer in short sentences. " * 8
@@ -51,7 +51,7 @@ def health(url):
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_later_turns_are_cached_and_answer_as_a_server_without_the_cache(pair, kind):
     if kind == "hybrid":
-        target = tiny_target(HYBRID, pair[0].vocab_size, seed=3)
+        target = tiny_chat_target("qwen3_5", pair[0].vocab_size, seed=3)
         config = drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2)
         pair = (target, init_drafter(config, seed=0).bind(target), pair[2])
     with running(pair) as (url, _):

@@ -26,7 +26,7 @@ from mlx_dflash.server.protocol import Defaults, parse_completion
 from mlx_dflash.server.sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, Header, RanksOutOfStep
 from mlx_dflash.models.target import Target
 from sharded_models import CLI, save_random_drafter, save_tiny_target, start_ranks
-from test_serve import client, running
+from serving import client, running
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]

@@ -1,4 +1,5 @@
-"""The trainer (mlx_dflash/tuner/trainer.py) against the published objective (reference 5).
+"""The trainer (mlx_dflash/tuner/trainer.py) against the published objective (DFlash paper, arXiv 2602.06036,
+section 4.2 and appendix A.1).
 
 Fast checks run on a tiny random mlx-lm Llama target or on a drafter bound to a fake embedding/head;
 the acceptance check runs on the real SmolLM2-135M-Instruct fixture.
@@ -49,7 +50,8 @@ def tiny_config(**overrides):
     return parse_config(cfg)
 
 
-# Layer kinds of reference 1.5: full or sliding window, bidirectional or causal inside the block.
+# The published drafters' layer kinds (z-lab's dflash/model.py): full or sliding window, bidirectional or
+# causal inside the block.
 LAYER_KINDS = {
     "full_bidirectional": {},
     "full_causal": dict(is_causal=True),

@@ -1,10 +1,11 @@
 """Drafter configuration: every published DFlash config layout read into one dataclass.
 
-Two layouts exist (reference 2.1): older z-lab configs keep `block_size` and `rope_theta` at the top level;
-newer ones nest `block_size` under `dflash_config` and move `rope_theta` into `rope_parameters`. Nothing
-about a model is hard-coded here: every value comes from the file, with the published defaults.
-DFlash 2 configs (`architectures ["DFlash2DraftModel"]`, reference 2.4) add four required
-`dflash_config` fields: `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
+Two layouts exist: older z-lab configs keep `block_size` and `rope_theta` at the top level; newer ones nest
+`block_size` under `dflash_config` and move `rope_theta` into `rope_parameters` (z-lab's loaders in
+dflash/model_mlx.py of dflash 0.1.0 read both). Nothing about a model is hard-coded here: every value comes
+from the file, with the published defaults. DFlash 2 configs (`architectures ["DFlash2DraftModel"]`, as
+z-lab/dflash's tests/fixtures/dflash2-config.json) add four required `dflash_config` fields:
+`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
 """
 
 import json
@@ -61,7 +62,8 @@ class DFlashConfig:
         return DFLASH2 if self.is_dflash2 else DFLASH1
 
     def layer_is_causal(self, i: int) -> bool:
-        """Sliding layers are causal inside the block unless the config says otherwise (reference 1.5)."""
+        """Sliding layers are causal inside the block unless the config says otherwise (z-lab's dflash/model.py:
+        `is_causal` defaults to `layer_type == "sliding_attention"`)."""
         if self.is_causal is not None:
             return self.is_causal
         return self.layer_types[i] == "sliding_attention"

@@ -98,7 +98,8 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _mask(self, L: int, ctx_len: int, block_start):
-        """Who each block row sees (reference 1.5), from absolute positions.
+        """Who each block row sees, from absolute positions (the masks of `_attention_mask` in z-lab's
+        dflash/model.py, dflash 0.1.0).
 
         Context (cached from position 0): rows before the block start, within the window if any.
         Block: every row of its own block, or only earlier ones in causal layers.
@@ -208,7 +209,8 @@ class DFlashDraftModel(nn.Module):
         captures the layers this drafter listens to."""
         target.check_drafter(self.config)
         target.capture(self.config.target_layer_ids)
-        # The raw table times input_embedding_scale, as the PyTorch reference trains it (reference 1.6).
+        # The raw table times input_embedding_scale, as z-lab's PyTorch drafter embeds the block
+        # (dflash/model.py in dflash 0.1.0: F.embedding(ids, target table) * input_embedding_scale).
         scale = self.config.input_embedding_scale
         self._borrowed = Borrowed(target.embed_tokens, target.output_head, scale, target.output_head_rows)
         self.set_draft_vocab(self._draft_vocab)

@@ -1,4 +1,5 @@
-"""The DFlash 2 drafter (z-lab `DFlash2DraftModel`, reference 2.4 and 4.5) in MLX.
+"""The DFlash 2 drafter in MLX (z-lab's `DFlash2DraftModel`: dflash/model_mlx.py and dflash/model.py of
+dflash 0.1.0).
 
 Everything of v1 stays (KV injection of the target features, the anchor + MASK block, the context-only
 cache, the borrowed embedding and head). Two things are added:

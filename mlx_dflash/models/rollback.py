@@ -19,14 +19,10 @@ Design: record during the verify, recompute the accepted prefix's state in close
 - `delta_rule_state` is the gated delta rule S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T
   summed in closed form over the kept steps (the chunked "WY" form used by chunked GDN kernels): one
   T x T unit-triangular solve per head (by doubling: log2 T small products) and two matmuls that each
-  read S once, instead of T sequential passes over S. Decays enter only as ratios exp(L_t - L_j) <= 1,
-  so strong decay cannot overflow. On this CPU it is 5-11x faster (2..16 steps, one layer's 32x128x128
-  state) than replaying `gated_delta_update` on the prefix (its per-step loop), which cost 11-44% of a
-  verify at widths 8-16 (bench --quick).
-- Measured (bench/rollback.py, a 690M-parameter float32 qwen3_5 with the published linear-attention
-  sizes, CPU time): the longest rewind (keep w - 1) costs 2.0-5.1% of the verify at widths 2..16 (18 ms
-  at width 2, 93 ms at 16 against a 1.8 s verify); keeping only the anchor 14-22 ms; full acceptance
-  0.2 ms. On the smaller --quick model (hidden 1024) the longest rewind is 6-12% of its verify.
+  read S once, instead of T sequential passes over S (what replaying `gated_delta_update` on the prefix
+  costs). Decays enter only as ratios exp(L_t - L_j) <= 1, so strong decay cannot overflow.
+- `python bench/rollback.py` measures each rewind against the verify at every width (the longest,
+  keep w - 1, is the dearest).
 - Full acceptance needs nothing (the records are dropped); dropping a whole forward (keep 0, as the
   width probe does) restores the snapshot.
 - Nothing is patched: only attributes of this model instance are swapped, and put back at once.
@@ -38,10 +34,11 @@ Design: record during the verify, recompute the accepted prefix's state in close
 - Memory: the records hold one round's arrays (L rows per child, one state per layer) and are freed
   by the trim (or the next forward). They never grow with the context.
 
-The designs not taken (../shared/research/peers.md): re-running the whole target on the accepted
-prefix (a second forward); re-running each layer's recurrence with `gated_delta_update` from the
-snapshot (z-lab, mlx-dspark: simple, but a sequential pass per kept step); an innovation tape written
-by a custom verify kernel (dflash-mlx: fast, but a kernel per mlx-lm code path and patched classes).
+The designs not taken: re-running the whole target on the accepted prefix (a second forward); re-running
+each layer's recurrence with `gated_delta_update` from the snapshot (z-lab's dflash/model_mlx.py in
+dflash 0.1.0, ARahim3/mlx-dspark: simple, but a sequential pass per kept step); an innovation tape written
+by a custom verify kernel and replayed (bstnxbt/dflash-mlx 0.1.8, `recurrent_rollback_cache.py` and the
+`tape_replay` kernel: fast, but a kernel per mlx-lm code path and patched classes).
 """
 
 from contextlib import contextmanager

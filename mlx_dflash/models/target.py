@@ -1,8 +1,9 @@
 """The target adapter: an mlx-lm model seen the way the decoder needs it.
 
 It runs the model's own forward and returns every row's logits together with the outputs of the
-decoder layers the drafter listens to (reference 1.3), and rolls the caches back after a partial
-acceptance: KV caches are trimmed, recurrent layers of hybrid targets are rewound exactly (rollback.py).
+decoder layers the drafter listens to (DFlash paper, arXiv 2602.06036, appendix A.3), and rolls the
+caches back after a partial acceptance: KV caches are trimmed, recurrent layers of hybrid targets are
+rewound exactly (rollback.py).
 Capturing works by composition: for the length of one forward call, the chosen entries of the model
 instance's layer list are wrapped by recorders and then put back; the verify forward's attention modules
 are wrapped the same way to reach our multi-row kernel (verify_attention.py). No mlx-lm class is patched.

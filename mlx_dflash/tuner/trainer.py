@@ -1,4 +1,5 @@
-"""Training a DFlash drafter for a frozen target (reference 5, the published objective).
+"""Training a DFlash drafter for a frozen target (the objective of the DFlash paper, arXiv 2602.06036,
+section 4.2 and appendix A.1).
 
 For each training sequence (a prompt and the target's own response) the target runs once and its
 chosen layers give the context features. Random anchor positions in the response each start a block
@@ -27,7 +28,7 @@ from ..errors import DFlashError
 from ..utils import staged_dir, write_json
 from .replay import TargetFeatures, decoding_acceptance
 
-# Published decay of the per-position loss weight (reference 5).
+# The paper's decay of the per-position loss weight by block size (arXiv 2602.06036, Eq. 4 and appendix A.1).
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -83,8 +84,8 @@ def sample_rows(valid, weights, rng) -> np.ndarray:
 
 def cross_entropy_and_grad(logits: np.ndarray, labels: np.ndarray, weight: np.ndarray):
     """sum(weight * cross-entropy) over rows, its gradient w.r.t. the logits, and which rows the argmax
-    gets right. In numpy because MLX's CPU exp is scalar: over a 49k vocabulary it took most of a
-    training step, and numpy's vectorized exp is ~8x faster."""
+    gets right. In numpy because MLX's CPU exp is scalar: over a 49k vocabulary it would take most of a
+    training step, where numpy's exp is vectorized."""
     n = np.arange(len(labels))
     top = logits.max(axis=-1, keepdims=True)
     probs = np.exp(logits - top)
