@@ -26,7 +26,8 @@ from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
 from mlx_dflash.policy import build_policy
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.server.app import Engine, ServerConfig, make_app
+from mlx_dflash.server.app import Engine, ServerConfig
+from mlx_dflash.server.routes import uvicorn_server
 from mlx_dflash.server.protocol import StopMatcher
 
 MODEL = "tiny"
@@ -41,16 +42,14 @@ def tiny_pair(tiny_chat_pair):
 
 
 @contextlib.contextmanager
-def running(pair, max_queue=16, **config):
-    """A server for `pair` on a free loopback port: yields (base url, engine); stops both after."""
-    import uvicorn
-
+def running(pair, max_queue=16, engine_class=Engine, **config):
+    """A server for `pair` on a free loopback port, as `serve` runs it (ServerConfig's settings, the connection
+    limits): yields (base url, engine); stops both after."""
     target, drafter, tokenizer = pair
-    engine = Engine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)), max_queue=max_queue)
-    app = make_app(engine, ServerConfig(MODEL, **config))
+    engine = engine_class(lambda: (target, drafter, tokenizer, build_policy(target, drafter)), max_queue=max_queue)
+    server = uvicorn_server(engine, ServerConfig(MODEL, **config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     try:
@@ -71,16 +70,17 @@ def client(url, key="unused", timeout=60):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
-def raw(url, path, body=None, method=None, headers=None):
-    """(status, headers, parsed JSON) of one plain HTTP request; body bytes are sent as they are."""
+def raw(url, path, body=None, method=None, headers=None, parse=True):
+    """(status, headers, parsed JSON, or bytes unless parse) of one plain HTTP request; body bytes are sent as
+    they are."""
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.headers, json.loads(r.read())
+            return r.status, r.headers, json.loads(r.read()) if parse else r.read()
     except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read())
+        return e.code, e.headers, json.loads(e.read()) if parse else e.read()
 
 
 @pytest.fixture(scope="module")
