@@ -98,7 +98,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         from .server.sharded import follow
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
-        follow(*load_models())
+        follow(*load_models(), prefill_step_size)
         return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_key=api_key,
                           max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,

@@ -318,8 +318,10 @@ def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
         status, headers, _ = raw(url, "/v1/models", headers={"Authorization": "Bearer nope"})
         assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
     runner = CliRunner()
-    for key, words in [("", "--api-key is empty"), ("ключ", "printable ASCII"), ("two words", "printable ASCII")]:
-        r = runner.invoke(main, ["serve", "--api-key", key])
+    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "ключ"], "printable ASCII"),
+                        (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
+                        (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections")]:
+        r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads
         assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 

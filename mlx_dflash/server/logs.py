@@ -77,7 +77,7 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            code = info.get("status", status.get("code", 500))
+            code = status.get("code", 500)
             extra = {"rate_key": (scope["path"], code)} if code >= 400 else {}
             log.info(log_line(scope, code, info, time.perf_counter() - tic), extra=extra)
 
