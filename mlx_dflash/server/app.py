@@ -329,7 +329,7 @@ class Engine:
         """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits."""
         context = context_length(self.target)
         if context is not None and prompt_tokens >= context:
-            raise PromptTooLong(prompt_tokens, context)
+            raise PromptTooLong(prompt_tokens, context, "messages" if req.kind == "chat" else "prompt")
         req.max_tokens = min(req.max_tokens, limit, (context - prompt_tokens) if context else limit)
 
 

@@ -50,9 +50,9 @@ class APIError(Exception):
 class PromptTooLong(APIError):
     """A prompt that leaves no room in the target's context: refused before any work."""
 
-    def __init__(self, prompt_tokens: int, context: int):
+    def __init__(self, prompt_tokens: int, context: int, param: str = "messages"):
         super().__init__(400, f"the prompt is {prompt_tokens} tokens and this model's context is {context} tokens: "
-                         "shorten the messages", param="messages", code="context_length_exceeded")
+                         f"shorten the {param}", param=param, code="context_length_exceeded")
         self.prompt_tokens, self.context = prompt_tokens, context
 
 
@@ -87,10 +87,6 @@ class GenerationRequest:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.created = self.created or int(time.time())
-
-    @property
-    def tool_names(self) -> set:
-        return {t["function"]["name"] for t in self.tools or ()}
 
 
 def _is_int(v) -> bool:

@@ -70,8 +70,8 @@ def _as_call(value, names: set) -> Optional[ToolCall]:
             arguments = json.loads(arguments)
         except ValueError:
             return None
-    if name not in names or not isinstance(arguments, dict) or set(value) - {"name", "arguments", "parameters", "id",
-                                                                            "type"}:
+    other_keys = set(value) - {"name", "arguments", "parameters", "id", "type"}
+    if name not in names or not isinstance(arguments, dict) or other_keys:
         return None
     return ToolCall(name, arguments)
 
