@@ -27,6 +27,7 @@ from mlx_dflash.server.logs import RateLimit
 from mlx_dflash.server.security import allowed_hosts
 
 CONTEXT = 2048
+MAX_BODY = 64 << 10
 GOOD = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
 
 
@@ -37,7 +38,8 @@ def pair(tiny_chat_pair):
 
 @pytest.fixture(scope="module")
 def served(pair):
-    with running(pair, body_timeout=1.0, max_connections=12, header_timeout=0.5) as (url, engine):
+    with running(pair, body_timeout=1.0, max_connections=12, header_timeout=0.5, max_body_bytes=MAX_BODY) \
+            as (url, engine):
         yield url, engine
 
 
@@ -201,6 +203,21 @@ def test_a_client_that_leaves_during_the_upload_is_one_log_line(served, caplog):
     (line,) = [m for m in log_lines(caplog) if " 499 " in m]
     assert line.startswith("POST /v1/chat/completions 499 ") and "disconnected during the upload" in line
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(served):
+    url, _ = served
+    body = json.dumps({"model": MODEL, "prompt": "x" * (2 * MAX_BODY)}).encode()
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) as s:
+        s.sendall(head("/v1/completions", length=len(body)))
+        for i in range(0, len(body), 8192):  # as a client writes a large upload: in pieces, then it reads
+            s.sendall(body[i:i + 8192])
+            time.sleep(0.01)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"--max-body" in answer
+    assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
 
 
 # Slow and half-sent requests, floods of connections.

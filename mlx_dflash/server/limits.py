@@ -7,8 +7,9 @@
 - Headers: a connection that has not sent a whole request head within `--header-timeout` seconds (after
   it opened, or after its previous response) is closed; heads over h11's 16 KB are a 400 (uvicorn's).
 - Bodies: at most `--max-body` bytes (413), arriving within `--body-timeout` seconds (408); both answers
-  close the connection, since the rest of the body is not read. A client that leaves mid-upload is one
-  log line (status 499), not a traceback.
+  close the connection. A body up to 4 times the limit is read to its end (and dropped) before its 413,
+  so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
+  client that leaves mid-upload is one log line (status 499), not a traceback.
 - JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
   JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep.
 """
@@ -25,6 +26,7 @@ from .protocol import APIError
 log = logging.getLogger("mlx_dflash.server")
 MAX_DEPTH = 64
 FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's own
+DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
 LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
 
 
@@ -63,27 +65,32 @@ def parse_json(body: bytes):
 
 
 async def read_json(request, max_bytes: int, timeout: float):
-    """The request's JSON body, read within the size and time limits."""
+    """The request's JSON body, read within the size and time limits. A body over the size limit (up to
+    DRAIN_FACTOR times it) is read to its end and dropped before the 413: a client that sends its whole
+    body before it reads the answer then gets the answer, not a broken pipe."""
     from starlette.requests import ClientDisconnect
 
-    close = {"Connection": "close"}  # the unread rest of the body would otherwise be the next request
+    close = {"Connection": "close"}  # the unread rest of a body would otherwise be the next request
     too_large = APIError(413, f"the request body is larger than {max_bytes} bytes (--max-body)", headers=close)
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
+    if length.isdigit() and int(length) > DRAIN_FACTOR * max_bytes:
         raise too_large
     chunks, size = [], 0
     try:
         with anyio.fail_after(timeout):
             async for chunk in request.stream():
-                chunks.append(chunk)
                 size += len(chunk)
-                if size > max_bytes:
-                    raise too_large
+                if size <= max_bytes:
+                    chunks.append(chunk)
+                elif size > DRAIN_FACTOR * max_bytes:
+                    break
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
-                       headers=close) from None
+        raise (too_large if size > max_bytes else APIError(
+            408, f"the request body did not arrive within {timeout:g} s (--body-timeout)", headers=close)) from None
     except ClientDisconnect:
         raise APIError(499, "the client disconnected during the upload") from None
+    if size > max_bytes:
+        raise too_large
     return await anyio.to_thread.run_sync(parse_json, b"".join(chunks))  # 4 MB of JSON: not on the event loop
 
 
