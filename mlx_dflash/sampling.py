@@ -17,6 +17,7 @@ either form of q. DFlash 2 drafters sample their drafts from the candidate selec
 `rejection_accept` takes that q too, which lives on each row's top-k candidates.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,9 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
+        if not all(math.isfinite(v) for v in (self.temperature, self.top_p, self.min_p)):
+            raise DFlashError(f"temperature, top_p and min_p must be finite numbers, got {self.temperature}, "
+                              f"{self.top_p}, {self.min_p}")
         if self.temperature < 0:
             raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -14,16 +14,40 @@ from .sampling import SamplingParams
 
 @click.command("serve")
 @pair_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the server (then consider --api-key and --allowed-hosts).")
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--model-name", default=None, help="The model id clients send (default: the target directory's name).")
 @click.option("--api-key", default=None, envvar="MLX_DFLASH_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env MLX_DFLASH_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health "
+                   "(env MLX_DFLASH_API_KEY).")
+@click.option("--allowed-hosts", default="", show_default=False,
+              help="Comma-separated Host names to answer besides the loopback ones (* for any); bound to a "
+                   "non-loopback --host without it, any Host is answered.")
+@click.option("--allowed-origins", default="",
+              help="Comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
+                   "server (CORS); others are refused.")
 @click.option("--max-queue", default=16, show_default=True, type=int,
               help="Requests that may wait behind the running one; more get 503 with Retry-After.")
+@click.option("--max-connections", default=128, show_default=True, type=int,
+              help="Open connections at most; one more is answered 503 and closed.")
 @click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
               help="Largest request body in bytes (413 above it).")
+@click.option("--header-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds a connection has to send a whole request head.")
+@click.option("--body-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a request has to send its whole body (408 after).")
 @click.option("--max-tokens", default=256, show_default=True, type=int, help="Default for requests without max_tokens.")
+@click.option("--max-tokens-limit", default=8192, show_default=True, type=int,
+              help="The most tokens one request may generate: larger max_tokens are cut to it (and to what the "
+                   "context leaves).")
+@click.option("--prefill-step-size", default=512, show_default=True, type=int,
+              help="Prompt tokens per prefill chunk; a client that leaves stops its prefill within a chunk.")
+@click.option("--shutdown-grace", default=10.0, show_default=True, type=float,
+              help="On Ctrl-C or SIGTERM: seconds the running request may go on before it ends with an error.")
+@click.option("--max-batch", default=None, type=int,
+              help="Requests decoded together (continuous batching; 1: one at a time). Default: 8 with Metal, 4 on "
+                   "the CPU.")
 @sampling_options
 @width_options
 @click.option("--prompt-cache-size", default=10, show_default=True, type=int,
@@ -34,10 +58,13 @@ from .sampling import SamplingParams
               help="Also keep the states on disk here, so a restart keeps them (one file each, naming its pair).")
 @kv_options
 @shard_options
-def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, max_body_bytes, max_tokens, temp,
-         top_p, top_k, min_p, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size,
-         prompt_cache_bytes, prompt_cache_dir, kv_bits, kv_group_size, quantized_kv_start, shard, rank_timeout):
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+def main(model_path, drafter_path, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
+         max_connections, max_body_bytes, header_timeout, body_timeout, max_tokens, max_tokens_limit,
+         prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max, force_width, p_min,
+         n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv_bits,
+         kv_group_size, quantized_kv_start, shard, rank_timeout):
+    """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
+    /v1/messages).
 
     --max-tokens and the sampling flags are the defaults of requests that leave those fields out.
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
@@ -46,15 +73,22 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
     from .engine_report import announce
     from .machine import slow_blas_warning
     from .pitfalls import pair_warnings
-    from .server.app import Engine, ServerConfig, bind, run_server
+    from .server.app import Engine, ServerConfig, bind
     from .server.protocol import Defaults
+    from .server.routes import run_server
+    from .server.security import allowed_hosts as hosts_for, check_api_key
     from .utils import load
 
-    if max_tokens < 1 or max_queue < 0 or max_body_bytes < 1:
-        raise DFlashError("--max-tokens and --max-body must be at least 1, --max-queue at least 0")
+    if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, prefill_step_size) < 1 or max_queue < 0:
+        raise DFlashError("--max-tokens, --max-tokens-limit, --max-body, --max-connections and --prefill-step-size "
+                          "must be at least 1, --max-queue at least 0")
+    if not min(header_timeout, body_timeout) > 0 or not shutdown_grace >= 0:
+        raise DFlashError("--header-timeout and --body-timeout must be positive seconds, --shutdown-grace at least 0")
+    check_api_key(api_key)
     if prompt_cache_size < 0 or (prompt_cache_bytes is not None and prompt_cache_bytes < 1):
         raise DFlashError("--prompt-cache-size must be at least 0 (0 turns the cache off), --prompt-cache-bytes "
                           "at least 1")
+    max_batch = _max_batch(max_batch, shard, kv_bits)
     sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     check_width_options(width, n_max, cost_table)
     if blas := slow_blas_warning():
@@ -73,7 +107,14 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
             target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path or shipped_drafter_dir(),
                                                                   shard, "serve")
         apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
-        policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+        if max_batch > 1:
+            from .dcut import build_batch_policy, read_batch_costs
+
+            costs = read_batch_costs(cost_table) if cost_table else None
+            policy = build_batch_policy(target, drafter, max_batch, width, n_max, force_width, p_min, n_min, costs,
+                                        prompt_lookup)
+        else:
+            policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
         policy.notes += pair_warnings(target, drafter, tokenizer)
         for note in policy.notes if rank == 0 else ():
             announce(note)  # once: each request's statistics keep them
@@ -87,10 +128,13 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
         from .server.sharded import follow
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
-        follow(*load_models())
+        follow(*load_models(), prefill_step_size)
         return
-    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling),
-                          api_key=api_key, max_body_bytes=max_body_bytes)
+    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_key=api_key,
+                          max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
+                          max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
+                          shutdown_grace=shutdown_grace, allowed_hosts=hosts_for(host, _names(allowed_hosts)),
+                          allowed_origins=set(_names(allowed_origins)))
     if shard:
         from .server.sharded import ShardedEngine as Engine
     prompt_cache = None
@@ -98,13 +142,37 @@ def main(model_path, drafter_path, host, port, model_name, api_key, max_queue, m
         prompt_cache = dict(max_entries=prompt_cache_size, max_bytes=prompt_cache_bytes, directory=prompt_cache_dir)
     elif prompt_cache_size:
         click.echo("note: --shard: the prefix cache is off (each rank would keep its own shard's states)", err=True)
-    engine = Engine(load_models, max_queue, prompt_cache)  # a load error ends here, in one line, as for other commands
+    if max_batch > 1:
+        from .server.batching import BatchEngine
+
+        engine = BatchEngine(load_models, max_queue, prefill_step_size, prompt_cache, max_batch)
+    else:  # a load error ends here, in one line
+        engine = Engine(load_models, max_queue, prefill_step_size, prompt_cache)
     try:
         run_server(engine, config, sock)
     except DFlashError as e:  # a sharded server lost a rank
         click.echo(f"error: {e}", err=True)
         _leave(1)
     _leave(0)
+
+
+def _max_batch(asked, shard, kv_bits) -> int:
+    """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
+    from .kernels.metal import metal_available
+
+    if asked is not None and asked < 1:
+        raise DFlashError(f"--max-batch must be at least 1, got {asked}")
+    size = asked or (8 if metal_available() else 4)
+    why = "--shard (the ranks decode one request at a time, in step)" if shard else (
+        "--kv-bits (a quantized cache has no per-row lengths)" if kv_bits else None)
+    if why and size > 1:
+        click.echo(f"note: {why}: serving one request at a time", err=True)
+        return 1
+    return size
+
+
+def _names(flag: str) -> tuple:
+    return tuple(n.strip() for n in flag.split(",") if n.strip())
 
 
 def _leave(status: int):

@@ -1,32 +1,36 @@
 """A test server: `mlx-dflash serve`'s app for a (target, drafter, tokenizer) pair on a free loopback port, in
-a thread, and the official `openai` client pointed at it."""
+a thread, as `serve` runs it (ServerConfig's settings, the connection limits), and the clients that talk to
+it: the official `openai` client and plain HTTP."""
 
 import contextlib
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 
 from mlx_dflash.policy import build_policy
-from mlx_dflash.server.app import Engine, ServerConfig, make_app
+from mlx_dflash.server.app import Engine, ServerConfig
+from mlx_dflash.server.routes import uvicorn_server
 
 MODEL = "tiny"  # the model name the test servers answer to
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @contextlib.contextmanager
-def running(pair, max_queue=16, prompt_cache=None, **config):
-    """A server for `pair` (target, drafter, tokenizer) on a free loopback port: yields (base url, engine);
-    stops both after. prompt_cache: the engine's PromptCache keywords (None: no prefix cache)."""
-    import uvicorn
-
+def running(pair, max_queue=16, engine_class=Engine, policy=None, engine_options=None, **config):
+    """A server for `pair` on a free loopback port: yields (base url, engine); stops both after.
+    engine_options: the engine's own keywords (prompt_cache=..., max_batch=...); policy: the width policy
+    (default: the pair's fixed default)."""
     target, drafter, tokenizer = pair
-    engine = Engine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)), max_queue=max_queue,
-                    prompt_cache=prompt_cache)
-    app = make_app(engine, ServerConfig(MODEL, **config))
+    engine = engine_class(lambda: (target, drafter, tokenizer, policy or build_policy(target, drafter)),
+                          max_queue=max_queue, **(engine_options or {}))
+    server = uvicorn_server(engine, ServerConfig(MODEL, **config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     try:
@@ -45,3 +49,33 @@ def running(pair, max_queue=16, prompt_cache=None, **config):
 
 def client(url, key="unused", timeout=60):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def raw(url, path, body=None, method=None, headers=None, parse=True):
+    """(status, headers, parsed JSON, or bytes unless parse) of one plain HTTP request; body bytes are sent as
+    they are."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, json.loads(r.read()) if parse else r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read()) if parse else e.read()
+
+
+def chat_text(c, stream=False, **kw):
+    """(text, response or chunks) of one chat request about CHAT."""
+    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 16, **kw}
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return r.choices[0].message.content, r
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks
+
+
+def wait_until(predicate, seconds=30):
+    deadline = time.time() + seconds
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)

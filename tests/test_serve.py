@@ -5,15 +5,12 @@ tier fast; the slow test runs the shipped pair through the real CLI and compares
 and with mlx-lm's own greedy output. Every server a test starts, the test stops.
 """
 
-import json
 import logging
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import mlx.core as mx
 import openai
@@ -21,15 +18,12 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import chat_ids
-from serving import MODEL, client, running
+from serving import CHAT, MODEL, chat_text, client, raw, running, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.protocol import StopMatcher
-
-CHAT = [{"role": "user", "content": "Tell me about the sea."}]
-
 
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_chat_pair):
@@ -38,31 +32,10 @@ def tiny_pair(tiny_chat_pair):
     return target, drafter, tokenizer
 
 
-def raw(url, path, body=None, method=None, headers=None):
-    """(status, headers, parsed JSON) of one plain HTTP request; body bytes are sent as they are."""
-    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.headers, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read())
-
-
 @pytest.fixture(scope="module")
 def served(tiny_pair):
     with running(tiny_pair, max_body_bytes=8192) as (url, engine):
         yield url, engine
-
-
-def chat_text(c, stream=False, **kw):
-    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 16, **kw}
-    if not stream:
-        r = c.chat.completions.create(**kw)
-        return r.choices[0].message.content, r
-    chunks = list(c.chat.completions.create(stream=True, **kw))
-    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks
 
 
 def test_chat_and_completions_equal_the_decoder_streamed_or_not(tiny_pair, served):
@@ -222,13 +195,6 @@ def test_api_key_is_required_everywhere_but_health(tiny_pair):
         assert chat_text(client(url, key="s3cret"), max_tokens=3)[1].usage.completion_tokens == 3
 
 
-def _wait(predicate, seconds=30):
-    deadline = time.time() + seconds
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, caplog):
     caplog.set_level(logging.INFO, logger="mlx_dflash.server")
     with running(tiny_pair, max_queue=2) as (url, engine):
@@ -238,9 +204,9 @@ def test_disconnect_stops_generation_and_a_full_queue_answers_503(tiny_pair, cap
         results = []
         waiter = threading.Thread(target=lambda: results.append(chat_text(c, max_tokens=5)[0]))
         waiter.start()
-        _wait(lambda: engine.waiting == 1)
+        wait_until(lambda: engine.waiting == 1)
         queued = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, stream=True)
-        _wait(lambda: engine.waiting == 2)
+        wait_until(lambda: engine.waiting == 2)
         with pytest.raises(openai.APIStatusError) as e:
             chat_text(c, max_tokens=5)
         assert e.value.status_code == 503 and int(e.value.response.headers["Retry-After"]) >= 1
@@ -265,7 +231,7 @@ def test_one_log_line_per_request(served, caplog):
 
     def lines():  # a line is written just after its response is sent
         return [rec.message for rec in caplog.records if rec.name == "mlx_dflash.server"]
-    _wait(lambda: len(lines()) >= 3)
+    wait_until(lambda: len(lines()) >= 3)
     time.sleep(0.2)
     lines = lines()
     assert len(lines) == 3
@@ -330,7 +296,7 @@ def test_load_clients_x_4_requests_none_lost_outputs_equal_single_runs(tiny_pair
         assert {key: got[key] for key in alone} == alone
         n_cancelled = sum(cancel for _, _, cancel in plans.values())
         assert n_cancelled == clients // 2 and engine.completed - done_before == len(alone)
-        _wait(lambda: engine.cancelled == n_cancelled and engine.waiting == 0)
+        wait_until(lambda: engine.cancelled == n_cancelled and engine.waiting == 0)
         assert raw(url, "/health")[0] == 200 and chat_text(c, max_tokens=3)[1].usage.completion_tokens == 3
         mx.clear_cache()
         assert mx.get_active_memory() <= idle  # every request's caches were freed

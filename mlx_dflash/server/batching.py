@@ -8,6 +8,7 @@ per request are the single-request ones; /health adds the batch's (rows per roun
 """
 
 import logging
+import queue
 import time
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ class JobProgress:
 
     def __init__(self, job: Job):
         self.job, self.stops = job, StopMatcher(job.request.stop)
+        job.started = True
         self.stream, self.tokens, self.finish = None, 0, None
         self.started = time.perf_counter()
 
@@ -54,17 +56,28 @@ class JobProgress:
         stats = self.stream.stats if self.stream is not None else GenerationStats(len(self.job.prompt_ids))
         queued = self.started - self.job.submitted
         return Outcome(self.finish or "cancelled", len(self.job.prompt_ids), self.tokens, stats, queued,
-                       time.perf_counter() - self.started)
+                       time.perf_counter() - self.started, self.stops.matched)
 
 
 class BatchEngine(Engine):
     """Rank 0's engine for one process, decoding up to `max_batch` requests together; load() returns
     (target, drafter, tokenizer, batch policy)."""
 
-    def __init__(self, load, max_queue: int = 16, prompt_cache=None, max_batch: int = 8, prefill_step: int = 512):
-        self.max_batch, self.prefill_step = max_batch, prefill_step
+    def __init__(self, load, max_queue: int = 16, prefill_step: int = 512, prompt_cache=None, max_batch: int = 8):
+        self.max_batch = max_batch
         self.batch_stats = None
-        super().__init__(load, max_queue, prompt_cache)
+        self.active: set = set()  # the jobs in the scheduler
+        super().__init__(load, max_queue, prefill_step, prompt_cache)
+
+    def _full(self) -> bool:
+        """Room while the batch has room; past it, --max-queue may wait."""
+        return len(self.active) >= self.max_batch and self.waiting >= self.max_queue
+
+    def abort_running(self, reason: str):
+        """End every request in the batch at the next step, each with a 503 error."""
+        for job in list(self.active):
+            job.abort = APIError(503, reason)
+            job.cancelled.set()
 
     def _take(self, loaded):
         super()._take(loaded)
@@ -78,6 +91,7 @@ class BatchEngine(Engine):
 
     def _serve(self):
         progress: dict = {}  # job -> JobProgress, for the jobs in the scheduler
+        self.active = progress.keys()
         while True:
             taken = self._take_jobs(progress)
             if taken is None:
@@ -106,7 +120,7 @@ class BatchEngine(Engine):
             idle = not self.scheduler.busy
             try:
                 job = self._jobs.get(timeout=None) if idle else self._jobs.get_nowait()
-            except Exception:  # queue.Empty: nothing more to take now
+            except queue.Empty:  # nothing more to take now
                 return True
             if job is None:
                 for waiting in progress:
@@ -115,13 +129,13 @@ class BatchEngine(Engine):
                     for j, kind, value in self.scheduler.step():
                         self._dispatch(j, kind, value, progress)
                 return None
-            with self._lock:
+            with self._lock, job.lock:
                 self.waiting -= 1
-            with job.lock:
-                skip = job.cancelled.is_set()
+                skip = job.cancelled.is_set()  # its client left while it waited
                 job.started = not skip
-            if skip:  # its client left while it waited
+            if skip:
                 self.cancelled += 1
+                job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
                 continue
             req = job.request
             try:
@@ -152,10 +166,10 @@ class BatchEngine(Engine):
             self.completed += outcome.finish_reason != "cancelled"
             self.cancelled += outcome.finish_reason == "cancelled"
             self._durations.append(outcome.seconds)
-            job.emit("done", outcome)
+            job.emit(*(("error", job.abort) if job.abort else ("done", outcome)))
             del progress[job]
 
-    def stats(self) -> dict:
+    def batch_report(self) -> dict:
         s = self.batch_stats
         return {"max_batch": self.max_batch, "rounds": s.rounds,
                 "rows": {str(k): v for k, v in sorted(s.rows.items())},

@@ -2,9 +2,12 @@
 
 Pure functions over JSON-shaped Python values: no model, no web framework. `parse_chat` and
 `parse_completion` check a body field by field and raise `APIError` (an OpenAI-shaped error with its
-HTTP status) on the first problem, naming the field and what it must be.
+HTTP status; Anthropic-shaped on the Messages API, anthropic.py) on the first problem, naming the field
+and what it must be. A field this server knows but cannot honour is refused unless it asks for nothing
+(`presence_penalty: 0`, `response_format: {"type": "text"}`); fields it does not know are ignored.
 """
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,6 +17,17 @@ from ..errors import DFlashError
 from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only costs a scan per token
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+# Known fields that change the output in ways this server cannot: the values that ask for nothing.
+NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+           "logprobs": (False, 0), "top_logprobs": (0,), "n": (1,), "best_of": (1,), "echo": (False,),
+           "suffix": ("",), "audio": (), "prediction": (), "functions": (), "function_call": ("none",),
+           "modalities": (["text"],)}
+HINTS = {"functions": "send 'tools' instead", "function_call": "send 'tool_choice' instead",
+         "n": "this server generates one choice per request", "response_format": "ask for JSON in the prompt"}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               408: "timeout_error", 413: "invalid_request_error", 500: "server_error", 503: "server_overloaded"}
 
 
 class APIError(Exception):
@@ -27,11 +41,19 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                503: "server_overloaded", 500: "server_error"}.get(self.status, "invalid_request_error")
+        return ERROR_TYPES.get(self.status, "invalid_request_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class PromptTooLong(APIError):
+    """A prompt that leaves no room in the target's context: refused before any work."""
+
+    def __init__(self, prompt_tokens: int, context: int, param: str = "messages"):
+        super().__init__(400, f"the prompt is {prompt_tokens} tokens and this model's context is {context} tokens: "
+                         f"shorten the {param}", param=param, code="context_length_exceeded")
+        self.prompt_tokens, self.context = prompt_tokens, context
 
 
 @dataclass
@@ -48,13 +70,16 @@ class GenerationRequest:
 
     kind: str  # "chat" or "text"
     model: str
-    prompt: object  # chat: the message list; text: the prompt string or token ids
+    prompt: object  # chat: the message list (the chat template's form); text: the prompt string or token ids
     max_tokens: int
     sampling: SamplingParams
     seed: Optional[int] = None
     stop: list = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    tools: Optional[list] = None  # OpenAI function tools, for the chat template; None: no tools
+    parallel_tool_calls: bool = True
+    continue_final: bool = False  # continue the last (assistant) message instead of starting a new one
     id: str = ""
     created: int = 0
 
@@ -72,60 +97,75 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _field(body: dict, name: str, check, what: str, default=None):
+def checked(body: dict, name: str, check, what: str, default=None):
     value = body.get(name)
     if value is None:
         return default
     if not check(value):
-        raise APIError(400, f"'{name}' must be {what}, got {value!r}"[:300], param=name)
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)[:200]}", param=name)
     return value
 
 
-def _common(body, defaults: Defaults, served_model: str) -> dict:
+def sampling_fields(body: dict, defaults: Defaults, max_temperature: float = MAX_TEMPERATURE) -> SamplingParams:
+    """temperature, top_p, top_k and min_p (numbers are finite: the body's JSON refuses NaN and Infinity)."""
+    temperature = checked(body, "temperature", lambda v: _is_number(v) and 0 <= v <= max_temperature,
+                         f"a number from 0 to {max_temperature:g}", defaults.sampling.temperature)
+    top_p = checked(body, "top_p", _is_number, "a number", defaults.sampling.top_p)
+    top_k = checked(body, "top_k", _is_int, "an integer (0 disables it)", defaults.sampling.top_k)
+    min_p = checked(body, "min_p", _is_number, "a number (0 disables it)", defaults.sampling.min_p)
+    try:
+        return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p))
+    except DFlashError as e:
+        raise APIError(400, str(e), param=str(e).split()[0]) from None
+
+
+def stop_strings(stop, name: str = "stop") -> list:
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise APIError(400, f"'{name}' must be a non-empty string or a list of non-empty strings", param=name)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"'{name}' holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", param=name)
+    return stop
+
+
+def max_tokens_field(body: dict, defaults: Defaults, names=("max_completion_tokens", "max_tokens")) -> int:
+    max_tokens = None
+    for name in names:
+        max_tokens = checked(body, name, _is_int, "an integer", max_tokens)
+    max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise APIError(400, f"'{names[-1]}' must be at least 1, got {max_tokens}", param=names[-1])
+    return max_tokens
+
+
+def check_model(body: dict, served_model: str) -> str:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    model = _field(body, "model", lambda v: isinstance(v, str), "a string", served_model)
+    model = checked(body, "model", lambda v: isinstance(v, str), "a string", served_model)
     if model != served_model:
         raise APIError(404, f"model '{model}' is not served here; this server serves '{served_model}' "
                        "(GET /v1/models)", param="model", code="model_not_found")
-    max_tokens = _field(body, "max_completion_tokens", _is_int, "an integer", None)
-    max_tokens = _field(body, "max_tokens", _is_int, "an integer", max_tokens)
-    if max_tokens is None:
-        max_tokens = defaults.max_tokens
-    if max_tokens < 1:
-        raise APIError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-    temperature = _field(body, "temperature", _is_number, "a number", defaults.sampling.temperature)
-    top_p = _field(body, "top_p", _is_number, "a number", defaults.sampling.top_p)
-    top_k = _field(body, "top_k", _is_int, "an integer (0 disables it)", defaults.sampling.top_k)
-    min_p = _field(body, "min_p", _is_number, "a number (0 disables it)", defaults.sampling.min_p)
-    try:
-        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
-                                  min_p=float(min_p))
-    except DFlashError as e:
-        raise APIError(400, str(e), param=str(e).split()[0]) from None
-    n = _field(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise APIError(400, f"'n' must be 1: this server generates one choice per request, got {n}", param="n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise APIError(400, "'logprobs' is not supported by this server", param="logprobs")
-    seed = _field(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise APIError(400, "'stop' must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(400, f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", param="stop")
-    stream = _field(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
-    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    include_usage = _field(options, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
-    return dict(model=model, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop, stream=stream,
-                include_usage=include_usage)
+    return model
 
 
-def _message_text(content, i: int) -> str:
+def _common(body, defaults: Defaults, served_model: str) -> dict:
+    model = check_model(body, served_model)
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            hint = HINTS.get(name, "leave it out")
+            raise APIError(400, f"'{name}' is not supported by this server ({hint}), got "
+                           f"{json.dumps(body[name])[:100]}", param=name)
+    seed = checked(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
+    stream = checked(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    options = checked(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    include_usage = checked(options, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
+    return dict(model=model, max_tokens=max_tokens_field(body, defaults), sampling=sampling_fields(body, defaults),
+                seed=seed, stop=stop_strings(body.get("stop")), stream=stream, include_usage=include_usage)
+
+
+def message_text(content, where: str) -> str:
     """A message's content as text: a string, or a list of text parts (other part types are refused)."""
     if isinstance(content, str):
         return content
@@ -133,33 +173,100 @@ def _message_text(content, i: int) -> str:
         texts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                               "are supported", param=f"messages[{i}].content")
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise APIError(400, f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"
+                               + (f", not '{kind}'" if isinstance(kind, str) else ""), param=where)
             texts.append(part["text"])
         return "".join(texts)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   param=f"messages[{i}].content")
+    raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
+
+
+def _tool_calls(calls, where: str) -> list:
+    """An assistant message's tool_calls as chat templates take them: arguments as an object, not a string."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise APIError(400, f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                           "\"arguments\"}}}}", param=f"{where}[{j}]")
+        arguments = fn.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"{where}[{j}].function.arguments must be a JSON object (as a string)",
+                           param=f"{where}[{j}].function.arguments")
+        out.append({"id": call.get("id") or "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _message(m, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(400, f"{where} must be an object with a string 'role'", param=where)
+    role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for the system role
+    content = m.get("content")
+    if content is None and not (role == "assistant"):
+        raise APIError(400, f"{where} has no 'content'", param=f"{where}.content")
+    message = {"role": role, "content": message_text(content or "", f"{where}.content")}
+    if role == "assistant" and m.get("tool_calls"):
+        message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+    if role == "tool":
+        message["tool_call_id"] = checked(m, "tool_call_id", lambda v: isinstance(v, str), "a string", "")
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+    return message
+
+
+def parse_tools(tools, tool_choice, parallel=True) -> tuple:
+    """(tools for the chat template or None, parallel calls allowed) from OpenAI's tools and tool_choice."""
+    if tools is None or tool_choice == "none":
+        if tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return None, parallel
+    if not (isinstance(tools, list) and tools):
+        raise APIError(400, "'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}}",
+                       param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (tool.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           "\"description\": ..., \"parameters\": {...}}}}", param=f"tools[{i}]")
+    if tool_choice not in (None, "auto"):
+        raise APIError(400, f"'tool_choice' {json.dumps(tool_choice)[:100]} is not supported: this server cannot "
+                       "force a tool call; send \"auto\" (the model chooses) or \"none\"", param="tool_choice")
+    return tools, parallel
 
 
 def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest:
     common = _common(body, defaults, served_model)
+    if checked(body, "response_format", lambda v: isinstance(v, dict), "an object", {}).get("type", "text") != "text":
+        raise APIError(400, f"'response_format' {json.dumps(body['response_format'])[:100]} is not supported by "
+                       "this server (JSON modes need constrained decoding): ask for JSON in the prompt",
+                       param="response_format")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects",
                        param="messages")
-    chat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-        content = m.get("content")
-        if content is None and m["role"] != "assistant":
-            raise APIError(400, f"messages[{i}] has no 'content'", param=f"messages[{i}].content")
-        chat.append({"role": m["role"], "content": _message_text(content or "", i)})
-    return GenerationRequest(kind="chat", prompt=chat, **common)
+    chat = [_message(m, i) for i, m in enumerate(messages)]
+    parallel = checked(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True)
+    tools, parallel = parse_tools(body.get("tools"), body.get("tool_choice"), parallel)
+    return GenerationRequest(kind="chat", prompt=chat, tools=tools, parallel_tool_calls=parallel, **common)
 
 
 def parse_completion(body, defaults: Defaults, served_model: str) -> GenerationRequest:
     common = _common(body, defaults, served_model)
+    for name in ("tools", "tool_choice", "response_format"):
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is for /v1/chat/completions, not /v1/completions", param=name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -174,22 +281,27 @@ class StopMatcher:
     """Cuts streamed text exactly before the first occurrence of any stop string.
 
     feed() returns the text that is safe to emit: it holds back the longest tail that could still be
-    the start of a stop string, so a stop split across tokens is never half-sent.
+    the start of a stop string, so a stop split across tokens is never half-sent. `matched` is the stop
+    string found (the first in the text), once one is.
     """
 
     def __init__(self, stops: list):
         self.stops = stops
         self.pending = ""
-        self.stopped = False
+        self.matched: Optional[str] = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def feed(self, text: str) -> str:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out
         keep = max((k for s in self.stops for k in range(1, min(len(s), len(self.pending) + 1))
                     if self.pending.endswith(s[:k])), default=0)
@@ -212,6 +324,7 @@ class Outcome:
     stats: object = None  # decoder.GenerationStats
     queue_seconds: float = 0.0
     seconds: float = 0.0
+    stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
 
     def usage(self) -> dict:
         cached = self.stats.cached_tokens if self.stats is not None else 0
@@ -244,17 +357,33 @@ class Outcome:
         }
 
 
-def _choice(req: GenerationRequest, text: Optional[str], finish_reason: Optional[str], delta: bool,
-            first: bool = False) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+def finish_reason(outcome: Outcome, calls: list) -> str:
+    """OpenAI's finish_reason: "tool_calls" when the reply ended (not cut) with tool calls."""
+    return "tool_calls" if calls and outcome.finish_reason == "stop" else outcome.finish_reason
+
+
+def tool_call_json(call, index: Optional[int] = None) -> dict:
+    """One parsed tool call (tools.ToolCall) as OpenAI sends it; streamed ones carry their index."""
+    out = {"id": f"call_{call.id}", "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
+
+
+def _choice(req: GenerationRequest, text: Optional[str], finish: Optional[str], delta: bool,
+            first: bool = False, calls: tuple = ()) -> dict:
+    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
     if req.kind == "text":
         choice["text"] = text or ""
     elif delta:
         choice["delta"] = {} if text is None else {"content": text}
         if first:
             choice["delta"]["role"] = "assistant"
+        if calls:
+            choice["delta"]["tool_calls"] = list(calls)
     else:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            choice["message"]["tool_calls"] = [tool_call_json(c) for c in calls]
     return choice
 
 
@@ -264,16 +393,17 @@ def _envelope(req: GenerationRequest, chunk: bool) -> dict:
             "created": req.created, "model": req.model}
 
 
-def completion_body(req: GenerationRequest, text: str, outcome: Outcome) -> dict:
+def completion_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = ()) -> dict:
     """The whole (non-streaming) response."""
-    return {**_envelope(req, False), "choices": [_choice(req, text, outcome.finish_reason, False)],
-            "usage": outcome.usage(), "dflash": outcome.speculative()}
+    choice = _choice(req, text, finish_reason(outcome, calls), False, calls=calls)
+    return {**_envelope(req, False), "choices": [choice], "usage": outcome.usage(), "dflash": outcome.speculative()}
 
 
-def chunk_body(req: GenerationRequest, text: Optional[str], finish_reason: Optional[str] = None,
-               first: bool = False) -> dict:
-    """One streamed chunk; text None with a finish_reason is the closing chunk; the first names the role."""
-    body = {**_envelope(req, True), "choices": [_choice(req, text, finish_reason, True, first)]}
+def chunk_body(req: GenerationRequest, text: Optional[str], finish: Optional[str] = None, first: bool = False,
+               calls: tuple = ()) -> dict:
+    """One streamed chunk; text None with a finish_reason is the closing chunk; the first names the role;
+    `calls` are streamed tool calls (tool_call_json with their index)."""
+    body = {**_envelope(req, True), "choices": [_choice(req, text, finish, True, first, calls)]}
     if req.include_usage:
         body["usage"] = None  # OpenAI: null on every chunk but the last
     return body
@@ -282,3 +412,32 @@ def chunk_body(req: GenerationRequest, text: Optional[str], finish_reason: Optio
 def usage_chunk_body(req: GenerationRequest, outcome: Outcome) -> dict:
     """The last chunk of a stream with include_usage: no choices, the usage and our statistics."""
     return {**_envelope(req, True), "choices": [], "usage": outcome.usage(), "dflash": outcome.speculative()}
+
+
+def sse(body: dict, event: Optional[str] = None) -> str:
+    """One server-sent event; Anthropic's streams name each event's type."""
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def openai_stream(req: GenerationRequest, prompt_tokens: int, replies):
+    """The SSE body of a streamed OpenAI response, from app.py's reply events (prompt_tokens: unused, as
+    OpenAI's first chunk has no usage)."""
+    calls = 0
+    if req.kind == "chat":
+        yield sse(chunk_body(req, "", first=True))
+    async for kind, payload in replies:
+        if kind == "text":
+            yield sse(chunk_body(req, payload))
+        elif kind == "call":
+            yield sse(chunk_body(req, None, calls=(tool_call_json(payload, calls),)))
+            calls += 1
+        elif kind == "ping":
+            yield ": ping\n\n"  # an SSE comment: keeps proxies and client timeouts from closing a quiet stream
+        elif kind == "error":
+            yield sse(payload.body())
+            break
+        else:
+            yield sse(chunk_body(req, None, finish_reason(payload, [None] * calls)))
+            if req.include_usage:
+                yield sse(usage_chunk_body(req, payload))
+    yield "data: [DONE]\n\n"

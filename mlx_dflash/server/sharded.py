@@ -129,21 +129,25 @@ class ShardedEngine(Engine):
         req = job.request
         send(self.ranks, Header(REQUEST, req.max_tokens, len(job.prompt_ids), req.sampling, req.seed),
              job.prompt_ids)
+        # No cancel between prefill chunks: the other ranks could not be told where the prefill stopped.
         return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
-                               seed=req.seed, policy=self.policy, ranks=self.ranks, **req.sampling.keywords())
+                               seed=req.seed, policy=self.policy, ranks=self.ranks, prefill_step_size=self.prefill_step,
+                               **req.sampling.keywords())
 
     def _ended_early(self):
         self.ranks.stop()
 
 
-def follow(target, drafter, tokenizer, policy, ranks: Ranks):
-    """A rank other than 0: decode each request rank 0 sends, in step with it, until its shutdown."""
+def follow(target, drafter, tokenizer, policy, ranks: Ranks, prefill_step: int = 2048):
+    """A rank other than 0: decode each request rank 0 sends, in step with it, until its shutdown.
+    prefill_step: rank 0's (every rank is started with the same --prefill-step-size)."""
     with ranks.watch():
         while (request := receive(ranks)) is not None:
             header, prompt_ids = request
             try:
                 for _ in stream_generate(target, drafter, tokenizer, prompt_ids, header.max_tokens, seed=header.seed,
-                                         policy=policy, ranks=ranks, **header.sampling.keywords()):
+                                         policy=policy, ranks=ranks, prefill_step_size=prefill_step,
+                                         **header.sampling.keywords()):
                     pass
             except GenerationStopped:  # rank 0 ended it after the round before
                 pass

@@ -1,0 +1,401 @@
+"""Soak: `mlx-dflash serve` under valid and hostile traffic from many clients at once, on loopback, bounded in time.
+
+    python bench/serve_soak.py                         # default pair, 2 phases of 90 s
+    python bench/serve_soak.py --seconds 20 --name soak-quick
+
+One real `mlx-dflash serve` process (its log in a temporary directory, kept if anything is lost or leaked),
+started with short timeouts (--header-timeout 2, --body-timeout 3, --max-body 1 MB) so that hostile
+requests resolve within the run. First every valid request is sent alone, one after another: its answer
+(greedy, or sampled with a seed) is the reference and its time the idle latency. Then two phases of
+`--seconds` each, the same valid clients in both:
+
+1. valid only: `--valid-clients` threads sending the valid requests in turn (chat and completions, streamed
+   and not, through the `openai` client);
+2. soak: the same, plus hostile clients: malformed bodies (bad JSON, NaN, 10,000-deep nesting, wrong
+   types, text/plain, a foreign Host, an unknown model, an Anthropic body without max_tokens), slow bodies
+   and slow heads (held open until the server's timeouts), clients that leave (mid-stream, and while a
+   non-streamed answer is generated), and oversized requests (a body over --max-body, a prompt over the
+   context).
+
+Every request is counted: sent, completed (a valid answer, identical to its reference), failed as
+expected (the status, or the close, the hostile request should get), lost (anything else: a wrong
+status, a wrong answer, a timeout, a reset). Before and after the soak: the server's resident memory and
+open file descriptors (after the server is idle again), and the log lines it wrote per phase. Valid
+requests' latency in the soak is compared with the valid-only phase's and with the idle latency. The exit
+status is 1 when a request was lost, an answer differed, or descriptors leaked. Writes serve_soak.json
+into bench/results/<name>/, atomically, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import openai  # noqa: E402
+
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.utils import write_atomic  # noqa: E402
+
+SCHEMA = "mlx-dflash/bench-serve-soak/1"
+MAX_BODY = 1 << 20
+TIMEOUTS = {"--header-timeout": 2, "--body-timeout": 3}
+QUESTIONS = ["What is 7 times 8?", "Name three colours of the rainbow.", "Write one sentence about the sea.",
+             "What is the capital of Italy?"]
+
+
+class Server:
+    """The `mlx-dflash serve` process on a free loopback port, its log in `log_path`."""
+
+    def __init__(self, flags: list, log_path: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--port", str(self.port),
+                                      *flags], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, seconds: float = 600) -> str:
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    return json.loads(r.read())["model"]
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"the server did not start in {seconds:.0f} s; see {self.log.name}")
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it; its exit status."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self.log.close()
+
+
+def valid_requests(max_tokens: int) -> list:
+    """The valid requests: (api, stream, arguments); greedy chats and completions, and two chats sampled with
+    a seed (whose answers are as reproducible)."""
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        chat = {"messages": [{"role": "user", "content": q}], "max_tokens": max_tokens}
+        if i >= 2:
+            chat.update(temperature=0.7, seed=100 + i)
+        out.append(("chat", i % 2 == 1, chat))
+    out.append(("completion", False, {"prompt": "Once upon a time", "max_tokens": max_tokens}))
+    out.append(("completion", True, {"prompt": "The three primary colours are", "max_tokens": max_tokens}))
+    return out
+
+
+def send_valid(client, model: str, request) -> str:
+    api, stream, kw = request
+    call = client.chat.completions.create if api == "chat" else client.completions.create
+    if not stream:
+        r = call(model=model, **kw)
+        return r.choices[0].message.content if api == "chat" else r.choices[0].text
+    parts = [ch.choices[0] for ch in call(model=model, stream=True, **kw) if ch.choices]
+    return "".join((p.delta.content or "") if api == "chat" else p.text for p in parts)
+
+
+def raw_request(port: int, body: bytes, path="/v1/chat/completions", headers=None, timeout=30.0) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def malformed(port: int, model: str) -> list:
+    """(name, send, expected status) of each malformed request."""
+    good = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    bodies = [
+        ("bad JSON", b'{"model": ', {}, "/v1/chat/completions", 400),
+        ("NaN temperature", json.dumps(good)[:-1].encode() + b', "temperature": NaN}', {}, "/v1/chat/completions", 400),
+        ("10,000-deep nesting", b"[" * 10000 + b"]" * 10000, {}, "/v1/chat/completions", 400),
+        ("wrong type", json.dumps({**good, "max_tokens": "ten"}).encode(), {}, "/v1/chat/completions", 400),
+        ("text/plain", json.dumps(good).encode(), {"Content-Type": "text/plain"}, "/v1/chat/completions", 415),
+        ("foreign Host", json.dumps(good).encode(), {"Host": "attacker.example"}, "/v1/chat/completions", 403),
+        ("unknown model", json.dumps({**good, "model": "gpt-4o"}).encode(), {}, "/v1/chat/completions", 404),
+        ("Messages without max_tokens", json.dumps({"model": model, "messages": good["messages"]}).encode(), {},
+         "/v1/messages", 400),
+    ]
+    return [(name, lambda b=b, h=h, p=p: raw_request(port, b, p, h), status) for name, b, h, p, status in bodies]
+
+
+def slow_body(port: int) -> str:
+    """A head and a sliver of the body, then nothing: the server should answer 408 and close."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUTS["--body-timeout"] + 10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 5000\r\n\r\n{\"model\":")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
+def slow_head(port: int) -> str:
+    """Part of a request head, then nothing: the server should close the connection without an answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUTS["--header-timeout"] + 10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        answer = s.recv(65536)
+    return "closed" if not answer else answer[:12].decode(errors="replace")
+
+
+def leave_mid_stream(url: str, model: str) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=60)
+    with c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
+                                   max_tokens=2000, stream=True) as stream:
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+    return "left"
+
+
+def leave_while_generating(url: str, model: str) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=1.0)
+    try:
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
+                                  max_tokens=2000)
+    except openai.APITimeoutError:
+        return "left"
+    return "answered"  # the server answered 2000 tokens within a second: not what this request tests
+
+
+def oversized(port: int, model: str) -> list:
+    big = json.dumps({"model": model, "prompt": "x" * (MAX_BODY + 1000)}).encode()
+    long = json.dumps({"model": model, "messages": [{"role": "user", "content": "sea " * 9000}]}).encode()
+    return [("body over --max-body", lambda: raw_request(port, big, "/v1/completions"), 413),
+            ("prompt over the context", lambda: raw_request(port, long), 400)]
+
+
+class Tally:
+    """Thread-safe counts per kind of request, and what went wrong with the lost ones."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sent, self.completed, self.expected, self.lost = Counter(), Counter(), Counter(), Counter()
+        self.problems, self.latencies, self.wrong_answers = [], [], 0
+
+    def count(self, kind: str, outcome: str, problem: str = ""):
+        with self.lock:
+            self.sent[kind] += 1
+            {"completed": self.completed, "expected": self.expected, "lost": self.lost}[outcome][kind] += 1
+            if problem and len(self.problems) < 50:
+                self.problems.append(f"{kind}: {problem}")
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies)
+        return {"sent": sum(self.sent.values()), "completed": sum(self.completed.values()),
+                "failed_as_expected": sum(self.expected.values()), "lost": sum(self.lost.values()),
+                "wrong_answers": self.wrong_answers, "by_kind": {k: {"sent": self.sent[k], "completed": self.completed[k],
+                                                                    "failed_as_expected": self.expected[k],
+                                                                    "lost": self.lost[k]} for k in sorted(self.sent)},
+                "valid_latency_median_s": statistics.median(lat) if lat else None,
+                "valid_latency_p90_s": lat[min(len(lat) - 1, round(0.9 * (len(lat) - 1)))] if lat else None,
+                "problems": self.problems}
+
+
+def run_phase(url: str, model: str, requests: list, reference: dict, seconds: float, valid_clients: int,
+              hostile: bool) -> dict:
+    port = int(url.rsplit(":", 1)[1])
+    tally, deadline = Tally(), time.monotonic() + seconds
+
+    def valid_loop(k):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=600)
+        i = k
+        while time.monotonic() < deadline:
+            request = requests[i % len(requests)]
+            tic = time.perf_counter()
+            try:
+                text = send_valid(c, model, request)
+            except Exception as e:
+                tally.count("valid", "lost", repr(e)[:200])
+            else:
+                with tally.lock:
+                    tally.latencies.append(time.perf_counter() - tic)
+                    tally.wrong_answers += text != reference[i % len(requests)]
+                tally.count("valid", "completed" if text == reference[i % len(requests)] else "lost",
+                            "" if text == reference[i % len(requests)] else "an answer differed from its reference")
+            i += valid_clients
+
+    def hostile_loop(kind, make, rng):
+        while time.monotonic() < deadline:
+            name, send, want = make(rng)
+            try:
+                got = send()
+            except Exception as e:
+                got = repr(e)[:120]
+            tally.count(kind, "expected" if got == want else "lost", "" if got == want else f"{name}: got {got}, want {want}")
+            time.sleep(rng.uniform(0.0, 0.2))
+
+    loops = [threading.Thread(target=valid_loop, args=(k,)) for k in range(valid_clients)]
+    if hostile:
+        bad, big = malformed(port, model), oversized(port, model)
+        makers = {
+            "malformed": lambda rng: rng.choice(bad),
+            "slow body": lambda rng: ("slow body", lambda: slow_body(port), "408"),
+            "slow head": lambda rng: ("slow head", lambda: slow_head(port), "closed"),
+            "disconnecting": lambda rng: rng.choice([("leave mid-stream", lambda: leave_mid_stream(url, model), "left"),
+                                                     ("leave while generating",
+                                                      lambda: leave_while_generating(url, model), "left")]),
+            "oversized": lambda rng: rng.choice(big),
+        }
+        threads_per_kind = {"malformed": 3, "slow body": 4, "slow head": 2, "disconnecting": 2, "oversized": 1}
+        for kind, n in threads_per_kind.items():
+            for j in range(n):
+                loops.append(threading.Thread(target=hostile_loop, args=(kind, makers[kind], random.Random(f"{kind}{j}"))))
+    tic = time.perf_counter()
+    for t in loops:
+        t.start()
+    for t in loops:
+        t.join()
+    return {"seconds": time.perf_counter() - tic, "clients": len(loops), **tally.summary()}
+
+
+def server_resources(pid: int) -> dict:
+    """Resident memory (MB) and open file descriptors of the server process."""
+    rss = int(subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()) / 1024
+    if os.path.isdir(f"/proc/{pid}/fd"):
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    else:  # macOS
+        lines = subprocess.run(["lsof", "-p", str(pid)], capture_output=True, text=True).stdout.splitlines()
+        fds = sum(1 for line in lines[1:] if line.split()[3][:1].isdigit())
+    return {"rss_mb": round(rss, 1), "open_fds": fds}
+
+
+def wait_idle(url: str, seconds: float = 120):
+    """Until nothing waits in the server's queue (twice in a row, a second apart)."""
+    deadline, quiet = time.time() + seconds, 0
+    while time.time() < deadline and quiet < 2:
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            quiet = quiet + 1 if json.loads(r.read())["waiting"] == 0 else 0
+        time.sleep(1.0)
+
+
+def log_lines(path: Path) -> int:
+    return sum(1 for _ in open(path, errors="replace"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="target (default: the default pair's)")
+    ap.add_argument("--drafter", help="drafter (default: the shipped one)")
+    ap.add_argument("--seconds", type=float, default=90, help="length of each phase (valid only, then soak)")
+    ap.add_argument("--valid-clients", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--server-flag", action="append", default=[], help="extra `mlx-dflash serve` flag (repeatable)")
+    ap.add_argument("--name", default="serve-soak-cpu-linux", help="results go to bench/results/<name>/")
+    args = ap.parse_args(argv)
+
+    out_dir = Path(__file__).resolve().parent / "results" / args.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["--max-body", str(MAX_BODY), *[str(x) for kv in TIMEOUTS.items() for x in kv], *args.server_flag]
+    flags += ["--model", args.model] if args.model else []
+    flags += ["--drafter", args.drafter] if args.drafter else []
+    logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-soak-"))
+    server = Server(flags, logs / "server.log")
+    try:
+        model = server.wait_ready()
+        requests = valid_requests(args.max_tokens)
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="soak", max_retries=0, timeout=600)
+        send_valid(c, model, requests[0])  # warm-up, untimed
+        reference, idle = {}, []
+        for i, request in enumerate(requests):  # each alone: the reference answer and the idle latency
+            tic = time.perf_counter()
+            reference[i] = send_valid(c, model, request)
+            idle.append(time.perf_counter() - tic)
+        phases, resources, lines = {}, {}, {}
+        for name, hostile in (("valid only", False), ("soak", True)):
+            wait_idle(server.url)
+            resources[name, "before"] = server_resources(server.proc.pid)
+            lines_before = log_lines(logs / "server.log")
+            print(f"{name}: {args.seconds:.0f} s ...", flush=True)
+            phases[name] = run_phase(server.url, model, requests, reference, args.seconds, args.valid_clients, hostile)
+            wait_idle(server.url)
+            time.sleep(TIMEOUTS["--body-timeout"])  # the last slow connections' timeouts
+            resources[name, "after"] = server_resources(server.proc.pid)
+            lines[name] = log_lines(logs / "server.log") - lines_before
+        after_ok = send_valid(c, model, requests[0]) == reference[0]
+    finally:
+        exit_status = server.stop()
+
+    soak, calm = phases["soak"], phases["valid only"]
+    idle_median = statistics.median(idle)
+    fd_growth = resources["soak", "after"]["open_fds"] - resources["soak", "before"]["open_fds"]
+    result = {
+        "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "versions": versions(),
+        "settings": {"seconds_per_phase": args.seconds, "valid_clients": args.valid_clients,
+                     "max_tokens": args.max_tokens, "server_flags": flags, "valid_requests": len(requests)},
+        "idle_latency_s": idle, "phases": phases, "log_lines": lines,
+        "resources": {f"{phase}, {when}": v for (phase, when), v in resources.items()},
+        "ratios": {"soak_vs_valid_only_median": soak["valid_latency_median_s"] / calm["valid_latency_median_s"],
+                   "soak_vs_valid_only_p90": soak["valid_latency_p90_s"] / calm["valid_latency_p90_s"],
+                   "soak_vs_idle_median": soak["valid_latency_median_s"] / idle_median},
+        "answer_after_soak_identical": after_ok, "exit_status_on_sigterm": exit_status,
+    }
+    write_atomic(out_dir / "serve_soak.json", json.dumps(result, indent=1) + "\n")
+    print(report(result))
+    failed = soak["lost"] or calm["lost"] or not after_ok or fd_growth > 2 or exit_status != 0
+    if failed:
+        print(f"\nLOST, WRONG OR LEAKED: see {out_dir / 'serve_soak.json'}; the server's log is kept in {logs}")
+    else:
+        for f in logs.iterdir():
+            f.unlink()
+        logs.rmdir()
+    return 1 if failed else 0
+
+
+def report(r: dict) -> str:
+    out = ["| phase | clients | sent | completed | failed as expected | lost | valid latency median / p90 (s) | "
+           "log lines |", "|---|---|---|---|---|---|---|---|"]
+    for name, p in r["phases"].items():
+        out.append(f"| {name} | {p['clients']} | {p['sent']} | {p['completed']} | {p['failed_as_expected']} | {p['lost']} | "
+                   f"{p['valid_latency_median_s']:.2f} / {p['valid_latency_p90_s']:.2f} | {r['log_lines'][name]} |")
+    out.append("")
+    out.append("| kind (soak) | sent | completed | failed as expected | lost |")
+    out.append("|---|---|---|---|---|")
+    for kind, k in r["phases"]["soak"]["by_kind"].items():
+        out.append(f"| {kind} | {k['sent']} | {k['completed']} | {k['failed_as_expected']} | {k['lost']} |")
+    out.append("")
+    res = r["resources"]
+    out.append("| server | RSS (MB) | open fds |")
+    out.append("|---|---|---|")
+    for key, v in res.items():
+        out.append(f"| {key} | {v['rss_mb']} | {v['open_fds']} |")
+    q = r["ratios"]
+    out.append("")
+    out.append(f"valid latency, soak / valid only: median {q['soak_vs_valid_only_median']:.2f}x, p90 "
+               f"{q['soak_vs_valid_only_p90']:.2f}x; soak / idle (one request alone): median "
+               f"{q['soak_vs_idle_median']:.2f}x (idle median {statistics.median(r['idle_latency_s']):.2f} s)")
+    out.append(f"answers identical to single-request output: {r['phases']['soak']['wrong_answers'] == 0 and r['phases']['valid only']['wrong_answers'] == 0}"
+               f"; after the soak: {r['answer_after_soak_identical']}; exit status on SIGTERM: "
+               f"{r['exit_status_on_sigterm']}")
+    for p in r["phases"]["soak"]["problems"][:10]:
+        out.append(f"  lost: {p}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The Anthropic Messages API for `mlx-dflash serve`: `POST /v1/messages` and `/v1/messages/count_tokens`.
+
+So that clients of Anthropic's API (its SDKs, coding agents run with `ANTHROPIC_BASE_URL`) work against
+the local pair. A request becomes the same `GenerationRequest` as an OpenAI chat: the system prompt and
+the content blocks become chat-template messages (`tool_use` blocks an assistant message's tool_calls,
+`tool_result` blocks `role: "tool"` messages), the tools OpenAI-style function tools. Replies are
+Anthropic's: content blocks, `stop_reason`, and when streamed its event sequence (`message_start`,
+`content_block_start` / `_delta` / `_stop` per block, `ping`s, `message_delta`, `message_stop`).
+Errors are Anthropic-shaped (`{"type": "error", "error": {"type", "message"}}`); a prompt over the
+context is "prompt is too long: N tokens > M maximum", as Anthropic words it (agents compact on it).
+"""
+
+import json
+import uuid
+
+from .protocol import (APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, check_model, checked,
+                       max_tokens_field, message_text, sampling_fields, sse, stop_strings)
+
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error"}
+PATHS = "/v1/messages"  # every path under it answers in this shape
+
+
+def error_body(e: APIError) -> dict:
+    message = e.message
+    if isinstance(e, PromptTooLong):
+        message = (f"prompt is too long: {e.prompt_tokens} tokens > {e.context - 1} maximum (this model's context "
+                   f"is {e.context} tokens)")
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "invalid_request_error"),
+                                       "message": message}}
+
+
+def _text(content, where: str) -> str:
+    """A system prompt or tool result: a string, or text blocks (joined by blank lines)."""
+    if isinstance(content, list):
+        return "\n\n".join(message_text([block], f"{where}[{j}]") for j, block in enumerate(content))
+    return message_text(content, where)
+
+
+def _blocks(role: str, content, i: int) -> list:
+    """One Anthropic message as chat-template messages: tool results first (role "tool"), then the text."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of content blocks", param=where)
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
+            arguments = checked(block, "input", lambda v: isinstance(v, dict), "an object", {})
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": block["name"], "arguments": arguments}})
+        elif kind == "tool_result" and role == "user":
+            result = _text(block.get("content", ""), f"{at}.content")
+            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                            "content": "Error: " + result if block.get("is_error") else result})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier turns' thinking: this model's template has no place for it
+        else:
+            raise APIError(400, f"{at}: {json.dumps(kind)} blocks are not supported here (text, tool_use in "
+                           "assistant turns and tool_result in user turns are)", param=at)
+    if role == "user":
+        return results + ([{"role": "user", "content": "\n\n".join(texts)}] if texts or not results else [])
+    message = {"role": "assistant", "content": "\n\n".join(texts)}
+    return [{**message, "tool_calls": calls} if calls else message]
+
+
+def _tools(body: dict) -> tuple:
+    """(OpenAI-style function tools or None, parallel calls allowed) from Anthropic's tools and tool_choice."""
+    choice = checked(body, "tool_choice", lambda v: isinstance(v, dict) and isinstance(v.get("type"), str),
+                    'an object such as {"type": "auto"}', {"type": "auto"})
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    tools = body.get("tools")
+    if choice["type"] not in ("auto", "none"):
+        raise APIError(400, f"tool_choice {json.dumps(choice)[:100]} is not supported: this server cannot force a "
+                       "tool call; send {\"type\": \"auto\"} (the model chooses) or {\"type\": \"none\"}",
+                       param="tool_choice")
+    if not tools or choice["type"] == "none":
+        return None, parallel
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be a list of {\"name\", \"description\", \"input_schema\"}", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise APIError(400, f"tools[{i}]: {json.dumps(kind)} tools run on Anthropic's servers and are not "
+                           "available here; send tools your client runs ({\"name\", \"input_schema\"})",
+                           param=f"tools[{i}]")
+        if not (isinstance(tool.get("name"), str) and tool["name"] and isinstance(tool.get("input_schema"), dict)):
+            raise APIError(400, f"tools[{i}] must have a 'name' and an 'input_schema' object", param=f"tools[{i}]")
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out, parallel
+
+
+def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool = False) -> GenerationRequest:
+    """A Messages API body (count_only: a count_tokens body, which has no max_tokens) as a chat request."""
+    model = check_model(body, served_model)
+    if not count_only and body.get("max_tokens") is None:
+        raise APIError(400, "max_tokens: Field required", param="max_tokens")
+    max_tokens = max_tokens_field(body, defaults, ("max_tokens",))
+    output = body.get("output_config")
+    if (isinstance(output, dict) and output.get("format")) or body.get("output_format"):
+        raise APIError(400, "structured outputs ('output_config.format') are not supported by this server (they need "
+                       "constrained decoding): ask for JSON in the prompt", param="output_config.format")
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages):
+        raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
+    chat = []
+    if body.get("system"):
+        chat.append({"role": "system", "content": _text(body["system"], "system")})
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant")):
+            raise APIError(400, f"messages[{i}].role must be \"user\" or \"assistant\"", param=f"messages[{i}].role")
+        chat += _blocks(m["role"], m.get("content"), i)
+    last = chat[-1]
+    continue_final = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"])
+    tools, parallel = _tools(body)
+    stream = checked(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    return GenerationRequest(kind="chat", model=model, prompt=chat, max_tokens=max_tokens,
+                             sampling=sampling_fields(body, defaults, max_temperature=1.0),
+                             stop=stop_strings(body.get("stop_sequences"), "stop_sequences"), stream=stream,
+                             tools=tools, parallel_tool_calls=parallel, continue_final=continue_final,
+                             id=f"msg_{uuid.uuid4().hex[:24]}")
+
+
+def stop_reason(outcome: Outcome, calls: int) -> str:
+    if outcome.finish_reason == "length":
+        return "max_tokens"
+    if outcome.stop_sequence is not None:
+        return "stop_sequence"
+    return "tool_use" if calls else "end_turn"
+
+
+def _tool_use(call) -> dict:
+    return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": call.arguments}
+
+
+def _usage(prompt_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
+
+
+def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = ()) -> dict:
+    """The whole (non-streamed) message."""
+    content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
+    return {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": content,
+            "stop_reason": stop_reason(outcome, len(calls)), "stop_sequence": outcome.stop_sequence,
+            "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens), "dflash": outcome.speculative()}
+
+
+async def message_stream(req: GenerationRequest, prompt_tokens: int, replies):
+    """The SSE body of a streamed message, from app.py's reply events."""
+    start = {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}
+    yield sse({"type": "message_start", "message": start}, "message_start")
+    yield sse({"type": "ping"}, "ping")
+    index, text_open, calls = 0, False, 0
+
+    def block_stop():
+        return sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+    async for kind, payload in replies:
+        if kind == "text":
+            if not text_open:
+                yield sse({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+                          "content_block_start")
+                text_open = True
+            yield sse({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": payload}},
+                      "content_block_delta")
+        elif kind == "call":
+            if text_open:
+                yield block_stop()
+                index, text_open = index + 1, False
+            yield sse({"type": "content_block_start", "index": index,
+                       "content_block": {**_tool_use(payload), "input": {}}}, "content_block_start")
+            yield sse({"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(payload.arguments, ensure_ascii=False)}},
+                "content_block_delta")
+            yield block_stop()
+            index, calls = index + 1, calls + 1
+        elif kind == "ping":
+            yield sse({"type": "ping"}, "ping")
+        elif kind == "error":
+            yield sse(error_body(payload), "error")
+            return
+        else:
+            if text_open:
+                yield block_stop()
+            delta = {"stop_reason": stop_reason(payload, calls), "stop_sequence": payload.stop_sequence}
+            yield sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": payload.completion_tokens},
+                       "dflash": payload.speculative()}, "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")

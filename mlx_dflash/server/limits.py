@@ -1,0 +1,178 @@
+"""What the server takes from a network before the models see anything: connections, headers, bodies, JSON.
+
+- Connections: at most `--max-connections` open at once; one more is answered 503 and closed (within
+  half a second, so that the client can read the answer), so a flood of idle or half-sent requests
+  cannot use up the process's file descriptors (the limit on open files is raised to fit, where the
+  system allows).
+- Headers: a connection that has not sent a whole request head within `--header-timeout` seconds (after
+  it opened, or after its previous response) is closed; heads over h11's 16 KB are a 400 (uvicorn's).
+- Bodies: at most `--max-body` bytes (413), arriving within `--body-timeout` seconds (408); both answers
+  close the connection. A body up to 4 times the limit is read to its end (and dropped) before its 413,
+  so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
+  client that leaves mid-upload is one log line (status 499), not a traceback.
+- JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
+  JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep.
+"""
+
+import json
+import logging
+import math
+
+import anyio
+import anyio.to_thread
+
+from .protocol import APIError
+
+log = logging.getLogger("mlx_dflash.server")
+MAX_DEPTH = 64
+FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's own
+DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
+LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _non_json_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _depth(value) -> int:
+    """How deeply a parsed JSON value nests (iterative: the value may be deeper than Python's recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
+def parse_json(body: bytes):
+    try:
+        value = json.loads(body, parse_float=_finite, parse_constant=_non_json_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})"[:300]) from None
+    if _depth(value) > MAX_DEPTH:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+    return value
+
+
+async def read_json(request, max_bytes: int, timeout: float):
+    """The request's JSON body, read within the size and time limits. A body over the size limit (up to
+    DRAIN_FACTOR times it) is read to its end and dropped before the 413: a client that sends its whole
+    body before it reads the answer then gets the answer, not a broken pipe."""
+    from starlette.requests import ClientDisconnect
+
+    close = {"Connection": "close"}  # the unread rest of a body would otherwise be the next request
+    too_large = APIError(413, f"the request body is larger than {max_bytes} bytes (--max-body)", headers=close)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > DRAIN_FACTOR * max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        with anyio.fail_after(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size <= max_bytes:
+                    chunks.append(chunk)
+                elif size > DRAIN_FACTOR * max_bytes:
+                    break
+    except TimeoutError:
+        raise (too_large if size > max_bytes else APIError(
+            408, f"the request body did not arrive within {timeout:g} s (--body-timeout)", headers=close)) from None
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected during the upload") from None
+    if size > max_bytes:
+        raise too_large
+    return await anyio.to_thread.run_sync(parse_json, b"".join(chunks))  # 4 MB of JSON: not on the event loop
+
+
+def open_files_for(max_connections: int) -> None:
+    """Raise the soft limit on open files to fit the connections, or refuse the flag in one line."""
+    import resource
+
+    from ..errors import DFlashError
+
+    need = 2 * max_connections + FILES_BESIDES_CONNECTIONS  # the open ones, and as many refused ones lingering
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise DFlashError(f"--max-connections {max_connections} needs {need} open files and this process may "
+                              f"open {hard} (ulimit -Hn): lower --max-connections")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def limited_protocol(max_connections: int, header_timeout: float):
+    """uvicorn's h11 protocol with the connection cap and the header timeout (uvicorn.Config(http=...))."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    refusal = json.dumps({"error": {"message": f"the server has {max_connections} connections open "
+                                    "(--max-connections); retry later", "type": "server_overloaded",
+                                    "param": None, "code": "too_many_connections"}}).encode()
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(refusal)).encode() + b"\r\n\r\n" + refusal)
+
+    lingering = set()  # refused connections waiting for their client to read the 503 and hang up
+
+    class LimitedH11Protocol(H11Protocol):
+        header_timer = None
+        refused = False
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                return self._refuse(transport)
+            self._expect_head()
+
+        def _refuse(self, transport):
+            """Answer 503 and close. Closing at once, with the client's request unread, would reset the
+            connection and lose the answer: unless too many linger already, wait a moment for the client."""
+            log.warning(f"refused a connection: {max_connections} are open (--max-connections)",
+                        extra={"rate_key": "too many connections"})
+            self.refused = True
+            self.connections.discard(self)
+            transport.write(busy)
+            if len(lingering) < max_connections and transport.can_write_eof():
+                lingering.add(self)
+                transport.write_eof()
+                self.loop.call_later(LINGER_SECONDS, transport.close)
+            else:
+                transport.close()
+
+        def data_received(self, data):
+            if not self.refused:  # a refused connection's request is read and dropped
+                super().data_received(data)
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._expect_head()  # a kept-alive connection's next request head has the same time
+
+        def connection_lost(self, exc):
+            lingering.discard(self)
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _expect_head(self):
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            self.header_timer = self.loop.call_later(header_timeout, self._head_late)
+
+        def _head_late(self):
+            self.header_timer = None
+            waiting = self.cycle is None or self.cycle.response_complete  # no request head since
+            if waiting and not self.transport.is_closing():
+                if self.conn.trailing_data[0]:  # part of a head came: say why it closes
+                    log.info(f"closed a connection: no whole request head within {header_timeout:g} s "
+                             "(--header-timeout)", extra={"rate_key": "slow head"})
+                self.transport.close()
+
+    return LimitedH11Protocol

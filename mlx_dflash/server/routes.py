@@ -1,0 +1,215 @@
+"""The HTTP side of `mlx-dflash serve`: the routes, their errors, the middlewares, and the uvicorn server.
+
+Each generation route reads and checks its body (limits.py, then the API's parser), takes a place in the
+engine's queue, tokenizes the prompt on a worker thread (never on the event loop: a 4 MB prompt takes
+seconds), refuses a prompt over the context and cuts max_tokens, all before the engine sees it; then
+answers as a stream or a whole response in the API's format. The same reply events feed both APIs.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from . import anthropic
+from .app import Engine, Job, ServerConfig, replies
+from .limits import limited_protocol, open_files_for, read_json
+from .logs import RequestLog, configure
+from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
+from .security import Guard, error_response, with_cors
+from .tools import ReplyParser, tool_support
+
+log = logging.getLogger("mlx_dflash.server")
+
+
+async def _cancel_on_disconnect(receive, job: Job):
+    """For a non-streamed reply: the client leaving (the request's body is read) cancels the job at once."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    await job.cancel()
+
+
+def make_app(engine: Engine, config: ServerConfig):
+    """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    started = int(time.time())
+    name = config.model_name
+    model_card = {"id": name, "object": "model", "created": started, "owned_by": "mlx-dflash",
+                  "type": "model", "display_name": name,  # the fields Anthropic's clients read
+                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+    tools = tool_support(engine.tokenizer)
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx-dflash-tokenizer")  # one at a time
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        tokenizer_thread.shutdown(wait=False)
+
+    async def health(request):
+        body = {"status": "ok", "model": name, "waiting": engine.waiting}
+        if engine.prompt_cache is not None:
+            body["prompt_cache"] = engine.prompt_cache.stats()
+        if hasattr(engine, "batch_report"):
+            body["batch"] = engine.batch_report()
+        return JSONResponse(body)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [model_card], "has_more": False, "first_id": name,
+                             "last_id": name})
+
+    async def model(request):
+        if request.path_params["model_id"] != name:
+            raise APIError(404, f"model '{request.path_params['model_id']}' is not served here", code="model_not_found")
+        return JSONResponse(model_card)
+
+    async def tokenized(request, parse, admit: bool) -> tuple:
+        """(request, prompt ids): the body read and parsed, then (admitted to the queue) tokenized off the loop."""
+        req = parse(await read_json(request, config.max_body_bytes, config.body_timeout), config.defaults, name)
+        request.scope.setdefault("dflash.log", {})["id"] = req.id
+        if req.tools and not tools.renders_tools:
+            raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools",
+                           param="tools")
+        if admit:
+            engine.admit()  # before the work of tokenizing: a full queue costs nothing
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.prompt_ids, req)
+            if admit:
+                engine.fit(req, len(ids), config.max_tokens_limit)
+        except BaseException:
+            if admit:
+                engine.leave()
+            raise
+        return req, ids
+
+    async def generate(request, parse, stream, body):
+        req, ids = await tokenized(request, parse, admit=True)
+        boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.message_boundaries,
+                                                                       req, ids)
+        job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
+                  boundaries)
+        engine.enqueue(job)
+        info = request.scope["dflash.log"]
+        if req.stream:
+            chunks = stream(req, len(ids), replies(job, config.ping_seconds))
+            return StreamingResponse(_stream(job, info, chunks), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        text, calls = [], []
+        try:
+            async for kind, payload in replies(job, None):
+                if kind == "text":
+                    text.append(payload)
+                elif kind == "call":
+                    calls.append(payload)
+                elif kind == "error":
+                    raise payload
+        finally:
+            watch.cancel()
+        info["outcome"] = job.outcome
+        if job.outcome.finish_reason == "cancelled":
+            return JSONResponse({}, status_code=499)  # nobody reads it; the log shows the cancel
+        return JSONResponse(body(req, "".join(text), job.outcome, calls))
+
+    async def _stream(job, info, chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            if not job.finished.is_set():  # the client went away mid-stream
+                await job.cancel()
+            info["outcome"] = job.outcome
+            if job.error is not None:
+                info["error"] = job.error.message
+
+    async def chat(request):
+        return await generate(request, parse_chat, openai_stream, completion_body)
+
+    async def completions(request):
+        return await generate(request, parse_completion, openai_stream, completion_body)
+
+    async def messages(request):
+        return await generate(request, anthropic.parse_messages, anthropic.message_stream, anthropic.message_body)
+
+    async def count_tokens(request):
+        _, ids = await tokenized(request, partial(anthropic.parse_messages, count_only=True), admit=False)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/models/{model_id:path}", model),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]
+
+    async def api_error(request, e: APIError):
+        request.scope.setdefault("dflash.log", {})["error"] = e.message
+        return error_response(e, request.url.path)
+
+    async def http_error(request, e: HTTPException):
+        messages = {404: f"no such endpoint: {request.method} {request.url.path}",
+                    405: f"{request.method} is not allowed on {request.url.path}"}
+        return await api_error(request, APIError(e.status_code, messages.get(e.status_code, str(e.detail))))
+
+    async def internal_error(request, e: Exception):
+        log.exception("request failed")
+        return await api_error(request, APIError(500, f"internal error ({type(e).__name__}); see the server log"))
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
+    guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_key)
+    return RequestLog(with_cors(guarded, config.allowed_origins))
+
+
+def uvicorn_server(engine: Engine, config: ServerConfig):
+    """The uvicorn server for the app, with the connection limits, and a shutdown that answers the waiting
+    requests 503 at once and gives the running one `config.shutdown_grace` seconds before it ends with an error."""
+    import uvicorn
+
+    grace = config.shutdown_grace
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            engine.stop("the server is shutting down")
+            asyncio.get_running_loop().call_later(grace, engine.abort_running,
+                                                  f"the server is shutting down (--shutdown-grace {grace:g} s)")
+            await super().shutdown(sockets)
+
+    protocol = limited_protocol(config.max_connections, config.header_timeout)
+    return Server(uvicorn.Config(make_app(engine, config), http=protocol, log_config=None, log_level="warning",
+                                 access_log=False, timeout_graceful_shutdown=grace + 30))
+
+
+def run_server(engine: Engine, config: ServerConfig, sock):
+    """Serve on a bound socket until interrupted (Ctrl-C or SIGTERM: a clean stop, exit status 0)."""
+    import signal
+
+    configure()
+    open_files_for(config.max_connections)
+    server = uvicorn_server(engine, config)
+    host, port = sock.getsockname()[:2]
+    log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
+             + (" (API key required)" if config.api_key else ""))
+    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
+    # this one ignores it, so that the engine still closes (a sharded one tells the other ranks to stop).
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stop_signals}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop("the server has stopped")
+        engine.abort_running("the server has stopped")
+        engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if engine.failure is not None:
+        raise engine.failure

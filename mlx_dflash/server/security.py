@@ -1,0 +1,121 @@
+"""Who may talk to the server: the Host and Origin a request names, its content type, its API key.
+
+- Host: a server bound to a loopback address answers only requests naming a loopback host (`localhost`,
+  `127.0.0.1`, `[::1]`, any port), so a web page whose DNS name is rebound to 127.0.0.1 cannot reach it;
+  `--allowed-hosts` adds names. One bound to another address (`--host 0.0.0.0`) answers any Host unless
+  `--allowed-hosts` lists them.
+- Origin: browsers name the page that sends a request. Requests from pages are refused (403) unless
+  `--allowed-origins` lists the page's origin; those get CORS headers (Starlette's CORSMiddleware).
+- API key: with `--api-key`, every path but /health needs `Authorization: Bearer KEY` (the scheme in any
+  case, RFC 7235) or `x-api-key: KEY` (as Anthropic's clients send it); a 401 names the scheme in
+  `WWW-Authenticate`. Keys are compared in constant time.
+- Content type: request bodies must be `application/json` (415): a cross-site form or `text/plain` POST,
+  which a browser sends without asking the server first, never reaches the model.
+Errors are in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages).
+"""
+
+import hmac
+import ipaddress
+from typing import Optional
+
+from .anthropic import PATHS as ANTHROPIC_PATHS, error_body as anthropic_error_body
+from .protocol import APIError
+
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def error_response(e: APIError, path: str):
+    from starlette.responses import JSONResponse
+
+    body = anthropic_error_body(e) if path.startswith(ANTHROPIC_PATHS) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def allowed_hosts(bound: str, extra: tuple) -> Optional[set]:
+    """The Host names the server answers (lower case, no port), or None for any."""
+    if "*" in extra:
+        return None
+    if not is_loopback(bound) and not extra:
+        return None
+    return LOOPBACK_NAMES | ({bound.lower()} if not is_loopback(bound) else set()) | {h.lower() for h in extra}
+
+
+def check_api_key(key: Optional[str]) -> None:
+    """Refuse a key no client can send before anything loads (a DFlashError, one line)."""
+    from ..errors import DFlashError
+
+    if key is None:
+        return
+    if not key:
+        raise DFlashError("--api-key is empty (or MLX_DFLASH_API_KEY is): give a key, or leave it out to serve "
+                          "without one")
+    if not (key.isascii() and key.isprintable()) or " " in key:
+        raise DFlashError("--api-key must be printable ASCII without spaces (letters, digits, punctuation): HTTP "
+                          "clients cannot all send other characters in a header")
+
+
+def _host_name(header: str) -> str:
+    host = header.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class Guard:
+    """ASGI middleware: the Host, Origin, API-key and content-type checks above, in that order."""
+
+    def __init__(self, app, hosts: Optional[set], origins: set, api_key: Optional[str]):
+        self.app, self.hosts, self.origins = app, hosts, origins
+        self.key = api_key.encode() if api_key else None
+
+    def refusal(self, scope) -> Optional[APIError]:
+        headers = {}
+        for name, value in scope["headers"]:  # a repeated header counts by its first value
+            headers.setdefault(name, value.decode("latin-1"))
+        host = _host_name(headers.get(b"host", ""))
+        if self.hosts is not None and host not in self.hosts:
+            return APIError(403, f"the Host header names '{host[:100]}', which this server does not answer to: "
+                            "start it with --allowed-hosts NAME to add it", code="host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is not None and "*" not in self.origins and origin not in self.origins:
+            return APIError(403, f"requests from web pages at {origin[:100]} are not allowed: start the server with "
+                            "--allowed-origins ORIGIN to allow them", code="origin_not_allowed")
+        if self.key is not None and scope["path"] != "/health" and not self.key_matches(headers):
+            return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                            "<key>')", code="invalid_api_key",
+                            headers={"WWW-Authenticate": 'Bearer realm="mlx-dflash"'})
+        if scope["method"] == "POST":
+            kind = headers.get(b"content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return APIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' "
+                                f"(got {kind[:60] or 'none'})", code="unsupported_media_type")
+        return None
+
+    def key_matches(self, headers: dict) -> bool:
+        scheme, _, given = headers.get(b"authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            given = headers.get(b"x-api-key", "")
+        return hmac.compare_digest(given.strip().encode("latin-1"), self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (e := self.refusal(scope)) is not None:
+            scope.setdefault("dflash.log", {})["error"] = e.message
+            return await error_response(e, scope["path"])(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def with_cors(app, origins: set):
+    """CORS headers and preflight answers for the allowed origins (none: no CORS, browsers keep out)."""
+    if not origins:
+        return app
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origins=sorted(origins), allow_methods=["GET", "POST"], allow_headers=["*"],
+                          max_age=600)

@@ -1,0 +1,111 @@
+"""Pieces for the server tests: an engine whose replies are given by the test (a forced output), a tokenizer
+whose chat template renders tools, and a tiny random pair with a context length.
+
+`ScriptedEngine` runs every request as the real engine does (chat template, queue, stop strings, rounds,
+cancellation, wire formats) but answers with the next of its `scripts`: that text's tokens, three per
+round, then the stop token, as `stream_generate` would stream them. It records each request's prompt as
+text, so a test can see what the chat template made of the tools and tool results it sent.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+from mlx_dflash.decoder import Round
+from mlx_dflash.generate import GenerationResponse, GenerationStats
+from mlx_dflash.models.loader import drafter_config_for, init_drafter
+from mlx_dflash.models.target import Target
+from mlx_dflash.server.app import Engine
+
+# Qwen2.5's way of rendering tools, tool calls and tool results, over SmolLM2's ChatML tokens (mlx-lm infers
+# its json_tools parser from `<tool_call>` and `tool_call.name`, as for Qwen2.5).
+TOOLS_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are a helpful assistant.' }}
+
+# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+For each call, return <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}{% for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def tools_tokenizer(tokenizer_dir: Path, out: Path):
+    """SmolLM2's tokenizer with TOOLS_TEMPLATE as its chat template, loaded as mlx-lm loads tokenizers."""
+    from mlx_lm.utils import load_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    return load_tokenizer(out)
+
+
+def scripted_responses(tokenizer, text: str, prompt_tokens: int, max_tokens: int, per_round: int = 3):
+    """`text`'s tokens then the stop token, as stream_generate streams a generation (max_tokens cuts it)."""
+    ids = (tokenizer.encode(text, add_special_tokens=False) + [min(tokenizer.eos_token_ids)])[:max_tokens]
+    stats = GenerationStats(prompt_tokens=prompt_tokens, block_size=per_round, max_width=per_round)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for start in range(0, len(ids), per_round):
+        rnd = Round(ids[start:start + per_round], drafted=per_round - 1, accepted=per_round - 1)
+        stats.count(rnd)
+        for token in rnd.tokens:
+            stats.generated_tokens += 1
+            if token in tokenizer.eos_token_ids:
+                stats.finish_reason = "stop"
+            else:
+                detokenizer.add_token(token)
+                if stats.generated_tokens == max_tokens:
+                    stats.finish_reason = "length"
+            if stats.finish_reason:
+                detokenizer.finalize()
+            yield GenerationResponse(text=detokenizer.last_segment, token=token, logprobs=None, from_draft=True,
+                                     prompt_tokens=prompt_tokens, prompt_tps=0.0,
+                                     generation_tokens=stats.generated_tokens, generation_tps=0.0, peak_memory=0.0,
+                                     finish_reason=stats.finish_reason, round=rnd, stats=stats)
+            if stats.finish_reason:
+                return
+
+
+class ScriptedEngine(Engine):
+    """The engine, answering each request with the next of `scripts` (set by the test) instead of decoding."""
+
+    def __init__(self, *args, **kwargs):
+        self.scripts, self.prompts = [], []
+        super().__init__(*args, **kwargs)
+
+    def _responses(self, job):
+        self.prompts.append(self.tokenizer.decode(job.prompt_ids))
+        return scripted_responses(self.tokenizer, self.scripts.pop(0), len(job.prompt_ids), job.request.max_tokens)
+
+
+def pair_with_context(tokenizer, context: int, seed: int = 11):
+    """(target, drafter, tokenizer): conftest's tiny random llama (seed `seed`) with a context of `context`
+    tokens (max_position_embeddings), and an untrained block-8 drafter for it."""
+    from conftest import tiny_llama
+
+    model = tiny_llama(seed)
+    model.args.max_position_embeddings = context
+    target = Target(model)
+    config = drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2)
+    return target, init_drafter(config, seed=0).bind(target), tokenizer

@@ -1,0 +1,415 @@
+"""`mlx-dflash serve` against what a network sends: clients that leave, oversized and malformed input, slow and
+half-sent requests, floods of connections, cross-site requests, and a shutdown in the middle of a stream.
+
+Each test drives a server on a loopback port as clients (and attackers) do: the `openai` client, raw
+sockets, plain HTTP; every wait is bounded. The shutdown test runs the real `mlx-dflash serve` process.
+"""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+from click.testing import CliRunner
+
+from serve_helpers import pair_with_context
+from serving import CHAT, MODEL, wait_until, chat_text, client, raw, running
+from mlx_dflash.cli import main
+from mlx_dflash.server.app import Engine
+from mlx_dflash.server.logs import RateLimit
+from mlx_dflash.server.security import allowed_hosts
+
+CONTEXT = 2048
+MAX_BODY = 64 << 10
+GOOD = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_chat_pair):
+    return pair_with_context(tiny_chat_pair[1], CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def served(pair):
+    with running(pair, body_timeout=1.0, max_connections=12, header_timeout=0.5, max_body_bytes=MAX_BODY) \
+            as (url, engine):
+        yield url, engine
+
+
+def port_of(url):
+    return int(url.rsplit(":", 1)[1])
+
+
+def send_raw(url, data: bytes, read=True, timeout=10.0) -> bytes:
+    """Send bytes on a fresh connection; return what came back until the server closed it."""
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=timeout) as s:
+        s.sendall(data)
+        if not read:
+            return b""
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def head(path="/v1/chat/completions", length=None, host="127.0.0.1", extra=b""):
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n").encode() + extra + b"\r\n"
+
+
+def log_lines(caplog):
+    return [r.message for r in caplog.records if r.name == "mlx_dflash.server"]
+
+
+# Clients that leave.
+
+def test_a_non_streamed_request_whose_client_leaves_stops_within_a_round(tiny_chat_pair, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
+    target, tokenizer, drafter = tiny_chat_pair
+    with running((target, drafter, tokenizer)) as (url, engine):
+        with pytest.raises(openai.APITimeoutError):  # the client gives up after 1.5 s of a 8192-token answer
+            client(url, timeout=1.5).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8192)
+        wait_until(lambda: engine.cancelled == 1 and engine.running is None, 30)
+        line = next(m for m in log_lines(caplog) if "finish=cancelled" in m)
+        assert line.startswith("POST /v1/chat/completions 499 ")
+        assert int(line.split("completion=")[1].split()[0]) < 8192
+        assert chat_text(client(url), max_tokens=3)[1].usage.completion_tokens == 3
+
+
+class SlowPrefill(Engine):
+    """The real engine with a prefill of 16-token chunks, each taking 20 ms more, recording its progress."""
+
+    def __init__(self, *args, **kwargs):
+        self.progress = []
+        super().__init__(*args, prefill_step=16, **kwargs)
+
+    def _responses(self, job):
+        check = job.check_cancelled
+
+        def slow(processed, total):
+            self.progress.append((processed, total))
+            time.sleep(0.02)
+            check(processed, total)
+
+        job.check_cancelled = slow
+        return super()._responses(job)
+
+
+def test_a_client_that_leaves_during_the_prefill_stops_it_between_chunks(pair):
+    prompt = [5, 17, 42, 99] * 500  # 2000 tokens: 125 chunks, 2.5 s of prefill at least
+    with running(pair, engine_class=SlowPrefill) as (url, engine):
+        with pytest.raises(openai.APITimeoutError):
+            client(url, timeout=0.5).completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        wait_until(lambda: engine.cancelled == 1 and engine.running is None, 30)
+        processed, total = engine.progress[-1]
+        assert total == 2000 and processed < 1500  # stopped long before the prompt's end
+        engine.progress.clear()
+        stream = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True)
+        wait_until(lambda: len(engine.progress) >= 5, 30)
+        stream.close()  # the client hangs up while its prompt is read
+        wait_until(lambda: engine.cancelled == 2 and engine.running is None, 30)
+        assert engine.progress[-1][0] < 1500
+        assert client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# Oversized prompts and outputs, refused or cut before any work.
+
+def test_a_prompt_over_the_context_is_refused_at_once_even_behind_a_long_request(pair):
+    with running(pair) as (url, engine):
+        c = client(url, timeout=10)
+        long = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1900, stream=True)
+        next(iter(long))
+        wait_until(lambda: engine.running is not None)
+        too_long = [{"role": "user", "content": "sea " * 3000}]
+        with pytest.raises(openai.BadRequestError) as e:  # answered while the long one still runs
+            c.chat.completions.create(model=MODEL, messages=too_long)
+        err = e.value.body
+        prompt_tokens = len(pair[2].apply_chat_template(too_long, add_generation_prompt=True))
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+        assert err["message"].startswith(f"the prompt is {prompt_tokens} tokens and this model's context is {CONTEXT} ")
+        assert engine.running is not None and engine.waiting == 0
+        long.close()
+
+
+def test_max_tokens_is_cut_to_the_limit_and_the_context(pair):
+    with running(pair, max_tokens_limit=5) as (url, _):
+        c = client(url)
+        for huge in (10**9, 10**30):
+            r = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=huge)
+            assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    target, drafter, tokenizer = pair
+    with running(pair) as (url, engine):
+        prompt = [7] * (CONTEXT - 3)  # room for 3 tokens
+        r = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=100)
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+class RecordingTokenizerThread(Engine):
+    """Records whether prompt_ids ran where an event loop runs."""
+
+    on_loop = None
+
+    def prompt_ids(self, req):
+        import asyncio
+
+        try:
+            asyncio.get_running_loop()
+            self.on_loop = True
+        except RuntimeError:
+            self.on_loop = False
+        return super().prompt_ids(req)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(pair):
+    with running(pair, engine_class=RecordingTokenizerThread) as (url, engine):
+        assert raw(url, "/v1/completions", {"model": MODEL, "prompt": "sea " * 1000, "max_tokens": 2})[0] == 200
+        assert engine.on_loop is False
+
+
+# Malformed numbers and bodies.
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": Infinity}', None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": -Infinity}', None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 1e999}', None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}', "temperature"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "min_p": NaN}', None),
+    (b"[" * 10000 + b"]" * 10000, None),
+    (b'{"a": ' * 100 + b"1" + b"}" * 100, None),
+])
+def test_non_finite_numbers_and_deep_nesting_are_400s_in_one_line(served, caplog, body, param):
+    url, _ = served
+    status, _, answer = raw(url, "/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert not any(r.exc_info for r in caplog.records)  # no traceback anywhere
+    assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_a_client_that_leaves_during_the_upload_is_one_log_line(served, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
+    url, _ = served
+    send_raw(url, head(length=1000) + b'{"model": "tiny", "mess', read=False)
+    wait_until(lambda: any(" 499 " in m for m in log_lines(caplog)), 10)
+    (line,) = [m for m in log_lines(caplog) if " 499 " in m]
+    assert line.startswith("POST /v1/chat/completions 499 ") and "disconnected during the upload" in line
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_body_over_the_limit_sent_whole_before_reading_gets_its_413(served):
+    url, _ = served
+    body = json.dumps({"model": MODEL, "prompt": "x" * (2 * MAX_BODY)}).encode()
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) as s:
+        s.sendall(head("/v1/completions", length=len(body)))
+        for i in range(0, len(body), 8192):  # as a client writes a large upload: in pieces, then it reads
+            s.sendall(body[i:i + 8192])
+            time.sleep(0.01)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"--max-body" in answer
+    assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+
+
+# Slow and half-sent requests, floods of connections.
+
+def test_a_slow_head_is_closed_and_a_slow_body_is_a_408(served):
+    url, _ = served
+    tic = time.monotonic()
+    assert send_raw(url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n") == b""  # closed, no answer
+    assert time.monotonic() - tic < 5
+    answer = send_raw(url, head(length=100) + b'{"model":')
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"--body-timeout" in answer
+    with socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) as s:  # after a kept-alive answer too
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):  # the whole answer: head, then the JSON body
+            answer += s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        assert s.recv(65536) == b""
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+
+def test_a_flood_of_half_sent_requests_is_capped_and_drained(served):
+    url, _ = served
+    before = open_fds()
+
+    def flood(n):
+        """n connections at once, each a head and a sliver of its body: the status each got (or how it ended)."""
+        socks = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) for _ in range(n)]
+        for s in socks:
+            s.sendall(head(length=1000) + b"{")
+        answers = []
+        for s in socks:
+            out = b""
+            try:
+                while chunk := s.recv(65536):
+                    out += chunk
+            except ConnectionResetError:  # refused beyond what may linger: closed without reading
+                out = b"reset"
+            answers.append(out.split(b" ", 2)[1] if out.startswith(b"HTTP/") else out)
+            s.close()
+        return answers
+
+    answers = flood(20)  # --max-connections 12: 12 held until --body-timeout (408), the rest refused (503)
+    assert answers.count(b"503") >= 8 and set(answers) == {b"503", b"408"}, answers
+    answers = flood(60)  # beyond the refused ones that may linger too: those are reset
+    assert answers.count(b"503") >= 12 and set(answers) <= {b"503", b"408", b"reset"}, answers
+    assert raw(url, "/v1/chat/completions", GOOD)[0] == 200 and raw(url, "/health")[0] == 200
+    time.sleep(1.0)
+    assert open_fds() <= before + 2  # every connection's descriptor was given back
+
+
+def test_the_same_failure_is_logged_a_few_times_a_second():
+    now = [100.0]
+    limit = RateLimit(per_second=5, clock=lambda: now[0])
+
+    def record(message="refused a connection", **extra):
+        r = logging.LogRecord("mlx_dflash.server", logging.WARNING, __file__, 1, message, None, None)
+        r.__dict__.update(extra)
+        return r
+
+    passed = [limit.filter(record()) for _ in range(1000)]
+    assert sum(passed) == 5
+    assert limit.filter(record("another failure")) and limit.filter(record(rate_key=("/v1/x", 400)))
+    now[0] += 1
+    line = record()
+    assert limit.filter(line) and line.getMessage() == "refused a connection (995 more like it not logged)"
+    info = logging.LogRecord("mlx_dflash.server", logging.INFO, __file__, 1, "GET /health 200", None, None)
+    assert all(limit.filter(info) for _ in range(100))  # answered requests are never dropped
+
+
+# Who may send requests.
+
+def test_only_loopback_host_names_are_answered_unless_allowed(served):
+    url, _ = served
+    port = port_of(url)
+    for host, status in [("evil.example", b"403"), (f"evil.example:{port}", b"403"), (f"localhost:{port}", b"200"),
+                         (f"127.0.0.1:{port}", b"200"), (f"[::1]:{port}", b"200")]:
+        answer = send_raw(url, f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        assert answer.split(b" ", 2)[1] == status, (host, answer)
+    assert b"--allowed-hosts" in send_raw(url, b"GET /health HTTP/1.1\r\nHost: rebound.example\r\nConnection: close\r\n\r\n")
+    assert allowed_hosts("127.0.0.1", ()) == {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts("0.0.0.0", ()) is None and allowed_hosts("127.0.0.1", ("*",)) is None
+    assert allowed_hosts("192.168.1.5", ("Mac.local",)) == {"localhost", "127.0.0.1", "::1", "192.168.1.5", "mac.local"}
+
+
+def test_cross_site_requests_are_refused_and_allowed_origins_get_cors(pair, served):
+    url, _ = served
+    body = json.dumps(GOOD).encode()
+    for headers, status in [({"Content-Type": "text/plain"}, 415), ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+                            ({"Origin": "https://evil.example"}, 403)]:
+        got, _, answer = raw(url, "/v1/chat/completions", body, headers=headers)
+        assert got == status, answer
+    assert raw(url, "/v1/chat/completions", body, headers={"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    with running(pair, allowed_origins={"http://localhost:3000"}) as (cors_url, _):
+        preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "content-type,authorization"}
+        status, headers, _ = raw(cors_url, "/v1/chat/completions", method="OPTIONS", headers=preflight, body=None,
+                                 parse=False)
+        assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        status, headers, answer = raw(cors_url, "/v1/chat/completions", GOOD, headers={"Origin": "http://localhost:3000"})
+        assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        status, headers, _ = raw(cors_url, "/v1/chat/completions", GOOD, headers={"Origin": "https://evil.example"})
+        assert status == 403 and "access-control-allow-origin" not in headers
+
+
+def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
+    with running(pair, api_key="s3cret") as (url, _):
+        for header in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret"):
+            assert raw(url, "/v1/chat/completions", GOOD, headers={"Authorization": header})[0] == 200, header
+        assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": "s3cret"})[0] == 200
+        status, headers, _ = raw(url, "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
+    runner = CliRunner()
+    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "ключ"], "printable ASCII"),
+                        (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
+                        (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections")]:
+        r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads
+        assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_max_queue_0_takes_a_request_when_idle_and_refuses_one_more(pair):
+    with running(pair, max_queue=0) as (url, engine):
+        assert chat_text(client(url), max_tokens=2)[1].usage.completion_tokens == 2
+        long = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1500, stream=True)
+        next(iter(long))
+        with pytest.raises(openai.APIStatusError) as e:
+            chat_text(client(url), max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        long.close()
+
+
+# Shutdown.
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    from sharded_models import save_random_drafter, save_tiny_target
+    from mlx_dflash.downloads import ensure_smollm2
+
+    root = tmp_path_factory.mktemp("shutdown")
+    target = save_tiny_target(root / "target", "qwen2", ensure_smollm2("float32"), max_position_embeddings=100000)
+    return target, save_random_drafter(root / "drafter", target, block_size=4)
+
+
+def test_sigterm_mid_stream_ends_it_with_an_error_after_the_grace_and_exits_0(pair_dirs):
+    from test_serve import _free_port
+
+    target, drafter = pair_dirs
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(target), "--drafter",
+                               str(drafter), "--model-name", MODEL, "--port", str(port), "--shutdown-grace", "1"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert server.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                if raw(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        stream = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**9, stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)  # generating (8192 tokens at most: --max-tokens-limit)
+        queued = []
+        waiter = threading.Thread(target=lambda: queued.append(_error_of(lambda: chat_text(client(url), max_tokens=2))))
+        waiter.start()
+        time.sleep(0.5)
+        tic = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - tic < 10  # the grace (1 s) and a round, not the 8192 tokens
+        assert server.wait(timeout=20) == 0
+        waiter.join(timeout=20)
+        assert queued and "shutting down" in queued[0]  # the waiting one was answered 503 at once
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    log = server.stderr.read()
+    assert "Traceback" not in log, log
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except openai.APIError as e:
+        return str(e)
+    return "no error"

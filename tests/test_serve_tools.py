@@ -1,0 +1,273 @@
+"""Tool calling through `mlx-dflash serve`, with the official `openai` and `anthropic` clients.
+
+Default tier: a tiny random target with SmolLM2's tokenizer and a Qwen2.5-style tools template
+(serve_helpers.py), whose replies are forced, so that each form a model writes a call in (its family's
+`<tool_call>` tags, bare JSON, fenced JSON) is checked through both APIs, streamed and not, and the tool
+results sent back are seen rendered in the next prompt. Slow tier: the real Qwen2.5-Coder-0.5B-Instruct
+with a random DFlash drafter made for it, a full round trip, its answers equal to mlx-lm's greedy ones.
+"""
+
+import json
+
+import anthropic
+import pytest
+
+from serve_helpers import ScriptedEngine, tools_tokenizer
+from serving import MODEL, client, raw, running
+from mlx_dflash.server.tools import ReplyParser, ToolSupport, json_calls, tool_support
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                          "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
+                     "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def tools_pair(tiny_chat_pair, tmp_path_factory):
+    from mlx_dflash.downloads import ensure_smollm2
+
+    target, _, drafter = tiny_chat_pair
+    return target, drafter, tools_tokenizer(ensure_smollm2("float32"), tmp_path_factory.mktemp("tools-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def scripted(tools_pair):
+    with running(tools_pair, engine_class=ScriptedEngine) as (url, engine):
+        yield url, engine
+
+
+def anthropic_client(url, key="unused", timeout=60):
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=timeout)
+
+
+# The parser alone.
+
+JSON_SUPPORT = ToolSupport(True, "<tool_call>", "</tool_call>", lambda text, tools: json.loads(text))
+
+
+def parse_in_pieces(text, support=JSON_SUPPORT, tools=(WEATHER, CLOCK), step=2, parallel=True):
+    """(pieces, what went out before the reply ended) with the reply fed `step` characters at a time."""
+    parser = ReplyParser(support, list(tools), parallel)
+    early = []
+    for i in range(0, len(text), step):
+        early += parser.feed(text[i:i + step])
+    pieces = []
+    for kind, value in early + parser.finish():  # adjacent text merged: how it was cut up does not matter
+        if kind == "text" and pieces and pieces[-1][0] == "text":
+            pieces[-1] = ("text", pieces[-1][1] + value)
+        else:
+            pieces.append((kind, value if kind == "text" else (value.name, value.arguments)))
+    return pieces, early
+
+
+@pytest.mark.parametrize("reply", [
+    f"<tool_call>\n{CALL}\n</tool_call>", CALL, f"  {CALL}\n", f"```json\n{CALL}\n```", f"```\n{CALL}\n```",
+    f"[{CALL}]", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '{"type": "function", "function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}'])
+def test_each_form_a_model_writes_a_call_in_is_a_call_and_nothing_leaks_as_text(reply):
+    pieces, early = parse_in_pieces(reply)
+    assert pieces == [("call", ("get_weather", {"city": "Paris"}))]
+    assert not [p for p in early if p[0] == "text"]  # held back while it could still be a call
+
+
+@pytest.mark.parametrize("reply", [
+    "The weather is sunny.", '{"name": "delete_files", "arguments": {}}', '{"a": 1} is JSON.',
+    '{"name": "get_weather", "arguments": {"city": "Paris"}, "note": "extra"}',
+    f"Sure: {CALL}", "```python\nprint(1)\n```", f"```json\n{CALL}\n``` and then some", '{"name": "get_wea'])
+def test_anything_else_stays_text_exactly(reply):
+    pieces, _ = parse_in_pieces(reply)
+    assert "".join(v for k, v in pieces if k == "text") == reply and all(k == "text" for k, _ in pieces)
+
+
+def test_text_around_tagged_calls_several_calls_and_parallel_off():
+    reply = f'Let me check.<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{{"name": "get_time", "arguments": {{}}}}\n</tool_call>'
+    pieces, early = parse_in_pieces(reply, step=3)
+    assert pieces == [("text", "Let me check."), ("call", ("get_weather", {"city": "Paris"})), ("text", "\n"),
+                      ("call", ("get_time", {}))]
+    assert early[0] == ("text", "Let")  # text before a call streams as it comes
+    assert parse_in_pieces(reply, parallel=False)[0] == pieces[:3]
+    truncated = f"<tool_call>\n{CALL[:20]}"  # cut by max_tokens: what the model wrote, markers included
+    assert parse_in_pieces(truncated)[0] == [("text", truncated)]
+    assert json_calls(f"{CALL}\n{CALL}", {"get_weather"}) is not None
+
+
+def test_tool_support_is_read_from_the_tokenizer(tools_pair, tiny_chat_pair):
+    support = tool_support(tools_pair[2])
+    assert support.renders_tools and (support.start, support.end) == ("<tool_call>", "</tool_call>")
+    assert support.parse(CALL, None) == json.loads(CALL)  # mlx-lm's json_tools parser, as mlx_lm.server picks it
+    assert tool_support(tiny_chat_pair[1]) == ToolSupport(False)  # SmolLM2's own template has no tools
+
+
+# Through the server.
+
+def test_openai_tool_round_trip_with_tagged_calls(scripted):
+    url, engine = scripted
+    c = client(url)
+    engine.scripts += [f"<tool_call>\n{CALL}\n</tool_call>", "It is 18 degrees in Paris."]
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert '"name": "get_weather"' in engine.prompts[-1] and "The current weather in a city." in engine.prompts[-1]
+
+    messages = ASK + [choice.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK])
+    assert r.choices[0].message.content == "It is 18 degrees in Paris." and r.choices[0].finish_reason == "stop"
+    prompt = engine.prompts[-1]  # the call and its result, rendered back by the template
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in prompt
+
+
+@pytest.mark.parametrize("reply", [f"Checking.<tool_call>\n{CALL}\n</tool_call>", CALL, f"```json\n{CALL}\n```"])
+def test_openai_streamed_tool_calls(scripted, reply):
+    url, engine = scripted
+    engine.scripts.append(reply)
+    chunks = list(client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+    assert text == ("Checking." if reply.startswith("Checking") else "")
+    (call,) = deltas
+    assert (call.index, call.type, call.function.name) == (0, "function", "get_weather") and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_reply_that_is_not_a_call_is_text_and_length_is_not_tool_calls(scripted):
+    url, engine = scripted
+    c = client(url)
+    engine.scripts += ['{"name": "delete_files", "arguments": {}}', f"<tool_call>\n{CALL}\n</tool_call>"]
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
+    assert r.choices[0].message.content == '{"name": "delete_files", "arguments": {}}'
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=5)  # cut mid-call
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith("<tool_call>")
+
+
+def test_anthropic_tool_round_trip_streamed_and_not(scripted):
+    url, engine = scripted
+    c = anthropic_client(url)
+    engine.scripts += [f"I will look.<tool_call>\n{CALL}\n</tool_call>", "Sunny, 18 degrees."]
+    m = c.messages.create(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER],
+                          messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
+    text, use = m.content
+    assert text.text == "I will look." and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert use.id.startswith("toolu_") and '"name": "get_weather"' in engine.prompts[-1]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": [{"type": "text", "text": "sunny, 18 C"}]}]}]
+    with c.messages.stream(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER], messages=messages) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn" and final.content[0].text == "Sunny, 18 degrees."
+    prompt = engine.prompts[-1]
+    assert "I will look.<tool_call>" in prompt and "<tool_response>\nsunny, 18 C\n</tool_response>" in prompt
+
+    engine.scripts.append(f"```json\n{CALL}\n```")  # a fenced call, streamed
+    with c.messages.stream(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER],
+                           messages=messages[:1]) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
+    assert final.content[0].input == {"city": "Paris"} and "text" not in events
+
+
+def test_tools_the_server_cannot_honour_are_a_400_naming_the_field(scripted, tiny_chat_pair):
+    url, _ = scripted
+    good = {"model": MODEL, "messages": ASK, "tools": [WEATHER]}
+    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [{"type": "function"}]}, "tools[0]"), ({"tools": "x"}, "tools"),
+                         ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {
+                             "name": "get_weather", "arguments": "{not json"}}]}]},
+                          "messages[1].tool_calls[0].function.arguments"),
+                         ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+                         ({"functions": [WEATHER["function"]]}, "functions")]:
+        status, _, answer = raw(url, "/v1/chat/completions", {**good, **extra})
+        assert (status, answer["error"]["param"]) == (400, param), answer
+    assert raw(url, "/v1/completions", {"model": MODEL, "prompt": "x", "tools": [WEATHER]})[0] == 400
+    status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": ASK,
+                                                  "tool_choice": {"type": "any"}, "tools": [ANTHROPIC_WEATHER]})
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error" and "tool_choice" in answer["error"]["message"]
+    status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": ASK,
+                                                  "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    assert status == 400 and "tools[0]" in answer["error"]["message"]
+    neutral = {**good, "frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"},
+               "tool_choice": "auto", "parallel_tool_calls": True, "logit_bias": {}, "user": "u1"}
+    _, engine = scripted
+    engine.scripts.append("fine")
+    assert raw(url, "/v1/chat/completions", neutral)[2]["choices"][0]["message"]["content"] == "fine"
+
+    target, tokenizer, drafter = tiny_chat_pair
+    with running((target, drafter, tokenizer)) as (plain_url, _):  # SmolLM2's template renders no tools
+        status, _, answer = raw(plain_url, "/v1/chat/completions", good)
+        assert (status, answer["error"]["param"]) == (400, "tools") and "does not render tools" in answer["error"]["message"]
+
+
+# The real Qwen2.5-Coder-0.5B-Instruct (its own tools template, mlx-lm's json_tools parser).
+
+@pytest.fixture(scope="module")
+def qwen_pair():
+    from mlx_lm import load
+
+    from mlx_dflash.downloads import ensure_qwen25_coder_05b
+    from mlx_dflash.models.loader import drafter_config_for, init_drafter
+    from mlx_dflash.models.target import Target
+
+    model, tokenizer = load(str(ensure_qwen25_coder_05b("float32")))
+    target = Target(model)
+    config = drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2)
+    return target, init_drafter(config, seed=0).bind(target), tokenizer
+
+
+@pytest.mark.slow
+def test_qwen_coder_tool_round_trip_equals_mlx_lm_greedy(qwen_pair):
+    """A weather question with a weather tool: Qwen2.5-Coder-0.5B answers with a bare JSON call (no
+    `<tool_call>` tags), which is parsed as a call; the result sent back, its next reply is text. Each reply
+    is mlx-lm's own greedy continuation of the prompt the template made: the drafter is random, and the
+    output is lossless whatever it drafts."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    target, _, tokenizer = qwen_pair
+
+    def greedy(messages, tools, n=48):
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        tokens = []
+        for token, _ in generate_step(mx.array(ids), target.model, max_tokens=n):
+            if int(token) in tokenizer.eos_token_ids:
+                break
+            tokens.append(int(token))
+        return tokenizer.decode(tokens)
+
+    with running(qwen_pair) as (url, _):
+        c = client(url, timeout=900)
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=48)
+        want = greedy(ASK, [WEATHER])
+        (call,) = r.choices[0].message.tool_calls
+        assert json_calls(want, {"get_weather"})[0].arguments == json.loads(call.function.arguments), want
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+        result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "sunny"}'}
+        messages = ASK + [r.choices[0].message.model_dump(exclude_none=True), result]
+        r = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=48)
+        rendered = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]}, result]
+        answer = greedy(rendered, [WEATHER])
+        assert r.choices[0].message.content == answer and r.choices[0].message.tool_calls is None
+        assert r.choices[0].finish_reason == "stop"
+
+        m = anthropic_client(url, timeout=900).messages.create(model=MODEL, max_tokens=48,
+                                                               tools=[ANTHROPIC_WEATHER], messages=ASK)
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
+        assert (m.content[0].name, m.content[0].input) == ("get_weather", {"city": "Paris"})
