@@ -88,7 +88,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     if prompt_cache_size < 0 or (prompt_cache_bytes is not None and prompt_cache_bytes < 1):
         raise DFlashError("--prompt-cache-size must be at least 0 (0 turns the cache off), --prompt-cache-bytes "
                           "at least 1")
-    max_batch = _max_batch(max_batch, shard, kv_bits)
+    if max_batch is not None and max_batch < 1:
+        raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     check_width_options(width, n_max, cost_table)
     if blas := slow_blas_warning():
@@ -97,6 +98,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     if shard:
         check_rank_timeout(rank_timeout)
         rank = launched_group("serve").rank()
+    max_batch = _max_batch(max_batch, shard, kv_bits, say=rank == 0)
     sock = bind(host, port) if rank == 0 else None  # only rank 0 listens
     target_path = default_target(model_path)
 
@@ -156,17 +158,16 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     _leave(0)
 
 
-def _max_batch(asked, shard, kv_bits) -> int:
+def _max_batch(asked, shard, kv_bits, say: bool) -> int:
     """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
     from .kernels.metal import metal_available
 
-    if asked is not None and asked < 1:
-        raise DFlashError(f"--max-batch must be at least 1, got {asked}")
     size = asked or (8 if metal_available() else 4)
     why = "--shard (the ranks decode one request at a time, in step)" if shard else (
         "--kv-bits (a quantized cache has no per-row lengths)" if kv_bits else None)
     if why and size > 1:
-        click.echo(f"note: {why}: serving one request at a time", err=True)
+        if say:
+            click.echo(f"note: {why}: serving one request at a time", err=True)
         return 1
     return size
 

@@ -47,6 +47,12 @@ def running(pair, max_queue=16, engine_class=Engine, policy=None, engine_options
         assert not thread.is_alive()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def client(url, key="unused", timeout=60):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 

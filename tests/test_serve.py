@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import chat_ids
-from serving import CHAT, MODEL, chat_text, client, raw, running, wait_until
+from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
 from mlx_dflash.errors import DFlashError
@@ -324,12 +324,6 @@ def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
     assert r.exit_code == 1 and "pass another --port" in r.output and len(r.output.strip().splitlines()) == 1
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_real_pair_greedy_equals_generate_and_mlx_lm(smollm2):
     """The shipped pair through `mlx-dflash serve`: its greedy text is `mlx-dflash generate`'s and mlx-lm's."""
@@ -344,7 +338,7 @@ def test_real_pair_greedy_equals_generate_and_mlx_lm(smollm2):
     stop = next((i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids), len(tokens))
     assert want == tokenizer.decode(tokens[:stop])
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([*cli, "serve", "--port", str(port), "--max-tokens", "48"],
                               stderr=subprocess.PIPE, text=True)
     try:

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from serve_helpers import pair_with_context
-from serving import CHAT, MODEL, wait_until, chat_text, client, raw, running
+from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.logs import RateLimit
@@ -366,12 +366,11 @@ def pair_dirs(tmp_path_factory):
 
 
 def test_sigterm_mid_stream_ends_it_with_an_error_after_the_grace_and_exits_0(pair_dirs):
-    from test_serve import _free_port
-
     target, drafter = pair_dirs
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(target), "--drafter",
-                               str(drafter), "--model-name", MODEL, "--port", str(port), "--shutdown-grace", "1"],
+                               str(drafter), "--model-name", MODEL, "--port", str(port), "--shutdown-grace", "1",
+                               "--max-batch", "1"],  # one at a time: the second request waits
                               stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -56,7 +56,7 @@ def test_later_turns_are_cached_and_answer_as_a_server_without_the_cache(pair, k
         pair = (target, init_drafter(config, seed=0).bind(target), pair[2])
     with running(pair) as (url, _):
         cold = converse(client(url))
-    with running(pair, prompt_cache=dict(max_entries=8)) as (url, engine):
+    with running(pair, engine_options=dict(prompt_cache=dict(max_entries=8))) as (url, engine):
         warm = converse(client(url))
         streamed = converse(client(url), stream=True)  # the same conversation again: longer hits still
         stats = health(url)["prompt_cache"]
@@ -71,7 +71,7 @@ def test_concurrent_clients_leave_the_cache_consistent(pair):
     with running(pair) as (url, _):
         want = [converse(client(url), qs) for qs in conversations]
     got = [None] * len(conversations)
-    with running(pair, prompt_cache=dict(max_entries=3)) as (url, engine):
+    with running(pair, engine_options=dict(prompt_cache=dict(max_entries=3))) as (url, engine):
         def talk(i):
             got[i] = converse(client(url), conversations[i])
 

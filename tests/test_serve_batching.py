@@ -1,0 +1,66 @@
+"""`serve --max-batch`: concurrent clients decoded together answer as one request at a time does, a client
+that leaves frees its row at once, and /health reports the batch."""
+
+import threading
+
+import pytest
+
+from conftest import chat_ids
+from serving import MODEL, client, raw, running
+from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.generate import generate
+from mlx_dflash.server.batching import BatchEngine
+
+QUESTIONS = [f"Question {i}: tell me about topic {i}." for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    return target, drafter, tokenizer
+
+
+def batched(pair, max_batch=4, width=4):
+    target, drafter, _ = pair
+    return running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, max_batch, width),
+                   engine_options=dict(max_batch=max_batch))
+
+
+def test_concurrent_clients_get_their_single_request_answers(pair):
+    target, drafter, tokenizer = pair
+    limits = [12, 5, 9, 14, 3, 8]
+    want = [str(generate(target, drafter, tokenizer, chat_ids(tokenizer, q), max_tokens=n, width=4))
+            for q, n in zip(QUESTIONS, limits)]
+    got = [None] * len(QUESTIONS)
+    with batched(pair) as (url, engine):
+        def ask(i):
+            stream = i % 2 == 0
+            r = client(url).chat.completions.create(model=MODEL, max_tokens=limits[i], stream=stream,
+                                                    messages=[{"role": "user", "content": QUESTIONS[i]}])
+            got[i] = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else \
+                r.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        health = raw(url, "/health")[2]
+    assert got == want
+    batch = health["batch"]
+    assert batch["max_batch"] == 4 and max(int(r) for r in batch["rows"]) > 1  # rows did decode together
+
+
+def test_a_client_that_leaves_frees_its_row_and_the_others_go_on(pair):
+    target, drafter, tokenizer = pair
+    want = str(generate(target, drafter, tokenizer, chat_ids(tokenizer, QUESTIONS[1]), max_tokens=10, width=4))
+    with batched(pair, max_batch=2) as (url, engine):
+        long = client(url).chat.completions.create(model=MODEL, max_tokens=5000, stream=True,
+                                                   messages=[{"role": "user", "content": QUESTIONS[0]}])
+        chunks = iter(long)
+        next(chunks), next(chunks)  # decoding now
+        long.close()  # the client leaves
+        r = client(url).chat.completions.create(model=MODEL, max_tokens=10,
+                                                messages=[{"role": "user", "content": QUESTIONS[1]}])
+        assert r.choices[0].message.content == want
+    assert engine.cancelled == 1 and engine.completed == 1
