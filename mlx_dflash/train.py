@@ -1,22 +1,26 @@
 """`mlx-dflash train`: a DFlash drafter for a frozen target, trained on the target's own answers
-(`tuner/`: the data, the objective, the replayed acceptance)."""
+(`tuner/`: the data, the objectives, the replayed acceptance)."""
 
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from .errors import DFlashError
+from .tuner.objectives import OBJECTIVES
 
-
-_NO_DFLASH2_TRAINING = ("training DFlash 2 drafters is not supported (their candidate selector needs a pairwise "
-                        "objective this trainer does not have); train a DFlash v1 drafter (--arch dflash)")
+# DFlash 2 sizes of a new drafter: the published kernel, group and top-k (z-lab's Muse-Glimmer drafter);
+# the selector's rank is --selector-rank (published 256, for a 5120-wide target).
+DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=16, selector_top_k=16)
 
 
 @click.command("train")
 @click.option("--model", "model_path", help="Target (default: SmolLM2-135M-Instruct from PyPI).")
-@click.option("--prompts", "prompt_file", required=True, type=click.Path(dir_okay=False),
-              help="Prompts: .jsonl (prompt/question/turns/conversations field) or text, one per line.")
+@click.option("--prompts", "prompt_file", required=True,
+              help="Prompts: a file (.jsonl with a prompt/question/turns/conversations field, a .json list of "
+                   "such records, or text, one per line) or a prompt set fetched from PyPI (fastchat-identity, "
+                   "and the sets the benchmarks evaluate on).")
 @click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
               help="JSONL of the target's responses; made (and resumed) here, reused when complete.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Checkpoint directory.")
@@ -26,7 +30,14 @@ _NO_DFLASH2_TRAINING = ("training DFlash 2 drafters is not supported (their cand
 @click.option("--layers", default=None, type=int, help="Drafter layers (default: 1, or the --init/--resume drafter's).")
 @click.option("--block-size", default=None, type=int, help="Default: 16, or the --init/--resume drafter's.")
 @click.option("--target-features", default=None, type=int, help="Target layers tapped (default: one per layer).")
-@click.option("--mask-token-id", default=None, type=int, help="Default: a reserved special token.")
+@click.option("--mask-token-id", default=None, type=int,
+              help="Default: a reserved token (a special token the chat template never writes, or an unused "
+                   "embedding row); an ordinary or template token is refused.")
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="decay", show_default=True,
+              help="decay: the published w_k = exp(-(k-1)/gamma); verified: w_k = the held-out chance draft k "
+                   "is verified; variable-prefix: a visible prefix of true tokens per block, the rest supervised.")
+@click.option("--gamma", default=None, type=float, help="Decay of the per-position weights (default: the published "
+                                                         "7 for block 16, 5 for 10, 4 for 8).")
 @click.option("--steps", default=2000, show_default=True, type=int)
 @click.option("--sequences", "sequences_per_step", default=4, show_default=True, type=int, help="Training sequences per step.")
 @click.option("--anchors", default=64, show_default=True, type=int, help="Blocks per training sequence.")
@@ -42,22 +53,25 @@ _NO_DFLASH2_TRAINING = ("training DFlash 2 drafters is not supported (their cand
 @click.option("--export", "export_dir", default=None, type=click.Path(file_okay=False),
               help="Then write the drafter alone (bfloat16, published layout, no trainer state) here.")
 @click.option("--arch", type=click.Choice(["dflash", "dflash2"]), default="dflash", show_default=True,
-              help="Drafter architecture; only DFlash v1 drafters train here.")
+              help="Drafter architecture of a new drafter: DFlash v1, or DFlash 2 (dynamic convolutions and a "
+                   "candidate selector).")
+@click.option("--selector-rank", default=64, show_default=True, type=int,
+              help="DFlash 2: rank of the selector's pairwise scores (two vocabulary x rank codebooks).")
 def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_tokens, gen_batch, layers,
-          block_size, target_features, mask_token_id, steps, sequences_per_step, anchors, lr, eval_sequences,
-          eval_every, seed, resume, init_dir, export_dir, arch):
+          block_size, target_features, mask_token_id, objective, gamma, steps, sequences_per_step, anchors, lr,
+          eval_sequences, eval_every, seed, resume, init_dir, export_dir, arch, selector_rank):
     """Train a DFlash drafter for a target on the target's own responses."""
     import mlx.core as mx
     from tqdm import tqdm
 
+    from .downloads import PROMPT_SETS, default_target, ensure_prompt_set
+    from .models.loader import drafter_config_for, drafter_from_dir
     from .tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
-    from .downloads import default_target
-    from .models.loader import drafter_config_for, drafter_from_dir, init_drafter
-    from .tuner.trainer import TrainConfig, export, pick_mask_token, train
+    from .tuner.mask_token import mask_token_in_data, mask_token_problem, pick_mask_token
+    from .tuner.trainer import TrainConfig, export, new_drafter, train
     from .utils import load_target
 
-    if arch == "dflash2":
-        raise DFlashError(_NO_DFLASH2_TRAINING)
+    cpu_start = time.process_time()
     out = Path(out_dir)
     if out.exists() and not resume:
         raise DFlashError(f"{out} exists: pass --resume to continue it, or choose another --out")
@@ -68,8 +82,6 @@ def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_
     start = out if resume else (Path(init_dir) if init_dir else None)
     if start is not None:  # the drafter's sizes come from the weights we start from
         drafter = drafter_from_dir(start)
-        if drafter.config.is_dflash2:
-            raise DFlashError(f"{start} holds a DFlash 2 drafter: {_NO_DFLASH2_TRAINING}")
         if drafter.config.raw.get("quantization"):
             raise DFlashError(f"{start} holds a quantized drafter, which cannot train: start from a float one")
         given = {"--layers": layers, "--block-size": block_size, "--target-features": target_features,
@@ -77,28 +89,59 @@ def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_
         fixed = {"--layers": drafter.config.num_hidden_layers, "--block-size": drafter.config.block_size,
                  "--target-features": len(drafter.config.target_layer_ids),
                  "--mask-token-id": drafter.config.mask_token_id}
+        if arch == "dflash2" and not drafter.config.is_dflash2:
+            raise DFlashError(f"--arch dflash2: {start} holds a DFlash v1 drafter; drop --arch, or train a new one")
         for flag, value in given.items():
             if value is not None and value != fixed[flag]:
                 raise DFlashError(f"{flag} {value} conflicts with the drafter in {start} ({flag} {fixed[flag]}): "
                                   f"drop {flag}, or train a new drafter of that size without --resume/--init")
         drafter.set_dtype(mx.float32)  # a bfloat16 export trains in float32
     target, tokenizer = load_target(default_target(model_path))
+
+    def refuse_mask(problem: str):
+        fix = ("start a new drafter (without --resume/--init)" if start is not None
+               else f"pass a reserved --mask-token-id such as {pick_mask_token(tokenizer, target.vocab_size)}, "
+                    "or drop the flag to pick one")
+        raise DFlashError(f"{problem}; {fix}")
+
+    chosen_mask = drafter.mask_token_id if start is not None else mask_token_id
+    if chosen_mask is not None and (problem := mask_token_problem(tokenizer, chosen_mask, target.vocab_size)):
+        refuse_mask(problem)  # before answering any prompt
+    if prompt_file in PROMPT_SETS and not Path(prompt_file).exists():
+        prompt_file = ensure_prompt_set(prompt_file)
     prompts = read_prompts(prompt_file)[:num_prompts]
+    unique = list(dict.fromkeys(prompts))
+    if len(unique) < len(prompts):  # a repeat's greedy answer is the same sequence, held out and trained on
+        click.echo(f"{len(prompts) - len(unique)} repeated prompts dropped; {len(unique)} distinct", err=True)
+        prompts = unique
+    cpu_data = time.process_time()
     generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_response_tokens,
                        batch_size=gen_batch, log=lambda m: click.echo(m, err=True))
+    cpu_data = time.process_time() - cpu_data
     samples = sorted((s for s in read_samples(data_file) if s["index"] < len(prompts)), key=lambda s: s["index"])
     sequences = list(iter_sequences(samples))
     held_out, sequences = sequences[:eval_sequences], sequences[eval_sequences:]
     if start is None:
-        mask = pick_mask_token(tokenizer, target.vocab_size) if mask_token_id is None else mask_token_id
-        config = drafter_config_for(target, layers or 1, block_size or 16, target_features, mask)
-        drafter = init_drafter(config, seed=seed)
+        if mask_token_id is None:
+            seen = {int(t) for ids, _ in sequences + held_out for t in ids}
+            mask_token_id = pick_mask_token(tokenizer, target.vocab_size, avoid=seen)
+        sizes = dict(DFLASH2_SIZES, selector_rank=selector_rank) if arch == "dflash2" else None
+        config = drafter_config_for(target, layers or 1, block_size or 16, target_features, mask_token_id, sizes)
+        drafter = new_drafter(config, seed=seed)
+    if problem := mask_token_in_data(sequences + held_out, drafter.mask_token_id):
+        refuse_mask(problem)
     drafter.bind(target)
-    cfg = TrainConfig(steps=steps, sequences=sequences_per_step, anchors=anchors, learning_rate=lr,
-                      eval_every=eval_every, checkpoint_every=eval_every, seed=seed)
+    cfg = TrainConfig(steps=steps, sequences=sequences_per_step, anchors=anchors, learning_rate=lr, gamma=gamma,
+                      objective=objective, eval_every=eval_every, checkpoint_every=eval_every, seed=seed)
     click.echo(f"training on {len(sequences)} sequences, {len(held_out)} held out", err=True)
-    train(target, drafter, sequences, held_out, out, cfg, resume=resume,
-                 log=lambda m: tqdm.write(m, file=sys.stderr))  # lines above the progress bar
+    state = train(target, drafter, sequences, held_out, out, cfg, resume=resume,
+                  log=lambda m: tqdm.write(m, file=sys.stderr))  # lines above the progress bar
     click.echo(f"wrote {out}")
     if export_dir:
         click.echo(f"wrote {export(out, export_dir)}")
+    last = state["history"][-1] if state["history"] else None
+    tau = f"held-out tau {last['tau']:.2f} (block {drafter.block_size}, step {last['step']})" if last else \
+        "no held-out tau (no sequences held out)"
+    click.echo(f"{tau}; {state['cpu_seconds']:.0f} CPU seconds of training (process time, resumed runs "
+               f"included); this command {time.process_time() - cpu_start:.0f} CPU seconds, "
+               f"{cpu_data:.0f} of them answering prompts")

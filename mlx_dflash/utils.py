@@ -182,11 +182,15 @@ def load(model: str | None = None, drafter: str | None = None, wide_kernels: boo
     if wide_kernels:
         target.install_wide_kernels()
         target.install_attention_kernel()
+    from .tuner.mask_token import warn_mask_token
+
     if drafter is not None:
-        return target, load_drafter(drafter).bind(target), tokenizer
-    shipped = load_drafter(shipped_drafter_dir())
-    try:
-        return target, shipped.bind(target), tokenizer
-    except DFlashError as e:
-        raise DFlashError(f"the shipped drafter was made for {DEFAULT_MODEL} and does not fit {model} ({e}); "
-                          "pass --drafter with a drafter made for this model") from None
+        bound = load_drafter(drafter).bind(target)
+    else:
+        try:
+            bound = load_drafter(shipped_drafter_dir()).bind(target)
+        except DFlashError as e:
+            raise DFlashError(f"the shipped drafter was made for {DEFAULT_MODEL} and does not fit {model} ({e}); "
+                              "pass --drafter with a drafter made for this model") from None
+    warn_mask_token(tokenizer, bound, target.vocab_size)
+    return target, bound, tokenizer

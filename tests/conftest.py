@@ -120,6 +120,9 @@ def tiny_chat_pair(tmp_path_factory):
     return target, tokenizer, drafter.bind(target)
 
 
+SMOLLM2_MASK = 16  # <empty_output>: a special token SmolLM2's chat template never writes (the shipped drafter's)
+
+
 def save_tiny_pair(folder, **config):
     """Directories for CLI runs: `folder/target` (tiny_llama(7) with SmolLM2's tokenizer files; config:
     overrides of TINY_LLAMA, e.g. max_position_embeddings) and `folder/drafter` (an untrained block-16
@@ -140,9 +143,9 @@ def save_tiny_pair(folder, **config):
     (target_dir / "config.json").write_text(json.dumps(dict(TINY_LLAMA, vocab_size=vocab_size, **config)))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tokenizer_dir / name, target_dir / name)
-    drafter = init_drafter(drafter_config_for(Target(model), num_layers=1, block_size=16, num_target_features=2),
-                           seed=0)
-    save_checkpoint(drafter, folder / "drafter", state=None)
+    config = drafter_config_for(Target(model), num_layers=1, block_size=16, num_target_features=2,
+                                mask_token_id=SMOLLM2_MASK)
+    save_checkpoint(init_drafter(config, seed=0), folder / "drafter", state=None)
     return target_dir, folder / "drafter"
 
 

@@ -1,5 +1,5 @@
 """DFlash 2 drafters: the published checkpoint layout, bad input, lossless decoding, exact sampling with the
-selector's q, the draft controls, conversion and the training refusal.
+selector's q, the draft controls, conversion, and training's refusal to turn a v1 drafter into one.
 
 Checkpoints follow the real Muse-Glimmer DFlash 2 config and safetensors header (tests/fixtures, verbatim
 from z-lab); the target is a tiny random mlx-lm `muse_glimmer` model (mlx-lm 0.32.2 has that family; it has
@@ -336,8 +336,9 @@ def test_convert_keeps_the_published_names_and_quantizes_the_linear_layers(tmp_p
     assert len(modules) == n_linear == 1 + 5 * (7 + 2) + 1  # fc; per layer q/k/v/o, 3 MLP, 2 convs; selector
 
 
-def test_train_refuses_dflash2(tmp_path):
+def test_train_dflash2_refuses_to_continue_a_v1_drafter(tmp_path, tiny_pair_dirs):
+    """(DFlash 2 training itself: tests/test_train_objectives.py.)"""
     result = CliRunner().invoke(main, ["train", "--arch", "dflash2", "--prompts", "p.txt", "--data", "d.jsonl",
-                                       "--out", str(tmp_path / "o")])
+                                       "--out", str(tmp_path / "o"), "--init", str(tiny_pair_dirs[1])])
     assert result.exit_code == 1
-    assert result.output.count("\n") == 1 and "training DFlash 2 drafters is not supported" in result.output
+    assert result.output.count("\n") == 1 and "holds a DFlash v1 drafter" in result.output

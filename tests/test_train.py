@@ -23,17 +23,9 @@ from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
 from mlx_dflash.tuner.replay import TargetFeatures, block_logits, decoding_acceptance, prompt_lookup_drafts, replay_greedy
-from mlx_dflash.tuner.trainer import (
-    TrainConfig,
-    draft_loss_and_grads,
-    export,
-    make_blocks,
-    pick_mask_token,
-    position_weights,
-    sample_rows,
-    save_checkpoint,
-    train,
-)
+from mlx_dflash.tuner.mask_token import pick_mask_token
+from mlx_dflash.tuner.objectives import position_weights
+from mlx_dflash.tuner.trainer import TrainConfig, draft_loss_and_grads, export, make_blocks, sample_rows, save_checkpoint, train
 
 H, VOCAB = 64, 97
 QUIET = dict(eval_every=10**9, checkpoint_every=10**9)
@@ -191,7 +183,7 @@ def test_sampled_rows_follow_the_position_weights():
     w = np.array(position_weights(16))
     valid = np.ones((20000, 15), dtype=bool)
     valid[:, -3:] = False  # rows past the sequence end are never drawn
-    chosen = sample_rows(valid, w, np.random.default_rng(0))
+    chosen = sample_rows(w[None] * valid, np.random.default_rng(0))
     assert set(np.unique(chosen)) <= {0.0, 1.0}
     freq = chosen.mean(0)
     np.testing.assert_allclose(freq[:12], w[:12], atol=0.015)

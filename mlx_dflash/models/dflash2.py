@@ -126,6 +126,13 @@ class CandidateSelector(nn.Module):
             chosen.append(index)
         return Walk(mx.stack(tokens, 1), candidates, mx.stack(scores, 1), mx.stack(probs, 1), mx.stack(chosen, 1))
 
+    def teacher_forced_scores(self, hidden: mx.array, unary: mx.array, candidates: mx.array, previous: mx.array):
+        """The walk's scores [N, k] of candidates [N, k] (logits `unary`) of rows `hidden` [N, H], each
+        given a previous token [N] instead of the walk's own choice: what training teaches the selector."""
+        query = self.predecessor_codebook(previous).astype(mx.float32) * self.hidden_projection(hidden).astype(mx.float32)
+        successors = self.successor_codebook(candidates).astype(mx.float32)
+        return unary.astype(mx.float32) + (successors @ query[..., None])[..., 0]
+
 
 class DFlash2DraftModel(DFlashDraftModel):
     layer_class = DFlash2DecoderLayer

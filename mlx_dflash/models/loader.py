@@ -119,18 +119,20 @@ def drafter_config_for(
     block_size: int = 16,
     num_target_features: Optional[int] = None,
     mask_token_id: Optional[int] = None,
+    dflash2: Optional[dict] = None,
 ) -> DFlashConfig:
     """A drafter config sized for `target` (a Target): its width, heads and vocabulary, its RoPE base.
 
     num_target_features: how many target layers feed the drafter (default: one per draft layer, as
     published); they are spread evenly by the published rule. mask_token_id defaults to the last row
-    of the embedding table.
+    of the embedding table. dflash2: the four DFlash 2 sizes (config.DFLASH2_FIELDS) for a DFlash 2
+    drafter; None for v1.
     """
     args = target.text_args
     heads = args.num_attention_heads
     taps = num_target_features or num_layers
     cfg = dict(
-        architectures=["DFlashDraftModel"],
+        architectures=[DFLASH2 if dflash2 else DFLASH1],
         model_type="qwen3",
         hidden_size=target.hidden_size,
         num_hidden_layers=num_layers,
@@ -147,6 +149,7 @@ def drafter_config_for(
             block_size=block_size,
             target_layer_ids=build_target_layer_ids(target.num_layers, taps),
             mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            **(dflash2 or {}),
         ),
     )
     return parse_config(cfg, where="drafter_config_for")

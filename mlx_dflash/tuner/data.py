@@ -33,27 +33,44 @@ def _prompt_of(record: dict) -> Optional[str]:
 
 
 def read_prompts(path) -> list:
-    """Prompts from a .jsonl file (one record per line, a known prompt field) or a text file (one per line)."""
+    """Prompts from a .jsonl file (one record per line, a known prompt field), a .json file holding a list
+    of such records (ShareGPT's layout), or a text file (one prompt per line)."""
     path = Path(path)
     if not path.exists():
         raise DFlashError(f"prompt file {path} does not exist")
-    prompts = []
-    if path.suffix in (".jsonl", ".json"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        prompts = _json_list_prompts(path, text)
+    elif path.suffix in (".jsonl", ".json"):
+        prompts = []
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                prompt = _prompt_of(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 raise DFlashError(f"{path}:{n} is not valid JSON") from None
-            if prompt is None:
-                raise DFlashError(f"{path}:{n} has no prompt field (one of {', '.join(_PROMPT_FIELDS)}, turns, conversations)")
-            prompts.append(prompt)
+            prompts.append(_checked_prompt(record, f"{path}:{n}"))
     else:
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise DFlashError(f"no prompts in {path}")
     return prompts
+
+
+def _checked_prompt(record, where: str) -> str:
+    prompt = _prompt_of(record) if isinstance(record, dict) else None
+    if prompt is None:
+        raise DFlashError(f"{where} has no prompt field (one of {', '.join(_PROMPT_FIELDS)}, turns, conversations)")
+    return prompt
+
+
+def _json_list_prompts(path: Path, text: str) -> list:
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{path} is not valid JSON ({e})") from None
+    return [_checked_prompt(record, f"{path} record {n}") for n, record in enumerate(records)]
 
 
 def read_samples(path) -> list:

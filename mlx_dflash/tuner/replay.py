@@ -9,6 +9,7 @@ prompt lookup (a drafter with no weights) the same way as the yardstick.
 import mlx.core as mx
 import numpy as np
 
+from ..errors import DFlashError
 from ..models.dflash import DFlashDraftModel
 from ..lookup import LOOKUP_BELOW, PromptLookup
 
@@ -20,10 +21,14 @@ def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
 
 
 def block_drafts(drafter: DFlashDraftModel, features, block_ids, anchors):
-    """The drafted tokens [A, B-1] of those blocks, as decoding proposes them (within its draft
-    vocabulary), and the confidence [A] of each block's first draft."""
-    hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)
-    logits = drafter.draft_logits(hidden[:, 1:])
+    """The drafted tokens [A, B-1] of those blocks, as greedy decoding proposes them (within its draft
+    vocabulary; a DFlash 2 drafter's by its selector's walk), and the confidence [A] of each block's
+    first draft."""
+    hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)[:, 1:]
+    if hasattr(drafter, "walk"):
+        walk = drafter.walk(hidden, block_ids[:, 0])
+        return walk.tokens, mx.take_along_axis(walk.probs[:, 0], walk.chosen[:, :1], axis=-1)[:, 0]
+    logits = drafter.draft_logits(hidden)
     return drafter.draft_tokens(logits), mx.softmax(logits[:, 0].astype(mx.float32), axis=-1).max(axis=-1)
 
 
@@ -42,6 +47,8 @@ class TargetFeatures:
         key = ids.tobytes()
         if key not in self._memo:
             _, features = self.target.forward(mx.array(ids)[None], None)
+            if features is None:
+                raise DFlashError("the target captures no layers yet: bind the drafter to it before computing features")
             mx.eval(features)  # the head's logits stay lazy and never run
             self._memo[key] = features
         return self._memo[key]
