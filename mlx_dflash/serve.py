@@ -98,7 +98,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     if shard:
         check_rank_timeout(rank_timeout)
         rank = launched_group("serve").rank()
-    max_batch = _max_batch(max_batch, shard, kv_bits, say=rank == 0)
+    launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
+    max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
     sock = bind(host, port) if rank == 0 else None  # only rank 0 listens
     target_path = default_target(model_path)
 
@@ -120,6 +121,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         policy.notes += pair_warnings(target, drafter, tokenizer)
         for note in policy.notes if rank == 0 else ():
             announce(note)  # once: each request's statistics keep them
+        for note in launch_notes if rank == 0 else ():
+            click.echo(note, err=True)
         if not shard:
             return target, drafter, tokenizer, policy
         return target, drafter, tokenizer, policy, Ranks(group, policy.block_size, shard == "pipeline", rank_timeout)
@@ -143,7 +146,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     if prompt_cache_size and not shard:
         prompt_cache = dict(max_entries=prompt_cache_size, max_bytes=prompt_cache_bytes, directory=prompt_cache_dir)
     elif prompt_cache_size:
-        click.echo("note: --shard: the prefix cache is off (each rank would keep its own shard's states)", err=True)
+        launch_notes.append("note: --shard: the prefix cache is off (each rank would keep its own shard's states)")
     if max_batch > 1:
         from .server.batching import BatchEngine
 
@@ -158,7 +161,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     _leave(0)
 
 
-def _max_batch(asked, shard, kv_bits, say: bool) -> int:
+def _max_batch(asked, shard, kv_bits, notes: list) -> int:
     """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
     from .kernels.metal import metal_available
 
@@ -166,8 +169,7 @@ def _max_batch(asked, shard, kv_bits, say: bool) -> int:
     why = "--shard (the ranks decode one request at a time, in step)" if shard else (
         "--kv-bits (a quantized cache has no per-row lengths)" if kv_bits else None)
     if why and size > 1:
-        if say:
-            click.echo(f"note: {why}: serving one request at a time", err=True)
+        notes.append(f"note: {why}: serving one request at a time")
         return 1
     return size
 
