@@ -230,7 +230,9 @@ class Scheduler:
         if self.reading is None and self.waiting and len(self.batch) < self.max_batch:
             events += self._start(self.waiting.popleft())
         if self.reading is not None:
-            events += self._read_chunk()
+            read_events = self._read_chunk()
+            if read_events:  # its first token goes out now, not after the next round (time to first token)
+                return events + read_events + self._retire()
         if self.batch.rows:
             rows = len(self.batch)
             rounds = self.batch.round()

@@ -111,6 +111,7 @@ def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
     assert alone == beside and alone != run([Request("s", ids[0], 12, SamplingParams(0.9, top_k=20), seed=12)])["s"]
 
 
+@pytest.mark.slow
 def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
     """One batch round from fixed states: the sampled row's first new token (its drafts judged by rejection
     sampling) follows the target's distribution after its anchor; the greedy row beside it is the argmax."""

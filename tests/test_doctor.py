@@ -206,6 +206,7 @@ def _python(code: str, preload: str | None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="the BLAS check is Linux's")
 def test_the_real_process_without_and_with_openblas():
     """In a fresh process: MLX's wheel alone runs on its bundled BLAS, and `generate` says so in one line

@@ -140,9 +140,8 @@ def tiny_pair(vocab=16):
     return model, target, drafter.bind(target)
 
 
-@pytest.mark.parametrize("setting", [
-    MLX_LM_SETTINGS[0], pytest.param(MLX_LM_SETTINGS[1], marks=pytest.mark.slow),
-    pytest.param(MLX_LM_SETTINGS[2], marks=pytest.mark.slow), MLX_LM_SETTINGS[3]], ids=SETTING_IDS)
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", MLX_LM_SETTINGS, ids=SETTING_IDS)
 def test_decoder_samples_like_mlx_lm(setting):
     """The decoder's first two tokens (the second through a drafted round's rejection sampling) against
     mlx-lm's own sampler on the same model: a two-sample chi-square test per position."""

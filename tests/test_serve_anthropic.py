@@ -96,7 +96,7 @@ def test_text_equals_the_decoder_with_system_and_content_blocks(pair, served):
 def test_stream_event_sequence_with_pings_while_queued(pair, served):
     url, engine = served
     long = threading.Thread(target=lambda: messages_client(url).messages.create(
-        model=MODEL, max_tokens=400, messages=[{"role": "user", "content": QUESTION}]))
+        model=MODEL, max_tokens=150, messages=[{"role": "user", "content": QUESTION}]))
     long.start()  # keeps the engine busy: the stream below waits in the queue, pinged every 0.3 s
     while engine.running is None:
         pass

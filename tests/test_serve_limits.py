@@ -365,6 +365,7 @@ def pair_dirs(tmp_path_factory):
     return target, save_random_drafter(root / "drafter", target, block_size=4)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_stream_ends_it_with_an_error_after_the_grace_and_exits_0(pair_dirs):
     target, drafter = pair_dirs
     port = free_port()

@@ -405,6 +405,7 @@ def test_fastchat_identity_set_from_pypi():
     assert len(prompts) == 500 and prompts[0] == "Who are you?" and len(set(prompts)) == 52
 
 
+@pytest.mark.slow
 def test_train_command_on_a_tiny_target(tiny_pair_dirs, ordinary_mask_drafter, tmp_path):
     """`mlx-dflash train` end to end on a tiny target: a 2-layer DFlash 2 drafter with the variable-prefix
     objective from a ShareGPT .json list (repeats dropped), the closing tau and CPU-seconds line, the export;
