@@ -91,15 +91,22 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
+    launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
+    max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
+    if width is None and n_max is None and max_batch > 1:
+        width = "auto"  # under load the best fixed width falls as rows are added; D-cut follows it (docs/batching.md)
     check_width_options(width, n_max, cost_table)
+    batch_costs = None
+    if cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line
+        from .dcut import read_batch_costs
+
+        batch_costs = read_batch_costs(cost_table)
     if blas := slow_blas_warning():
         click.echo(blas, err=True)
     rank = 0
     if shard:
         check_rank_timeout(rank_timeout)
         rank = launched_group("serve").rank()
-    launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
-    max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
     sock = bind(host, port) if rank == 0 else None  # only rank 0 listens
     target_path = default_target(model_path)
 
@@ -111,11 +118,10 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
                                                                   shard, "serve")
         apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
         if max_batch > 1:
-            from .dcut import build_batch_policy, read_batch_costs
+            from .dcut import build_batch_policy
 
-            costs = read_batch_costs(cost_table) if cost_table else None
-            policy = build_batch_policy(target, drafter, max_batch, width, n_max, force_width, p_min, n_min, costs,
-                                        prompt_lookup)
+            policy = build_batch_policy(target, drafter, max_batch, width, n_max, force_width, p_min, n_min,
+                                        batch_costs, prompt_lookup)
         else:
             policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
         policy.notes += pair_warnings(target, drafter, tokenizer)

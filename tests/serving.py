@@ -85,3 +85,15 @@ def wait_until(predicate, seconds=30):
     while not predicate():
         assert time.time() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def wait_for_health(server, url, seconds=120):
+    """Wait until a server process answers /health (it must not exit first)."""
+    deadline = time.time() + seconds
+    while True:
+        assert server.poll() is None and time.time() < deadline, "the server did not start"
+        try:
+            if raw(url, "/health")[0] == 200:
+                return
+        except OSError:
+            time.sleep(0.2)

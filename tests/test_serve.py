@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import chat_ids
-from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_until
+from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
 from mlx_dflash.errors import DFlashError
@@ -312,7 +312,8 @@ def test_a_load_error_is_raised_where_the_engine_is_made():
 
 def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
     runner = CliRunner()
-    for args, words in [(["--cost-table", "t.json"], "add --width auto"), (["--temp", "-1"], "temperature"),
+    for args, words in [(["--max-batch", "1", "--cost-table", "t.json"], "add --width auto"),
+                        (["--cost-table", "t.json"], "t.json: no such file"), (["--temp", "-1"], "temperature"),
                         (["--model", "x"], "no such directory"), (["--max-queue", "-1"], "--max-queue"),
                         (["--n-max", "3", "--width", "2"], "disagree")]:
         r = runner.invoke(main, ["serve", *args])
@@ -343,14 +344,7 @@ def test_real_pair_greedy_equals_generate_and_mlx_lm(smollm2):
                               stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert server.poll() is None and time.time() < deadline, "the server did not start"
-            try:
-                if raw(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_health(server, url)
         c = client(url, timeout=600)  # a shared 2-core machine can be very slow
         name = c.models.list().data[0].id
         messages = [{"role": "user", "content": prompt}]

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from serve_helpers import pair_with_context
-from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_until
+from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.logs import RateLimit
@@ -375,14 +375,7 @@ def test_sigterm_mid_stream_ends_it_with_an_error_after_the_grace_and_exits_0(pa
                               stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert server.poll() is None and time.time() < deadline, "the server did not start"
-            try:
-                if raw(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_health(server, url)
         stream = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**9, stream=True)
         chunks = iter(stream)
         next(chunks), next(chunks)  # generating (8192 tokens at most: --max-tokens-limit)
