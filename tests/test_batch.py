@@ -87,6 +87,27 @@ def test_a_cancelled_row_leaves_and_the_others_go_on_unchanged(pairs):
     assert emitted[1][:4] == want[1][:4] and len(emitted[1]) < 16
 
 
+def test_a_request_gets_its_first_token_in_the_step_its_prefill_ends(pairs):
+    """Time to first token: the prefill's token goes out before the batch's next round, for the first row
+    and for one joining a decoding batch."""
+    target, drafter, tokenizer = pairs["dense"]
+    ids = prompts(tokenizer, 2)
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, 4), 2, tokenizer.eos_token_ids)
+    scheduler.submit(Request(0, ids[0], 16))
+    firsts = []
+    for step in range(40):
+        if step == 3:
+            scheduler.submit(Request(1, ids[1], 16))
+        rounds_before = scheduler.stats.rounds
+        events = scheduler.step()
+        for i, kind, value in events:
+            if kind == "round" and value.drafted == 0 and value.accepted == 0 and i not in [f[0] for f in firsts]:
+                firsts.append((i, scheduler.stats.rounds - rounds_before))
+        if len(firsts) == 2:
+            break
+    assert firsts == [(0, 0), (1, 0)]  # each first token came in a step that ran no round
+
+
 def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
     """At a fixed width with a v1 drafter (its drafts are argmaxes), a seeded row's own random stream makes
     its answer independent of the rows decoding beside it."""
