@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import openai  # noqa: E402
 
+from servers import dflash_server  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_atomic  # noqa: E402
 
@@ -57,39 +58,6 @@ MAX_BODY = 1 << 20
 TIMEOUTS = {"--header-timeout": 2, "--body-timeout": 3}
 QUESTIONS = ["What is 7 times 8?", "Name three colours of the rainbow.", "Write one sentence about the sea.",
              "What is the capital of Italy?"]
-
-
-class Server:
-    """The `mlx-dflash serve` process on a free loopback port, its log in `log_path`."""
-
-    def __init__(self, flags: list, log_path: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--port", str(self.port),
-                                      *flags], stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, seconds: float = 600) -> str:
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    return json.loads(r.read())["model"]
-            except OSError:
-                time.sleep(0.5)
-        raise SystemExit(f"the server did not start in {seconds:.0f} s; see {self.log.name}")
-
-    def stop(self) -> int:
-        """SIGTERM, as a service manager stops it; its exit status."""
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            self.log.close()
 
 
 def valid_requests(max_tokens: int) -> list:
@@ -325,7 +293,7 @@ def main(argv=None) -> int:
     flags += ["--model", args.model] if args.model else []
     flags += ["--drafter", args.drafter] if args.drafter else []
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-soak-"))
-    server = Server(flags, logs / "server.log")
+    server = dflash_server(flags, logs / "server.log")
     try:
         model = server.wait_ready()
         requests = valid_requests(args.max_tokens)

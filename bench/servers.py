@@ -51,13 +51,16 @@ class Server:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="bench", max_retries=0, timeout=3600)
 
-    def stop(self):
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it (SIGKILL after 60 s); its exit status."""
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
+            return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.log.close()
+            return self.proc.wait()
+        finally:
+            self.log.close()
 
 
 def dflash_server(flags: list, log_path: Path) -> Server:
