@@ -1,19 +1,22 @@
 """Serving under load: continuous batching with fixed widths and with D-cut, against `mlx_lm.server`.
 
-    python bench/batching.py --prompts ../shared/data/gsm8k/train.jsonl --first 7000
+    python bench/batching.py --prompts ../shared/data/gsm8k/train.jsonl --first 7000 --repeats 3
     python bench/batching.py --concurrency 1,2 --requests-per-client 1 --max-tokens 16 --name quick   # smoke run
 
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
 `mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one
 request at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto`
-(D-cut). For each concurrency level c, every server is measured in an order that rotates from level to
-level (drift on a shared machine spreads over all): c client threads, each sending --requests-per-client
-streamed greedy chat requests one after another through the `openai` client. Request j of client k gets
-prompt k * requests + j of the set, so every server answers the same prompts; every answer must be the
-same on every server (a difference prints a loud line and makes the exit status 1).
+(D-cut). The servers start one after another, each once the one before answers (so that a start-up
+probe times a quiet machine, as it would on a user's). For each concurrency level c, every server is
+measured in an order that rotates from level to level and from repeat to repeat (drift on a shared
+machine spreads over all): c client threads, each sending --requests-per-client streamed greedy chat
+requests one after another through the `openai` client. Request j of client k gets prompt
+k * requests + j of the set, so every server answers the same prompts; every answer must be the same on
+every server (a difference prints a loud line and makes the exit status 1).
 
-Per server and level: aggregate tokens/s (all completion tokens / wall time), tokens/s per request
-(median), time to first token (median and 95th percentile, queueing included). Writes batching.json,
+Per server and level, over --repeats runs of the level: aggregate tokens/s (all completion tokens / wall
+time; the median of the repeats, each repeat kept in the JSON), tokens/s per request (median), time to
+first token (median and 95th percentile over every request, queueing included). Writes batching.json,
 batching.md and batching.png (aggregate tokens/s against concurrency, matplotlib when installed) into
 bench/results/<name>/.
 """
@@ -76,10 +79,18 @@ def run_level(server, model: str, prompts: list, clients: int, per_client: int, 
     if errors:
         raise SystemExit("requests failed: " + "; ".join(errors))
     requests = [records[i] for i in sorted(records)]
-    ttft = sorted(r["ttft"] for r in requests)
-    decode = [(r["completion_tokens"] - 1) / (r["seconds"] - r["ttft"]) for r in requests if r["seconds"] > r["ttft"]]
     return {"clients": clients, "wall_seconds": wall, "requests": requests,
-            "aggregate_tokens_per_s": sum(r["completion_tokens"] for r in requests) / wall,
+            "aggregate_tokens_per_s": sum(r["completion_tokens"] for r in requests) / wall}
+
+
+def summary(name: str, clients: int, repeats: list) -> dict:
+    """One server at one level over its repeats: the median aggregate, latencies over every request."""
+    requests = [q for r in repeats for q in r["requests"]]
+    ttft = sorted(q["ttft"] for q in requests)
+    decode = [(q["completion_tokens"] - 1) / (q["seconds"] - q["ttft"]) for q in requests if q["seconds"] > q["ttft"]]
+    return {"server": name, "clients": clients,
+            "aggregate_tokens_per_s": statistics.median(r["aggregate_tokens_per_s"] for r in repeats),
+            "aggregate_tokens_per_s_repeats": [r["aggregate_tokens_per_s"] for r in repeats],
             "tokens_per_s_per_request": statistics.median(decode) if decode else 0.0,
             "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]}
 
@@ -136,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every level for every server (the median counts)")
     ap.add_argument("--name", default="batching-cpu", help="results go to bench/results/<name>/")
     args = ap.parse_args(argv)
 
@@ -145,29 +157,35 @@ def main(argv=None) -> int:
     model = default_target(args.model)
     common = ["--model", model, "--max-tokens", str(args.max_tokens)] + (["--drafter", args.drafter] if args.drafter else [])
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-batching-"))  # kept only if something fails
-    servers = {MLX_LM: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log")}
+    starts = {MLX_LM: lambda: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log")}
     for i, (name, flags) in enumerate(configurations(args.max_batch).items()):
-        servers[name] = dflash_server(common + flags, logs / f"ours-{i}.log")
-    rows = []
+        starts[name] = lambda flags=flags, i=i: dflash_server(common + flags, logs / f"ours-{i}.log")
+    servers, models, runs = {}, {}, []
     try:
-        models = {name: s.wait_ready() for name, s in servers.items()}
+        for name, start in starts.items():  # one at a time: each start-up on a quiet machine
+            servers[name] = start()
+            models[name] = servers[name].wait_ready()
         for name, s in servers.items():  # warm-up, untimed
             stream_chat(s.client(), models[name], [{"role": "user", "content": prompts[0]}], args.max_tokens)
         names = list(servers)
-        for n, clients in enumerate(levels):
-            for name in names[n % len(names):] + names[: n % len(names)]:
-                level = run_level(servers[name], models[name], prompts, clients, args.requests_per_client,
-                                  args.max_tokens)
-                rows.append({"server": name, **level})
-                print(f"{clients} clients, {name}: {level['aggregate_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        for repeat in range(args.repeats):
+            for n, clients in enumerate(levels):
+                shift = (n + repeat) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    level = run_level(servers[name], models[name], prompts, clients, args.requests_per_client,
+                                      args.max_tokens)
+                    runs.append({"server": name, "repeat": repeat, **level})
+                    print(f"{clients} clients, {name}: {level['aggregate_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     finally:
         for s in servers.values():
             s.stop()
     shutil.rmtree(logs)
+    rows = [summary(name, clients, [r for r in runs if r["server"] == name and r["clients"] == clients])
+            for name in servers for clients in levels]
 
     identical = True
     for clients in levels:
-        level = [r for r in rows if r["clients"] == clients]
+        level = [r for r in runs if r["clients"] == clients]
         for i in range(len(level[0]["requests"])):
             if len({r["requests"][i]["text"] for r in level}) > 1:
                 identical = False
@@ -178,7 +196,7 @@ def main(argv=None) -> int:
               "machine": machine_info(), "versions": versions(), "settings": {k: v for k, v in vars(args).items()
                                                                             if k != "model"},
               "command": "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "identical": identical, "rows": rows}
+              "identical": identical, "rows": rows, "runs": runs}
     write_atomic(out_dir / "batching.json", json.dumps(record, indent=1))
     table = markdown(rows, levels)
     write_atomic(out_dir / "batching.md", table + "\n")

@@ -2,6 +2,7 @@
 
     python bench/serve_soak.py                         # default pair, 2 phases of 90 s
     python bench/serve_soak.py --seconds 20 --name soak-quick
+    python bench/serve_soak.py --hostile malformed,slow\ body,slow\ head,oversized   # only what is refused
 
 One real `mlx-dflash serve` process (its log in a temporary directory, kept if anything is lost or leaked),
 started with short timeouts (--header-timeout 2, --body-timeout 3, --max-body 1 MB) so that hostile
@@ -15,7 +16,7 @@ requests resolve within the run. First every valid request is sent alone, one af
    types, text/plain, a foreign Host, an unknown model, an Anthropic body without max_tokens), slow bodies
    and slow heads (held open until the server's timeouts), clients that leave (mid-stream, and while a
    non-streamed answer is generated), and oversized requests (a body over --max-body, a prompt over the
-   context).
+   context); `--hostile` keeps some of these kinds only.
 
 Every request is counted: sent, completed (a valid answer: a greedy one identical to its reference), failed as
 expected (the status, or the close, the hostile request should get), lost (anything else: a wrong
@@ -194,8 +195,12 @@ class Tally:
                 "problems": self.problems}
 
 
+HOSTILE_CLIENTS = {"malformed": 3, "slow body": 4, "slow head": 2, "disconnecting": 2, "oversized": 1}
+
+
 def run_phase(url: str, model: str, requests: list, reference: dict, seconds: float, valid_clients: int,
-              hostile: bool) -> dict:
+              hostile: dict) -> dict:
+    """`seconds` of the valid clients, with hostile clients beside them ({kind: threads}, maybe empty)."""
     port = int(url.rsplit(":", 1)[1])
     tally, deadline = Tally(), time.monotonic() + seconds
 
@@ -240,8 +245,7 @@ def run_phase(url: str, model: str, requests: list, reference: dict, seconds: fl
                                                       lambda: leave_while_generating(url, model), "left")]),
             "oversized": lambda rng: rng.choice(big),
         }
-        threads_per_kind = {"malformed": 3, "slow body": 4, "slow head": 2, "disconnecting": 2, "oversized": 1}
-        for kind, n in threads_per_kind.items():
+        for kind, n in hostile.items():
             for j in range(n):
                 loops.append(threading.Thread(target=hostile_loop, args=(kind, makers[kind], random.Random(f"{kind}{j}"))))
     tic = time.perf_counter()
@@ -263,13 +267,27 @@ def server_resources(pid: int) -> dict:
     return {"rss_mb": round(rss, 1), "open_fds": fds}
 
 
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
 def wait_idle(url: str, seconds: float = 120):
     """Until nothing waits in the server's queue (twice in a row, a second apart)."""
     deadline, quiet = time.time() + seconds, 0
     while time.time() < deadline and quiet < 2:
-        with urllib.request.urlopen(url + "/health", timeout=30) as r:
-            quiet = quiet + 1 if json.loads(r.read())["waiting"] == 0 else 0
+        quiet = quiet + 1 if health(url)["waiting"] == 0 else 0
         time.sleep(1.0)
+
+
+def engine_work(before: dict, after: dict) -> dict:
+    """What the batch engine did between two /health answers: rounds and rows per round (empty when the
+    server does not batch)."""
+    if "batch" not in after:
+        return {}
+    rows = {int(k): v - before["batch"]["rows"].get(k, 0) for k, v in after["batch"]["rows"].items()}
+    rounds = sum(rows.values())
+    return {"rounds": rounds, "mean_rows_per_round": sum(k * v for k, v in rows.items()) / rounds if rounds else 0.0}
 
 
 def log_lines(path: Path) -> int:
@@ -284,8 +302,14 @@ def main(argv=None) -> int:
     ap.add_argument("--valid-clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--server-flag", action="append", default=[], help="extra `mlx-dflash serve` flag (repeatable)")
+    ap.add_argument("--hostile", default=",".join(HOSTILE_CLIENTS),
+                    help=f"the hostile kinds the soak sends, comma-separated (default all: {', '.join(HOSTILE_CLIENTS)})")
     ap.add_argument("--name", default="serve-soak-cpu-linux", help="results go to bench/results/<name>/")
     args = ap.parse_args(argv)
+    kinds = [k.strip() for k in args.hostile.split(",") if k.strip()]
+    if not kinds or set(kinds) - set(HOSTILE_CLIENTS):
+        ap.error(f"--hostile: choose among {', '.join(HOSTILE_CLIENTS)}")
+    hostile = {k: HOSTILE_CLIENTS[k] for k in kinds}
 
     out_dir = Path(__file__).resolve().parent / "results" / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,12 +329,13 @@ def main(argv=None) -> int:
             reference[i] = send_valid(c, model, request)
             idle.append(time.perf_counter() - tic)
         phases, resources, lines = {}, {}, {}
-        for name, hostile in (("valid only", False), ("soak", True)):
+        for name, others in (("valid only", {}), ("soak", hostile)):
             wait_idle(server.url)
             resources[name, "before"] = server_resources(server.proc.pid)
-            lines_before = log_lines(logs / "server.log")
+            lines_before, engine_before = log_lines(logs / "server.log"), health(server.url)
             print(f"{name}: {args.seconds:.0f} s ...", flush=True)
-            phases[name] = run_phase(server.url, model, requests, reference, args.seconds, args.valid_clients, hostile)
+            phases[name] = run_phase(server.url, model, requests, reference, args.seconds, args.valid_clients, others)
+            phases[name]["engine"] = engine_work(engine_before, health(server.url))
             wait_idle(server.url)
             time.sleep(TIMEOUTS["--body-timeout"])  # the last slow connections' timeouts
             resources[name, "after"] = server_resources(server.proc.pid)
@@ -325,7 +350,7 @@ def main(argv=None) -> int:
     result = {
         "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "versions": versions(),
-        "settings": {"seconds_per_phase": args.seconds, "valid_clients": args.valid_clients,
+        "settings": {"seconds_per_phase": args.seconds, "valid_clients": args.valid_clients, "hostile_clients": hostile,
                      "max_tokens": args.max_tokens, "server_flags": flags, "valid_requests": len(requests)},
         "idle_latency_s": idle, "phases": phases, "log_lines": lines,
         "resources": {f"{phase}, {when}": v for (phase, when), v in resources.items()},
@@ -348,10 +373,11 @@ def main(argv=None) -> int:
 
 def report(r: dict) -> str:
     out = ["| phase | clients | sent | completed | failed as expected | lost | valid latency median / p90 (s) | "
-           "log lines |", "|---|---|---|---|---|---|---|---|"]
+           "log lines | batch rounds, rows per round |", "|---|---|---|---|---|---|---|---|---|"]
     for name, p in r["phases"].items():
+        work = f"{p['engine']['rounds']}, {p['engine']['mean_rows_per_round']:.2f}" if p.get("engine") else "-"
         out.append(f"| {name} | {p['clients']} | {p['sent']} | {p['completed']} | {p['failed_as_expected']} | {p['lost']} | "
-                   f"{p['valid_latency_median_s']:.2f} / {p['valid_latency_p90_s']:.2f} | {r['log_lines'][name]} |")
+                   f"{p['valid_latency_median_s']:.2f} / {p['valid_latency_p90_s']:.2f} | {r['log_lines'][name]} | {work} |")
     out.append("")
     out.append("| kind (soak) | sent | completed | failed as expected | lost |")
     out.append("|---|---|---|---|---|")

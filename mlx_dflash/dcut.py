@@ -1,25 +1,35 @@
 """Verify depth under load: how many rows a batch of requests verifies each round (batch_decoder.py).
 
 `BatchPolicy` is the fixed width, with llama.cpp's draft controls (p-min, n-min) taken over the batch.
-`DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for MLX's padded batches: the drafter drafts its
-whole block for every row, and each round verifies the width W that maximises the batch's expected
-tokens per second,
+`DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for MLX's padded batches: each round verifies
+the width W that maximises the batch's expected tokens per second,
 
     sum over rows r of E_r(W)  /  (draft time + cost(B, W)),
 
 where E_r(W) = 1 + sum_{k < W} prod_{j <= k} a_{r,j} (the survival scores of row r's drafts: calibrated
 drafter confidences, or prompt lookup's own acceptance by position, policy.Calibration) and cost(B, W) the
-measured seconds of a verify of B rows x W tokens (a start-up probe or a table, refined by every round).
-A batched forward pads every row to the longest, so a row verifying fewer drafts would cost the same and
-keep fewer: every row verifies W - 1 (fewer only where it has fewer tokens left), and the choice per row
-that D-cut's global top-K makes over flat token budgets becomes, here, the choice of W from all the rows'
-scores at once. Drafting must pay too: while the rounds' expected rate stays below plain rounds' (B tokens
-in cost(B, 1)), the drafter is skipped, re-probed after 7, 15, then every 31 rounds.
+seconds of a verify of B rows x W tokens. A batched forward pads every row to the longest, so a row
+verifying fewer drafts would cost the same and keep fewer: every row verifies W - 1 (fewer only where it
+has fewer tokens left), and the choice per row that D-cut's global top-K makes over flat token budgets
+becomes, here, the choice of W from all the rows' scores at once.
+
+Costs start from a probe or a table; every round times its own (B, W) cell, and a cell not timed yet
+keeps the probe's value at the scale its batch size's timed cells showed. Cells are not forced to grow
+with W: a batched matmul's cost follows the kernel's tiling, not the row count (a 2-core x86 CPU under
+OpenBLAS: 4 rows x 3 tokens 135-144 ms, 4 x 4 97 ms), so one round in 10 verifies the least-timed width
+whose expected rate is within 20% of the best, and the chooser learns where such cells are cheap.
+
+Drafting must pay too: while the rounds' expected rate stays below plain rounds' (B tokens in cost(B, 1)),
+the drafter is skipped, re-probed after 7, 15, then every 31 rounds. And the drafter reads out only the
+positions the chooser has lately wanted (two past the widest width of the last 32 rounds; the whole block
+again once a round wants every position it was given): its forward is the same, but each position read
+out costs logits and a confidence (4 rows on that CPU: 11 ms a round for 2 positions, 16 ms for 16).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,7 +39,7 @@ import numpy as np
 from .errors import DFlashError
 from .models.batch_cache import add_row, batched
 from .policy import Calibration
-from .verify_costs import filled_cache, non_decreasing, observe_cost, running
+from .verify_costs import filled_cache, running
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -70,46 +80,51 @@ class BatchPolicy:
 class DCutPolicy(BatchPolicy):
     SMOOTHING = 0.2
     FIRST_SKIP, MAX_SKIP = 7, 31
+    REACH_ROUNDS, REACH_MARGIN = 32, 2  # the drafter reads out the widest width of the last 32 rounds, + 2
+    EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
     def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
                  prompt_lookup=True):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
-        self.costs = {b: dict(row) for b, row in costs.items()}  # {rows: {width: seconds}}
+        # every batch size up to the largest measured gets its own costs, learned from its own rounds
+        self.costs = {b: {w: between(costs, b, w) for w in costs[max(costs)]} for b in range(1, max(costs) + 1)}
+        self.guessed = {b: dict(row) for b, row in self.costs.items()}  # what the probe or table said
+        self.timed = {b: Counter() for b in self.costs}  # rounds observed per batch size and width
+        self.scale = {b: 1.0 for b in self.costs}  # timed / guessed, over the timed rounds of that batch size
         self.calibration = Calibration(block_size)
         self.draft_seconds = 0.0
         self.gain = None  # running ratio of drafting rounds' expected rate to plain rounds'
         self.skip, self.skipping = self.FIRST_SKIP, 0  # plain rounds before the next probe, and still to go
+        self.chosen = deque(maxlen=self.REACH_ROUNDS)  # the widths drafting rounds chose lately
+        self.drafted = 0  # positions the last width() gave the drafter (anchor included)
+        self.cuts = 0
 
     @property
     def uses_confidence(self) -> bool:
         return True
 
     def cost(self, batch: int, width: int) -> float:
-        """Seconds of a verify of `batch` rows x `width` tokens: measured, or linear between measured batch
-        sizes (and on from the last two)."""
-        if batch in self.costs:
-            return self.costs[batch][width]
-        sizes = sorted(self.costs)
-        if len(sizes) == 1:
-            return self.costs[sizes[0]][width] * batch / sizes[0]
-        lo = max([s for s in sizes if s < batch], default=sizes[0])
-        hi = min([s for s in sizes if s > batch], default=sizes[-1])
-        if lo == hi or batch > sizes[-1]:
-            lo, hi = sizes[-2], sizes[-1]
-        a, b = self.costs[lo][width], self.costs[hi][width]
-        return a + (b - a) * (batch - lo) / (hi - lo)
+        """Seconds of a verify of `batch` rows x `width` tokens: as timed, or the guess at the scale the timed
+        widths of that batch size showed (a probe timed on a busy machine is dear all over)."""
+        if batch not in self.costs:
+            return between(self.costs, batch, width) * self.scale[max(self.costs)]
+        return self.costs[batch][width] if self.timed[batch][width] else self.guessed[batch][width] * self.scale[batch]
 
     def width(self, batch: int, most_remaining: int) -> int:
-        widest = super().width(batch, most_remaining)
+        widest = min(super().width(batch, most_remaining), self.reach())
         if self.gain is None or self.gain >= 1:
             self.skip, self.skipping = self.FIRST_SKIP, 0
-            return widest
-        if self.skipping:  # drafting has not paid: plain rounds
+        elif self.skipping:  # drafting has not paid: plain rounds
             self.skipping -= 1
             return 1
-        # a probe drafts; the plain rounds after it last longer each time it loses
-        self.skipping, self.skip = self.skip, min(2 * self.skip + 1, self.MAX_SKIP)
+        else:  # a probe drafts; the plain rounds after it last longer each time it loses
+            self.skipping, self.skip = self.skip, min(2 * self.skip + 1, self.MAX_SKIP)
+        self.drafted = widest
         return widest
+
+    def reach(self) -> int:
+        """Positions worth drafting: a margin past the widest width chosen lately (all, before any)."""
+        return max(self.chosen) + self.REACH_MARGIN if self.chosen else self.block_size
 
     def expected(self, confidence: list, copied: list, remaining: list, width: int) -> float:
         """The batch's expected tokens from a round verifying `width` rows."""
@@ -122,7 +137,15 @@ class DCutPolicy(BatchPolicy):
 
     def cut(self, width: int, confidence: list, copied: list, remaining: list) -> int:
         width = super().cut(width, confidence, copied, remaining)  # p-min / n-min first, when given
-        return max(range(1, width + 1), key=lambda w: self.rate(confidence, copied, remaining, w))
+        rates = {w: self.rate(confidence, copied, remaining, w) for w in range(1, width + 1)}
+        best = max(rates, key=rates.get)
+        self.cuts += 1
+        timed = self.timed.get(len(confidence))
+        if self.cuts % self.EXPLORE_EVERY or timed is None:
+            return best
+        # now and then a near-best width timed least so far: costs are measured, not left at the probe's guess
+        near = [w for w in rates if rates[w] >= (1 - self.EXPLORE_LOSS) * rates[best]]
+        return min(near, key=lambda w: (timed[w], -rates[w]))
 
     def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied):
         a = self.SMOOTHING
@@ -132,14 +155,37 @@ class DCutPolicy(BatchPolicy):
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
             for conf, n, kept, lookup in zip(confidence, limits, accepted, copied):
                 self.calibration.record(conf, n, kept, min(int(lookup), n))
-        if batch in self.costs:
-            observe_cost(self.costs[batch], width, verify_seconds, a)
+            if width >= self.drafted:  # it wanted every position it had: the next draft gets them all
+                self.chosen.clear()
+            else:
+                self.chosen.append(width)
+        if batch in self.costs:  # each cell on its own: more rows may cost less (module docstring)
+            row = self.costs[batch]
+            row[width] = running(row[width] if self.timed[batch][width] else None, verify_seconds, a)
+            self.timed[batch][width] += 1
+            self.scale[batch] = running(self.scale[batch], verify_seconds / self.guessed[batch][width], a)
+
+
+def between(costs: dict, batch: int, width: int) -> float:
+    """costs[batch][width] ({rows: {width: seconds}}), linear between the batch sizes measured and on past
+    them from the last two (in proportion to the rows, from a single one)."""
+    if batch in costs:
+        return costs[batch][width]
+    sizes = sorted(costs)
+    if len(sizes) == 1:
+        return costs[sizes[0]][width] * batch / sizes[0]
+    lo = max([s for s in sizes if s < batch], default=sizes[0])
+    hi = min([s for s in sizes if s > batch], default=sizes[-1])
+    if lo == hi or batch > sizes[-1]:
+        lo, hi = sizes[-2], sizes[-1]
+    a, b = costs[lo][width], costs[hi][width]
+    return a + (b - a) * (batch - lo) / (hi - lo)
 
 
 def probe_batch_costs(target, batches: list, max_width: int, context: int = 256, repeats: int = 2) -> dict:
     """{rows: {width: verify seconds}} for a batch of `rows` sequences of `context` tokens each, timed in
-    turns (after one warm-up turn; each pair's median), then made non-decreasing in width; widths between
-    the probed ones are interpolated, as for one sequence (policy.interpolate_costs)."""
+    turns (after one warm-up turn; each pair's median); widths between the probed ones are interpolated, as
+    for one sequence (policy.interpolate_costs)."""
     from .verify_costs import interpolate_costs
 
     widths = sorted({min(w, max_width) for w in PROBE_WIDTHS})
@@ -157,8 +203,7 @@ def probe_batch_costs(target, batches: list, max_width: int, context: int = 256,
                 target.trim_rows(caches[b], [w] * b)
                 if turn:
                     times[b, w].append(time.perf_counter() - tic)
-    return {b: interpolate_costs(non_decreasing({w: float(np.median(times[b, w])) for w in widths}), max_width)
-            for b in batches}
+    return {b: interpolate_costs({w: float(np.median(times[b, w])) for w in widths}, max_width) for b in batches}
 
 
 def batch_sizes(max_batch: int) -> list:
