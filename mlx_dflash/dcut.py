@@ -86,11 +86,11 @@ class DCutPolicy(BatchPolicy):
     def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
                  prompt_lookup=True):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
-        # every batch size up to the largest measured gets its own costs, learned from its own rounds
-        self.costs = {b: {w: between(costs, b, w) for w in costs[max(costs)]} for b in range(1, max(costs) + 1)}
-        self.guessed = {b: dict(row) for b, row in self.costs.items()}  # what the probe or table said
-        self.timed = {b: Counter() for b in self.costs}  # rounds observed per batch size and width
-        self.scale = {b: 1.0 for b in self.costs}  # timed / guessed, over the timed rounds of that batch size
+        # what the probe or table says for every batch size up to the largest measured; each learns on its own
+        self.guessed = {b: {w: between(costs, b, w) for w in costs[max(costs)]} for b in range(1, max(costs) + 1)}
+        self.costs = {b: {} for b in self.guessed}  # {rows: {width: seconds}}, as timed
+        self.timed = {b: Counter() for b in self.guessed}  # rounds observed per batch size and width
+        self.scale = {b: 1.0 for b in self.guessed}  # timed / guessed, over the timed rounds of that batch size
         self.calibration = Calibration(block_size)
         self.draft_seconds = 0.0
         self.gain = None  # running ratio of drafting rounds' expected rate to plain rounds'
@@ -106,9 +106,10 @@ class DCutPolicy(BatchPolicy):
     def cost(self, batch: int, width: int) -> float:
         """Seconds of a verify of `batch` rows x `width` tokens: as timed, or the guess at the scale the timed
         widths of that batch size showed (a probe timed on a busy machine is dear all over)."""
-        if batch not in self.costs:
-            return between(self.costs, batch, width) * self.scale[max(self.costs)]
-        return self.costs[batch][width] if self.timed[batch][width] else self.guessed[batch][width] * self.scale[batch]
+        if batch not in self.guessed:
+            return between(self.guessed, batch, width) * self.scale[max(self.guessed)]
+        timed = self.costs[batch].get(width)
+        return timed if timed is not None else self.guessed[batch][width] * self.scale[batch]
 
     def width(self, batch: int, most_remaining: int) -> int:
         widest = min(super().width(batch, most_remaining), self.reach())
@@ -160,8 +161,7 @@ class DCutPolicy(BatchPolicy):
             else:
                 self.chosen.append(width)
         if batch in self.costs:  # each cell on its own: more rows may cost less (module docstring)
-            row = self.costs[batch]
-            row[width] = running(row[width] if self.timed[batch][width] else None, verify_seconds, a)
+            self.costs[batch][width] = running(self.costs[batch].get(width), verify_seconds, a)
             self.timed[batch][width] += 1
             self.scale[batch] = running(self.scale[batch], verify_seconds / self.guessed[batch][width], a)
 
