@@ -9,6 +9,7 @@ answers as a stream or a whole response in the API's format. The same reply even
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -194,6 +195,9 @@ def run_server(engine: Engine, config: ServerConfig, sock):
 
     configure()
     open_files_for(config.max_connections)
+    # The engine thread waits for the GIL after every evaluation while the event loop holds it; Python's
+    # default 5 ms switch interval would let it wait that long, each time, under load.
+    sys.setswitchinterval(0.001)
     server = uvicorn_server(engine, config)
     host, port = sock.getsockname()[:2]
     log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
