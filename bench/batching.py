@@ -1,6 +1,6 @@
 """Serving under load: continuous batching with fixed widths and with D-cut, against `mlx_lm.server`.
 
-    python bench/batching.py --prompts ../shared/data/gsm8k/train.jsonl --first 7000 --repeats 3
+    python bench/batching.py --prompts ../shared/data/gsm8k/train.jsonl --first 7000 --repeats 2
     python bench/batching.py --concurrency 1,2 --requests-per-client 1 --max-tokens 16 --name quick   # smoke run
 
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
