@@ -87,25 +87,61 @@ def test_a_cancelled_row_leaves_and_the_others_go_on_unchanged(pairs):
     assert emitted[1][:4] == want[1][:4] and len(emitted[1]) < 16
 
 
-def test_a_request_gets_its_first_token_in_the_step_its_prefill_ends(pairs):
-    """Time to first token: the prefill's token goes out before the batch's next round, for the first row
-    and for one joining a decoding batch."""
+def counted(monkeypatch, target) -> dict:
+    """Calls of the target's forward kinds from now on (this instance only; undone after the test)."""
+    calls = {"forward": 0, "read": 0, "prefill": 0}
+    for name in calls:
+        def call(*args, _f=getattr(target, name), _name=name, **kw):
+            calls[_name] += 1
+            return _f(*args, **kw)
+        monkeypatch.setattr(target, name, call)
+    return calls
+
+
+def test_a_request_joins_and_gets_its_first_token_in_the_step_that_reads_its_prompt(pairs, monkeypatch):
+    """Time to first token, and no forward of its own: a request whose prompt fits one chunk is admitted, read
+    but its last token, and gets its first token (alone in its first round, as a prefill gives it) from that
+    step's one round, whose verify forward reads the last token beside the other rows' blocks."""
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 2)
     scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, 4), 2, tokenizer.eos_token_ids)
+    calls = counted(monkeypatch, target)
     scheduler.submit(Request(0, ids[0], 16))
-    firsts = []
+    firsts, forwards = {}, []
     for step in range(40):
         if step == 3:
             scheduler.submit(Request(1, ids[1], 16))
-        rounds_before = scheduler.stats.rounds
-        events = scheduler.step()
-        for i, kind, value in events:
-            if kind == "round" and value.drafted == 0 and value.accepted == 0 and i not in [f[0] for f in firsts]:
-                firsts.append((i, scheduler.stats.rounds - rounds_before))
+        before = dict(calls)
+        for i, kind, value in scheduler.step():
+            if kind == "round" and i not in firsts:
+                firsts[i] = (step, len(value.tokens), value.drafted)
+        forwards.append({k: calls[k] - before[k] for k in calls})
         if len(firsts) == 2:
             break
-    assert firsts == [(0, 0), (1, 0)]  # each first token came in a step that ran no round
+    assert firsts == {0: (0, 1, 0), 1: (3, 1, 0)}
+    assert forwards[0] == forwards[3] == {"forward": 1, "read": 1, "prefill": 0}  # the prompt but its last token
+    assert all(f == {"forward": 1, "read": 0, "prefill": 0} for f in forwards[1:3])  # rounds only
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_requests_the_prefix_cache_holds_but_their_last_token_join_with_no_read(pairs, name, monkeypatch):
+    """Asked again, each prompt is restored from the prefix cache but its last token and joins at once (no
+    prompt read), and the answers stay the single-request ones; a hybrid target restores from the
+    checkpoint one token before the end."""
+    from mlx_dflash.prompt_cache import PromptCache
+
+    target, drafter, tokenizer = pairs[name]
+    ids = prompts(tokenizer, 4)
+    want = [generate(target, drafter, tokenizer, p, max_tokens=n, width=4).tokens for p, n in zip(ids, LIMITS)]
+    cache = PromptCache("test", target.trimmable)
+    first = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS[:4], max_batch=2, width=4,
+                           prompt_cache=cache)
+    calls = counted(monkeypatch, target)
+    again = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS[:4], max_batch=2, width=4,
+                           prompt_cache=cache)
+    assert first.token_ids == again.token_ids == want
+    assert [s.cached_tokens for s in again.stats] == [len(p) - 1 for p in ids]
+    assert calls["read"] == calls["prefill"] == 0 and calls["forward"] == again.batch.rounds
 
 
 def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
@@ -153,8 +189,8 @@ def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
     firsts = []
     for trial in range(300):
         batch = Batch(target, drafter, BatchPolicy(drafter.block_size, 4, prompt_lookup=False))
-        batch.join("s", copy.deepcopy(states[0]), anchors[0], params, 8, seed=trial)
-        batch.join("g", copy.deepcopy(states[1]), anchors[1], SamplingParams(), 8)
+        batch.join("s", copy.deepcopy(states[0]), anchors[0], params, 8, seed=trial, emitted=True)
+        batch.join("g", copy.deepcopy(states[1]), anchors[1], SamplingParams(), 8, emitted=True)
         rounds = dict(batch.round())
         firsts.append(rounds["s"].tokens[0])
         assert rounds["g"].tokens[0] == greedy_next
