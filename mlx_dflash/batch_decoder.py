@@ -6,8 +6,8 @@ per-row lengths; hybrid targets rewind each row's recurrent state). A row joins 
 `DecodeState` holding its prompt but the last token (read in chunks beside the rounds, or restored from the
 prefix cache): that token is its first anchor, and the round's verify forward reads it with the other rows'
 blocks and picks the request's first token, so a request joining costs the batch a row, not a forward of its
-own (on a 2-core CPU, the default target verifying one token a row: 86 ms for 4 rows, 89 ms for 5, 62 ms for
-one alone). A row leaves as a `DecodeState`, at once, when it finishes or its client goes: nobody waits for the
+own (on a 2-core CPU, the default target verifying one token a row: 86-106 ms for 4 rows, 89-104 ms for 5,
+62-69 ms for one alone; docs/batching.md). A row leaves as a `DecodeState`, at once, when it finishes or its client goes: nobody waits for the
 batch to drain.
 
 Every row verifies the same number of rows, the round's width W (a batch forward pads its rows to the
@@ -41,14 +41,14 @@ class Row:
     """One request in the batch."""
 
     handle: object  # the caller's name for it
-    anchor: int  # the last emitted token, not yet in the caches
+    anchor: int  # the next token to read, not yet in the caches: the last emitted (or the prompt's last)
     tokens: list  # token ids in the target's cache (for the prefix cache)
     history: PromptLookup
     sampling: SamplingParams
     remaining: int  # tokens it may still emit
     context: Optional[mx.array] = None  # feature rows its drafter row has not read
     key: Optional[mx.array] = None  # its own random stream (a seeded request), else the global one
-    first: bool = False  # `anchor` is its prompt's last token: the next round picks its first token only
+    first: bool = True  # `anchor` is its prompt's last token: the next round picks its first token only
     first_key: Optional[mx.array] = None  # the key that first token is drawn with (a seeded request)
 
     def next_key(self) -> Optional[mx.array]:
@@ -72,17 +72,16 @@ class Batch:
         return len(self.rows)
 
     def join(self, handle, state: DecodeState, anchor: int, sampling: SamplingParams, max_tokens: int,
-             seed: Optional[int] = None, first_key: Optional[mx.array] = None, emitted: bool = False):
+             seed: Optional[int] = None, first_key: Optional[mx.array] = None):
         """A request joins as the last row: `state` holds its prompt but the last token, `anchor`, which the
         next round reads and from whose logits it picks the first token (drawn with `first_key`, when given).
-        emitted: `state` holds the whole prompt and `anchor` is a first token already emitted, so it may emit
-        max_tokens - 1 more. seed: the row's own random stream."""
+        seed: the row's own random stream, for every later draw."""
         add_row(self.cache, state.cache)
         add_row(self.draft_cache, state.draft_cache)
         history = PromptLookup(state.tokens + [anchor])
         key = None if seed is None else mx.random.key(seed)
-        self.rows.append(Row(handle, anchor, list(state.tokens), history, sampling, max_tokens - emitted,
-                             state.context, key, not emitted, first_key))
+        self.rows.append(Row(handle, anchor, list(state.tokens), history, sampling, max_tokens, state.context, key,
+                             first_key=first_key))
 
     def leave(self, handles: set) -> list:
         """Take these rows out; returns (handle, DecodeState) of each, for the prefix cache to keep."""

@@ -170,31 +170,33 @@ def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
 
 @pytest.mark.slow
 def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
-    """One batch round from fixed states: the sampled row's first new token (its drafts judged by rejection
-    sampling) follows the target's distribution after its anchor; the greedy row beside it is the argmax."""
+    """From fixed states: each row's first round reads its prompt's last token and picks its first token
+    (the sampled row's with a fixed key, so the same every trial); in the second round the sampled row's next
+    token (its drafts judged by rejection sampling, its own stream seeded per trial) follows the target's
+    distribution, and the greedy row beside it is the argmax."""
+    import copy
+
     target, drafter, tokenizer = pairs["dense"]
     params = SamplingParams(1.0, top_k=4)
     ids = prompts(tokenizer, 2)
-    anchors = [11, 12]
     states = []
     for p in ids:
         state = DecodeState.fresh(target, drafter)
-        _, features = target.prefill(mx.array(p), state.cache)
-        state.extend(p, features)
+        state.extend(p[:-1], target.read(mx.array(p[:-1]), state.cache))
         states.append(state)
-    p_next = target_probs(target.model(mx.array([ids[0] + [anchors[0]]]))[0, -1], params)
-    greedy_next = int(mx.argmax(target.model(mx.array([ids[1] + [anchors[1]]]))[0, -1]))
-    import copy
-
-    firsts = []
+    firsts, nexts = [], []
     for trial in range(300):
         batch = Batch(target, drafter, BatchPolicy(drafter.block_size, 4, prompt_lookup=False))
-        batch.join("s", copy.deepcopy(states[0]), anchors[0], params, 8, seed=trial, emitted=True)
-        batch.join("g", copy.deepcopy(states[1]), anchors[1], SamplingParams(), 8, emitted=True)
-        rounds = dict(batch.round())
-        firsts.append(rounds["s"].tokens[0])
-        assert rounds["g"].tokens[0] == greedy_next
-    assert_distributed_as(firsts, p_next)
+        batch.join("s", copy.deepcopy(states[0]), ids[0][-1], params, 8, seed=trial, first_key=mx.random.key(0))
+        batch.join("g", copy.deepcopy(states[1]), ids[1][-1], SamplingParams(), 8)
+        firsts.append({h: rnd.tokens for h, rnd in batch.round()})
+        nexts.append(dict(batch.round()))
+    assert all(f == firsts[0] for f in firsts) and all(len(t) == 1 for t in firsts[0].values())
+    firsts = firsts[0]
+    p_next = target_probs(target.model(mx.array([ids[0] + firsts["s"]]))[0, -1], params)
+    greedy_next = int(mx.argmax(target.model(mx.array([ids[1] + firsts["g"]]))[0, -1]))
+    assert all(n["g"].tokens[0] == greedy_next for n in nexts)
+    assert_distributed_as([n["s"].tokens[0] for n in nexts], p_next)
 
 
 def brute_force(policy, confidence, remaining, batch):
