@@ -178,7 +178,7 @@ def test_freeform_tool_is_a_function_of_one_input_and_answers_custom_tool_calls(
     assert "<tool_response>\nDone!\n</tool_response>" in engine.prompts[-1]
     assert json.dumps(patch) in engine.prompts[-1]  # the call, rendered back as its one argument
 
-    engine.scripts.append(f'<tool_call>\n{{"name": "apply_patch", "arguments": {{"input": "x"}}}}\n</tool_call>')
+    engine.scripts.append('<tool_call>\n{"name": "apply_patch", "arguments": {"input": "x"}}\n</tool_call>')
     events = streamed(url, {"model": MODEL, "input": "Fix it.", "tools": [PATCH]})
     names = [n for n, _ in events]
     assert "response.custom_tool_call_input.done" in names and "response.function_call_arguments.delta" not in names
