@@ -1,6 +1,6 @@
 """OpenAI's Responses API of `mlx-dflash serve`, through the official `openai` client, openai-agents and raw HTTP.
 
-On the tiny random pair of test_serve.py: text equal to the decoder's for the same chat (instructions and
+On a tiny random pair with SmolLM2's tokenizer: text equal to the decoder's for the same chat (instructions and
 input items included), the `response.*` event sequence with its pings, every event and response checked
 against the `openai` package's types. On the scripted engine with a tools template (serve_helpers.py):
 function and freeform tools round trips, tools that run on OpenAI's servers left out, a body shaped as
@@ -15,7 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from serve_helpers import ScriptedEngine, tools_tokenizer
+from serve_helpers import ScriptedEngine, pair_with_context, tools_tokenizer
 from serving import MODEL, client, raw, running, sse_events
 from mlx_dflash.generate import generate
 from mlx_dflash.server.openai_responses import ResponseStore, parse_responses
@@ -33,14 +33,13 @@ STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tiny_chat_pair):
-    target, tokenizer, drafter = tiny_chat_pair
-    return target, drafter, tokenizer
+def pair(tiny_chat_pair):
+    return pair_with_context(tiny_chat_pair[1], 2048)
 
 
 @pytest.fixture(scope="module")
-def served(tiny_pair):
-    with running(tiny_pair, ping_seconds=0.3) as (url, engine):
+def served(pair):
+    with running(pair, ping_seconds=0.3) as (url, engine):
         yield url, engine
 
 
@@ -73,10 +72,10 @@ def streamed(url, body, headers=None):
     return events
 
 
-def test_text_equals_the_decoder_streamed_or_not(tiny_pair, served):
+def test_text_equals_the_decoder_streamed_or_not(pair, served):
     url, _ = served
     c = client(url)
-    want = decoded(tiny_pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}], 12)
+    want = decoded(pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}], 12)
     r = c.responses.create(model=MODEL, instructions=SYSTEM, input=QUESTION, max_output_tokens=12)
     assert r.output_text == want and r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -96,7 +95,7 @@ def test_text_equals_the_decoder_streamed_or_not(tiny_pair, served):
     status, _, body = raw(url, "/v1/responses", {"model": MODEL, "input": items, "max_output_tokens": 6,
                                                  "store": False, "truncation": "disabled", "metadata": {"k": "v"}})
     assert status == 200 and Response.model_validate(body).output_text == decoded(
-        tiny_pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about\n\nthe sea."}], 6)
+        pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about\n\nthe sea."}], 6)
     assert "output_text" not in body and body["store"] is False and body["metadata"] == {"k": "v"}
 
     with c.responses.stream(model=MODEL, instructions=SYSTEM, input=QUESTION, max_output_tokens=12) as stream:
@@ -113,7 +112,7 @@ def test_text_equals_the_decoder_streamed_or_not(tiny_pair, served):
     assert "".join(e.delta for e in chunks if e.type == "response.output_text.delta") == want
 
 
-def test_stream_is_pinged_while_queued(tiny_pair, served):
+def test_stream_is_pinged_while_queued(pair, served):
     url, engine = served
     long = threading.Thread(target=lambda: client(url).responses.create(model=MODEL, input=QUESTION,
                                                                         max_output_tokens=150))
@@ -126,7 +125,7 @@ def test_stream_is_pinged_while_queued(tiny_pair, served):
     assert names[:2] == ["response.created", "response.in_progress"] and ":" in names
     assert names.index(":") < names.index("response.output_item.added")
     assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == decoded(
-        tiny_pair, [{"role": "user", "content": QUESTION}], 8)
+        pair, [{"role": "user", "content": QUESTION}], 8)
 
 
 def test_function_tool_round_trip_streamed_and_not(scripted):
@@ -227,13 +226,13 @@ def test_a_body_shaped_as_codex_sends_it(scripted):
     assert "<tool_response>\na.py\nb.py\n</tool_response>" in engine.prompts[-1]
 
 
-def test_server_run_tools_are_left_out_even_where_no_tools_render(tiny_pair, served, caplog):
+def test_server_run_tools_are_left_out_even_where_no_tools_render(pair, served, caplog):
     url, _ = served  # SmolLM2's own template renders no tools: only server-run ones may come
     with caplog.at_level("INFO", logger="mlx_dflash.server"):
         r = client(url).responses.create(model=MODEL, input=QUESTION, max_output_tokens=4,
                                          tools=[{"type": "web_search"}, {"type": "code_interpreter",
                                                                          "container": {"type": "auto"}}])
-    assert r.output_text == decoded(tiny_pair, [{"role": "user", "content": QUESTION}], 4)
+    assert r.output_text == decoded(pair, [{"role": "user", "content": QUESTION}], 4)
     assert [m for m in caplog.messages if "code_interpreter, web_search" in m]
     status, _, body = raw(url, "/v1/responses", {"model": MODEL, "input": QUESTION, "tools": [WEATHER]})
     assert (status, body["error"]["param"]) == (400, "tools") and "does not render tools" in body["error"]["message"]
@@ -351,14 +350,14 @@ def test_reasoning_errors_and_unknown_reply_kinds_render_as_valid_events():
     from mlx_dflash.server.openai_responses import response_stream
     from mlx_dflash.server.protocol import Outcome
 
-    def events(pieces, store=None):
+    def events(pieces):
         async def replies():
             for piece in pieces:
                 yield piece
 
         async def run():
             req = parse_responses({"model": MODEL, "input": "x", "stream": True}, Defaults(), MODEL, ResponseStore())
-            return [chunk async for chunk in response_stream(req, 3, replies(), store=store or ResponseStore())]
+            return [chunk async for chunk in response_stream(req, 3, replies(), store=ResponseStore())]
 
         out = []
         for chunk in asyncio.run(run()):
