@@ -327,8 +327,8 @@ def _finished(store: ResponseStore, req: ResponsesRequest, output: list, outcome
     return body
 
 
-def response_body(req: ResponsesRequest, text: str, outcome: Outcome, calls: list = (),
-                  store: ResponseStore = None) -> dict:
+def response_body(req: ResponsesRequest, text: str, outcome: Outcome, calls: list = (), *,
+                  store: ResponseStore) -> dict:
     """The whole (non-streamed) response: the text as one message, then the calls."""
     message = [_message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not calls else []
     return _finished(store, req, message + [_call_item(req, c, "completed") for c in calls], outcome)
@@ -398,7 +398,7 @@ class _Events:
         return out + [self.done(item)]
 
 
-async def response_stream(req: ResponsesRequest, prompt_tokens: int, replies, store: ResponseStore = None):
+async def response_stream(req: ResponsesRequest, prompt_tokens: int, replies, *, store: ResponseStore):
     """The SSE body of a streamed response, from app.py's reply events (prompt_tokens: unused, as the
     usage comes with the last event)."""
     events = _Events(req)
