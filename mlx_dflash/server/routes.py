@@ -3,7 +3,7 @@
 Each generation route reads and checks its body (limits.py, then the API's parser), takes a place in the
 engine's queue, tokenizes the prompt on a worker thread (never on the event loop: a 4 MB prompt takes
 seconds), refuses a prompt over the context and cuts max_tokens, all before the engine sees it; then
-answers as a stream or a whole response in the API's format. The same reply events feed both APIs.
+answers as a stream or a whole response in the API's format. The same reply events feed every API.
 """
 
 import asyncio
