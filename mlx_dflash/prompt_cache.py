@@ -293,6 +293,35 @@ class PromptCache:
         return entry is not None
 
 
+def is_prompt_cache_file(path: Path) -> bool:
+    """Whether `path` is a file write_entry wrote (of any pair): its safetensors header's metadata (mlx-lm
+    keeps ours under "0.") names FORMAT. Only the header is read."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 24:
+                return False
+            metadata = json.loads(f.read(size)).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return FORMAT in metadata.values()
+
+
+def check_prompt_cache_file(path) -> None:
+    """Refuse, before any work, a `--prompt-cache-file` that cannot be kept: its folder does not exist or
+    cannot be written, or it is an existing file that is not a prompt cache (it would be replaced)."""
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        raise DFlashError(f"--prompt-cache-file {path}: no folder {folder}: create it, or name a file in an "
+                          "existing folder")
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"--prompt-cache-file {path}: the folder {folder} is not writable: name a file elsewhere")
+    if path.is_file() and path.stat().st_size and not is_prompt_cache_file(path):
+        raise DFlashError(f"--prompt-cache-file {path} is a file that is not an mlx-dflash prompt cache, and it "
+                          "would be replaced: name a new file (or delete this one)")
+
+
 def write_entry(path: Path, entry: Entry, identity: str):
     """One kept state as a safetensors file (mlx-lm's prompt-cache format): the target's cache layers, one
     ArraysCache per drafter layer (keys, values), one per checkpoint (its recurrent arrays, layer by layer),
