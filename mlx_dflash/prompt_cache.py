@@ -104,6 +104,7 @@ class Entry:
     tokens: np.ndarray
     state: DecodeState
     checkpoints: Optional[dict] = None  # {position: checkpoint}; None: every position (a trimmable target)
+    prefill_rate: Optional[float] = None  # read from its file: the rate its cache had seen (what a hit saves)
     nbytes: int = field(default=0, init=False)
 
     def __post_init__(self):
@@ -224,7 +225,7 @@ class PromptCache:
             kept = key in self._entries
         if kept and self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_entry(self._file(entry.tokens), entry, self.identity)
+            write_entry(self._file(entry.tokens), entry, self.identity, self.prefill_rate)
         return kept
 
     def _evict(self):
@@ -273,6 +274,7 @@ class PromptCache:
             entry = None if f.name.startswith(".") else read_entry(f, self.identity)
             if entry is not None:
                 self._entries[tuple(entry.state.tokens)] = entry
+                self.prefill_rate = entry.prefill_rate or self.prefill_rate
         self._evict()
 
     def save_file(self, path, tokens: list) -> bool:
@@ -281,7 +283,7 @@ class PromptCache:
         key, _ = self.best(list(tokens) + [-1])  # as if one more token followed: all of `tokens` counts
         if key is None:
             return False
-        write_entry(Path(path), self._entries[key], self.identity)
+        write_entry(Path(path), self._entries[key], self.identity, self.prefill_rate)
         return True
 
     def load_file(self, path) -> bool:
@@ -289,6 +291,7 @@ class PromptCache:
         entry = read_entry(Path(path), self.identity) if Path(path).is_file() else None
         if entry is not None:
             self._entries[tuple(entry.state.tokens)] = entry
+            self.prefill_rate = self.prefill_rate or entry.prefill_rate
             self._evict()
         return entry is not None
 
@@ -322,10 +325,11 @@ def check_prompt_cache_file(path) -> None:
                           "would be replaced: name a new file (or delete this one)")
 
 
-def write_entry(path: Path, entry: Entry, identity: str):
+def write_entry(path: Path, entry: Entry, identity: str, prefill_rate: Optional[float] = None):
     """One kept state as a safetensors file (mlx-lm's prompt-cache format): the target's cache layers, one
     ArraysCache per drafter layer (keys, values), one per checkpoint (its recurrent arrays, layer by layer),
-    and last one holding (tokens, unread feature rows)."""
+    and last one holding (tokens, unread feature rows); the metadata names the pair and keeps the cache's
+    prefill rate, so a later process can say what a hit saves."""
     state, points = entry.state, sorted((entry.checkpoints or {}).items())
     holders = []
     for c in state.draft_cache:
@@ -339,7 +343,8 @@ def write_entry(path: Path, entry: Entry, identity: str):
     metadata = {"format": FORMAT, "identity": identity, "target_layers": str(len(state.cache)),
                 "drafter_layers": str(len(state.draft_cache)),
                 "checkpoints": json.dumps(None if entry.checkpoints is None else
-                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points])}
+                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points]),
+                "prefill_rate": json.dumps(prefill_rate)}
     partial = path.with_name(f".{path.stem}.partial.safetensors")
     try:
         save_prompt_cache(str(partial), list(state.cache) + holders, metadata)
@@ -357,6 +362,7 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             return None
         n, d = int(metadata["target_layers"]), int(metadata["drafter_layers"])
         layout = json.loads(metadata["checkpoints"])
+        rate = json.loads(metadata.get("prefill_rate", "null"))
     except Exception:  # a torn or foreign file: never fatal
         return None
     draft_cache = []
@@ -376,7 +382,7 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             checkpoints[position] = point
     tokens, context = layers[-1].cache
     return Entry(np.array(tokens, dtype=np.int32), DecodeState(layers[:n], draft_cache, tokens.tolist(), context),
-                 checkpoints)
+                 checkpoints, rate if isinstance(rate, (int, float)) and rate > 0 else None)
 
 
 def rungs(prompt_tokens: int, boundaries=()) -> list:
