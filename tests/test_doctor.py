@@ -286,3 +286,11 @@ def test_the_doctor_command_on_the_default_pair(tmp_path, smollm2_path):
     validate(report)
     found = by_name(report)
     assert found["pair"]["status"] == "ok" and found["generation"]["details"][0]["tau"] > 1
+
+
+def test_paths_in_a_cache_moved_outside_home_are_written_without_the_machines_folders(tmp_path, monkeypatch):
+    from mlx_dflash.utils import portable_path
+
+    monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path / "cache"))
+    assert portable_path(tmp_path / "cache" / "kernels" / "verdicts.json") == "$MLX_DFLASH_CACHE/kernels/verdicts.json"
+    assert portable_path(Path.home() / "x" / "y.json") == "~/x/y.json"
