@@ -31,7 +31,7 @@ from ..prompt_cache import PromptCache, pair_identity
 from ..responses import GenerationStats
 from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
 from .security import allowed_hosts
-from .tools import ReplyParser
+from .tools import ReplyParser, generic_tools_messages, tool_support
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
@@ -53,6 +53,7 @@ class ServerConfig:
     ping_seconds: float = 10.0  # a quiet stream (queued, prefilling) gets a keep-alive this often
     allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
     allowed_origins: set = field(default_factory=set)
+    generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
 
 
 class PrefillCancelled(Exception):
@@ -211,6 +212,7 @@ class Engine:
 
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
+        self.tools = tool_support(self.tokenizer)
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
@@ -318,15 +320,21 @@ class Engine:
 
     def prompt_ids(self, req: GenerationRequest) -> list:
         """The prompt's token ids: chat messages (and tools) through the tokenizer's chat template, text as it
-        is. Touches no MLX array: it runs on a worker thread, off the event loop and beside the engine."""
+        is; tools in the generic form (tools.py) where the template renders none. Touches no MLX array: it
+        runs on a worker thread, off the event loop and beside the engine."""
         tok = self.tokenizer
         if req.kind == "chat":
             if getattr(tok, "chat_template", None) is None:
                 raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
             turn = (dict(add_generation_prompt=False, continue_final_message=True) if req.continue_final
                     else dict(add_generation_prompt=True))
+            messages, options = req.prompt, {}
+            if req.tools and self.tools.renders_tools:
+                options["tools"] = req.tools
+            elif req.tools:
+                messages = generic_tools_messages(messages, req.tools)
             try:
-                return list(tok.apply_chat_template(req.prompt, **turn, **({"tools": req.tools} if req.tools else {})))
+                return list(tok.apply_chat_template(messages, **turn, **options))
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}"[:500], param="messages") from None
         if isinstance(req.prompt, str):
