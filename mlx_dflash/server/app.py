@@ -10,7 +10,8 @@ The routes and the uvicorn server are routes.py; the wire formats protocol.py (O
 completions), openai_responses.py (Responses) and anthropic.py (Messages); tool calls in replies tools.py;
 what the network may send limits.py; who may send it security.py; the log logs.py. A sharded target
 (`--shard`, rank 0's engine and the other ranks' loop) is sharded.py, through the Engine's hooks
-(_next_job, _responses, _ended_early, fatal_errors).
+(_next_job, _responses, _ended_early, fatal_errors). A thinking model's reasoning is cut from its answer
+by thinking.py.
 """
 
 import asyncio
@@ -64,8 +65,9 @@ class Job:
     """One request on its way through the engine. The engine thread talks to it through emit()."""
 
     def __init__(self, request: GenerationRequest, prompt_ids: list, parser: Optional[ReplyParser] = None,
-                 boundaries=()):
+                 boundaries=(), thinking=None):
         self.request, self.prompt_ids, self.parser = request, prompt_ids, parser
+        self.thinking = thinking  # a thinking.ReasoningSplitter, for a thinking model's chat reply
         self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -333,6 +335,8 @@ class Engine:
                 options["tools"] = req.tools
             elif req.tools:
                 messages = generic_tools_messages(messages, req.tools)
+            if req.thinking is not None:  # a template without a thinking switch ignores it
+                options["enable_thinking"] = req.thinking
             try:
                 return list(tok.apply_chat_template(messages, **turn, **options))
             except Exception as e:  # the template's own checks (roles, order) raise its own types
@@ -371,9 +375,8 @@ class Engine:
 
 
 async def replies(job: Job, ping_seconds: Optional[float]):
-    """The job's reply as it comes: ("text", str) and ("call", ToolCall) pieces, ("ping", None) when nothing
-    came for ping_seconds, then ("done", Outcome) or ("error", APIError)."""
-    parser = job.parser
+    """The job's reply as it comes: ("reasoning", str), ("text", str) and ("call", ToolCall) pieces, ("ping",
+    None) when nothing came for ping_seconds, then ("done", Outcome) or ("error", APIError)."""
     while True:
         try:
             kind, payload = await asyncio.wait_for(job.events.get(), timeout=ping_seconds)
@@ -381,14 +384,23 @@ async def replies(job: Job, ping_seconds: Optional[float]):
             yield "ping", None
             continue
         if kind == "text":
-            for piece in (parser.feed(payload) if parser else [("text", payload)]):
+            for piece in _answer(job, job.thinking.feed(payload) if job.thinking else [("text", payload)]):
                 yield piece
             continue
-        if kind == "done" and parser:
-            for piece in parser.finish():
+        if kind == "done":
+            for piece in _answer(job, job.thinking.finish() if job.thinking else [], final=True):
                 yield piece
         yield kind, payload
         return
+
+
+def _answer(job: Job, pieces: list, final: bool = False) -> list:
+    """Reasoning as it is; the answer's text through the request's tool-call parser, if it has one (final:
+    the reply ended, and the parser gives what it held)."""
+    out = []
+    for kind, text in pieces:
+        out += job.parser.feed(text) if kind == "text" and job.parser else [(kind, text)]
+    return out + (job.parser.finish() if final and job.parser else [])
 
 
 def bind(host: str, port: int):

@@ -20,6 +20,7 @@ from .limits import limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
+from .thinking import reasoning_splitter
 from .tools import ReplyParser
 
 log = logging.getLogger("mlx_dflash.server")
@@ -97,7 +98,7 @@ def make_app(engine: Engine, config: ServerConfig):
         boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.message_boundaries,
                                                                        req, ids)
         job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
-                  boundaries)
+                  boundaries, reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None)
         engine.enqueue(job)
         info = request.scope["dflash.log"]
         if req.stream:
@@ -105,11 +106,13 @@ def make_app(engine: Engine, config: ServerConfig):
             return StreamingResponse(_stream(job, info, chunks), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
-        text, calls = [], []
+        text, calls, reasoning = [], [], []
         try:
             async for kind, payload in replies(job, None):
                 if kind == "text":
                     text.append(payload)
+                elif kind == "reasoning":
+                    reasoning.append(payload)
                 elif kind == "call":
                     calls.append(payload)
                 elif kind == "error":
@@ -119,7 +122,7 @@ def make_app(engine: Engine, config: ServerConfig):
         info["outcome"] = job.outcome
         if job.outcome.finish_reason == "cancelled":
             return JSONResponse({}, status_code=499)  # nobody reads it; the log shows the cancel
-        return JSONResponse(body(req, "".join(text), job.outcome, calls))
+        return JSONResponse(body(req, "".join(text), job.outcome, calls, reasoning="".join(reasoning)))
 
     async def _stream(job, info, chunks):
         try:
