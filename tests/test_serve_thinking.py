@@ -18,16 +18,16 @@ from serve_helpers import ScriptedEngine, thinking_tokenizer
 from serving import MODEL, client, raw, running
 from mlx_dflash.generate import generate
 from mlx_dflash.responses import GenerationStats
+from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.server import anthropic as anthropic_api
 from mlx_dflash.server.protocol import GenerationRequest, Outcome, openai_stream
-from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.server.thinking import ReasoningSplitter, reasoning_splitter
 
 ASK = [{"role": "user", "content": "Say hello."}]
 REPLY = "The user greets me; I greet back.</think>\n\nHello!"  # after the prompt's <think>
 REASONING, ANSWER = "The user greets me; I greet back.", "\n\nHello!"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,8 @@ def test_reasoning_and_answer_are_the_decoders_greedy_output_and_thinking_off_ch
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": "no"}},
+     "chat_template_kwargs.enable_thinking"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"tools_in_user_message": True}},
      "chat_template_kwargs.tools_in_user_message"),
     ("/v1/chat/completions", {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
@@ -178,7 +179,8 @@ def test_bad_thinking_fields_are_a_400_naming_the_field(scripted, path, extra, p
 
 def test_no_renderer_stops_at_a_kind_it_does_not_know():
     async def events():
-        for event in [("mystery", object()), ("text", "hi"), ("reasoning", "hm"), ("done", Outcome("stop", 3, 2, GenerationStats()))]:
+        for event in [("mystery", object()), ("text", "hi"), ("reasoning", "hm"),
+                      ("done", Outcome("stop", 3, 2, GenerationStats()))]:
             yield event
 
     async def rendered(stream):

@@ -241,7 +241,8 @@ def test_generic_messages_put_the_tools_in_the_system_prompt_and_turns_in_the_ta
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in added[0]["content"]
     conversation = [{"role": "system", "content": "Be brief."}, *ASK,
                     {"role": "assistant", "content": "Looking.", "tool_calls": [
-                        {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                        {"id": "1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": {"city": "Paris"}}},
                         {"id": "2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
                     {"role": "tool", "tool_call_id": "1", "content": "sunny"},
                     {"role": "tool", "tool_call_id": "2", "content": "noon"},
