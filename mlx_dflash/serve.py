@@ -47,6 +47,9 @@ from .policy import build_policy, check_width_options
 @click.option("--max-batch", default=None, type=int,
               help="Requests decoded together (continuous batching; 1: one at a time). Default: 8 with Metal, 4 on "
                    "the CPU.")
+@click.option("--no-generic-tools", is_flag=True,
+              help="Refuse tools (400) where the target's chat template does not render them, instead of putting "
+                   "them in the system prompt in the generic <tool_call> JSON form.")
 @sampling_options
 @width_options
 @click.option("--prompt-cache-size", default=10, show_default=True, type=int,
@@ -61,7 +64,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
          max_connections, max_body_bytes, header_timeout, body_timeout, max_tokens, max_tokens_limit,
          prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max, force_width, p_min,
          n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv_bits,
-         kv_group_size, quantized_kv_start, shard, rank_timeout):
+         kv_group_size, quantized_kv_start, shard, rank_timeout, no_generic_tools):
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/messages).
 
@@ -146,7 +149,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
                           max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
                           max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
                           shutdown_grace=shutdown_grace, allowed_hosts=hosts_for(host, _names(allowed_hosts)),
-                          allowed_origins=set(_names(allowed_origins)))
+                          allowed_origins=set(_names(allowed_origins)), generic_tools=not no_generic_tools)
     if shard:
         from .server.sharded import ShardedEngine as Engine
     prompt_cache = None

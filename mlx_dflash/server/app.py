@@ -11,7 +11,8 @@ The routes and the uvicorn server are routes.py; the wire formats protocol.py (O
 completions), openai_responses.py (Responses) and anthropic.py (Messages); tool calls in replies tools.py;
 what the network may send limits.py; who may send it security.py; the log logs.py. A sharded target
 (`--shard`, rank 0's engine and the other ranks' loop) is sharded.py, through the Engine's hooks
-(_next_job, _responses, _ended_early, fatal_errors).
+(_next_job, _responses, _ended_early, fatal_errors). A thinking model's reasoning is cut from its answer
+by thinking.py.
 """
 
 import asyncio
@@ -32,7 +33,7 @@ from ..prompt_cache import PromptCache, pair_identity
 from ..responses import GenerationStats
 from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
 from .security import allowed_hosts
-from .tools import ReplyParser
+from .tools import ReplyParser, generic_tools_messages, tool_support
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
@@ -54,6 +55,7 @@ class ServerConfig:
     ping_seconds: float = 10.0  # a quiet stream (queued, prefilling) gets a keep-alive this often
     allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
     allowed_origins: set = field(default_factory=set)
+    generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
 
 
 class PrefillCancelled(Exception):
@@ -64,8 +66,9 @@ class Job:
     """One request on its way through the engine. The engine thread talks to it through emit()."""
 
     def __init__(self, request: GenerationRequest, prompt_ids: list, parser: Optional[ReplyParser] = None,
-                 boundaries=()):
+                 boundaries=(), thinking=None):
         self.request, self.prompt_ids, self.parser = request, prompt_ids, parser
+        self.thinking = thinking  # a thinking.ReasoningSplitter, for a thinking model's chat reply
         self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -212,6 +215,7 @@ class Engine:
 
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
+        self.tools = tool_support(self.tokenizer)
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
@@ -319,15 +323,23 @@ class Engine:
 
     def prompt_ids(self, req: GenerationRequest) -> list:
         """The prompt's token ids: chat messages (and tools) through the tokenizer's chat template, text as it
-        is. Touches no MLX array: it runs on a worker thread, off the event loop and beside the engine."""
+        is; tools in the generic form (tools.py) where the template renders none. Touches no MLX array: it
+        runs on a worker thread, off the event loop and beside the engine."""
         tok = self.tokenizer
         if req.kind == "chat":
             if getattr(tok, "chat_template", None) is None:
                 raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
             turn = (dict(add_generation_prompt=False, continue_final_message=True) if req.continue_final
                     else dict(add_generation_prompt=True))
+            messages, options = req.prompt, {}
+            if req.tools and self.tools.renders_tools:
+                options["tools"] = req.tools
+            elif req.tools:
+                messages = generic_tools_messages(messages, req.tools)
+            if req.thinking is not None:  # a template without a thinking switch ignores it
+                options["enable_thinking"] = req.thinking
             try:
-                return list(tok.apply_chat_template(req.prompt, **turn, **({"tools": req.tools} if req.tools else {})))
+                return list(tok.apply_chat_template(messages, **turn, **options))
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}"[:500], param="messages") from None
         if isinstance(req.prompt, str):
@@ -364,9 +376,8 @@ class Engine:
 
 
 async def replies(job: Job, ping_seconds: Optional[float]):
-    """The job's reply as it comes: ("text", str) and ("call", ToolCall) pieces, ("ping", None) when nothing
-    came for ping_seconds, then ("done", Outcome) or ("error", APIError)."""
-    parser = job.parser
+    """The job's reply as it comes: ("reasoning", str), ("text", str) and ("call", ToolCall) pieces, ("ping",
+    None) when nothing came for ping_seconds, then ("done", Outcome) or ("error", APIError)."""
     while True:
         try:
             kind, payload = await asyncio.wait_for(job.events.get(), timeout=ping_seconds)
@@ -374,14 +385,23 @@ async def replies(job: Job, ping_seconds: Optional[float]):
             yield "ping", None
             continue
         if kind == "text":
-            for piece in (parser.feed(payload) if parser else [("text", payload)]):
+            for piece in _answer(job, job.thinking.feed(payload) if job.thinking else [("text", payload)]):
                 yield piece
             continue
-        if kind == "done" and parser:
-            for piece in parser.finish():
+        if kind == "done":
+            for piece in _answer(job, job.thinking.finish() if job.thinking else [], final=True):
                 yield piece
         yield kind, payload
         return
+
+
+def _answer(job: Job, pieces: list, final: bool = False) -> list:
+    """Reasoning as it is; the answer's text through the request's tool-call parser, if it has one (final:
+    the reply ended, and the parser gives what it held)."""
+    out = []
+    for kind, text in pieces:
+        out += job.parser.feed(text) if kind == "text" and job.parser else [(kind, text)]
+    return out + (job.parser.finish() if final and job.parser else [])
 
 
 def bind(host: str, port: int):

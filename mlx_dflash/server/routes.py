@@ -20,7 +20,8 @@ from .limits import limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
-from .tools import ReplyParser, tool_support
+from .thinking import reasoning_splitter
+from .tools import ReplyParser
 
 log = logging.getLogger("mlx_dflash.server")
 
@@ -44,7 +45,10 @@ def make_app(engine: Engine, config: ServerConfig):
     model_card = {"id": name, "object": "model", "created": started, "owned_by": "mlx-dflash",
                   "type": "model", "display_name": name,  # the fields Anthropic's clients read
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
-    tools = tool_support(engine.tokenizer)
+    tools = engine.tools
+    if not tools.renders_tools and config.generic_tools:
+        log.info("this model's chat template does not render tools: requests with tools get them in the system "
+                 "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx-dflash-tokenizer")  # one at a time
     kept = openai_responses.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
 
@@ -74,9 +78,9 @@ def make_app(engine: Engine, config: ServerConfig):
         """(request, prompt ids): the body read and parsed, then (admitted to the queue) tokenized off the loop."""
         req = parse(await read_json(request, config.max_body_bytes, config.body_timeout), config.defaults, name)
         request.scope.setdefault("dflash.log", {})["id"] = req.id
-        if req.tools and not tools.renders_tools:
-            raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools",
-                           param="tools")
+        if req.tools and not tools.renders_tools and not config.generic_tools:
+            raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools "
+                           "(the server runs with --no-generic-tools)", param="tools")
         if admit:
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
         try:
@@ -94,7 +98,7 @@ def make_app(engine: Engine, config: ServerConfig):
         boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.message_boundaries,
                                                                        req, ids)
         job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
-                  boundaries)
+                  boundaries, reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None)
         engine.enqueue(job)
         info = request.scope["dflash.log"]
         if req.stream:
@@ -102,11 +106,13 @@ def make_app(engine: Engine, config: ServerConfig):
             return StreamingResponse(_stream(job, info, chunks), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
-        text, calls = [], []
+        text, calls, reasoning = [], [], []
         try:
             async for kind, payload in replies(job, None):
                 if kind == "text":
                     text.append(payload)
+                elif kind == "reasoning":
+                    reasoning.append(payload)
                 elif kind == "call":
                     calls.append(payload)
                 elif kind == "error":
@@ -116,7 +122,7 @@ def make_app(engine: Engine, config: ServerConfig):
         info["outcome"] = job.outcome
         if job.outcome.finish_reason == "cancelled":
             return JSONResponse({}, status_code=499)  # nobody reads it; the log shows the cancel
-        return JSONResponse(body(req, "".join(text), job.outcome, calls))
+        return JSONResponse(body(req, "".join(text), job.outcome, calls, reasoning="".join(reasoning)))
 
     async def _stream(job, info, chunks):
         try:
