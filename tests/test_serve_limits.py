@@ -5,6 +5,7 @@ Each test drives a server on a loopback port as clients (and attackers) do: the 
 sockets, plain HTTP; every wait is bounded. The shutdown test runs the real `mlx-dflash serve` process.
 """
 
+import http.client
 import json
 import logging
 import os
@@ -22,7 +23,9 @@ from click.testing import CliRunner
 from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
+from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.server.app import Engine
+from mlx_dflash.server.batching import BatchEngine
 from mlx_dflash.server.logs import RateLimit
 from mlx_dflash.server.security import allowed_hosts
 
@@ -351,6 +354,42 @@ def test_max_queue_0_takes_a_request_when_idle_and_refuses_one_more(pair):
             chat_text(client(url), max_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
         long.close()
+
+
+# Load: bursts of requests.
+
+def burst(url, n: int, body: dict, path="/v1/chat/completions") -> list:
+    """n requests sent at once, each on its own connection: the status each got (streams are closed at their
+    first answer, which cancels them)."""
+    host, port = "127.0.0.1", port_of(url)
+    gate, statuses = threading.Barrier(n), []
+
+    def ask():
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        gate.wait()
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        statuses.append(r.status if r.status == 200 else json.loads(r.read())["error"].get("code") or r.status)
+        conn.close()
+
+    threads = [threading.Thread(target=ask) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return statuses
+
+
+@pytest.mark.parametrize("batch, max_queue", [(1, 0), (1, 3), (4, 0), (4, 3)])
+def test_a_burst_gets_queue_full_beyond_the_running_and_max_queue(pair, batch, max_queue):
+    target, drafter, _ = pair
+    engine = dict(engine_class=BatchEngine, engine_options=dict(max_batch=batch),
+                  policy=build_batch_policy(target, drafter, batch, 4)) if batch > 1 else {}
+    with running(pair, max_queue=max_queue, **engine) as (url, served):
+        statuses = burst(url, 12, {**GOOD, "max_tokens": 1500, "stream": True})
+        assert sorted(statuses, key=str) == [200] * (batch + max_queue) + ["queue_full"] * (12 - batch - max_queue)
+        wait_until(lambda: served.waiting == 0 and served.cancelled == batch + max_queue, 60)
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
 
 
 # Shutdown.

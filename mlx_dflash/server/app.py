@@ -151,14 +151,19 @@ class Engine:
             if self.failure is not None or self.stopping is not None:
                 raise APIError(503, f"the server is stopping: {self.failure or self.stopping}")
             if self._full():
-                raise APIError(503, f"the server is busy: {self.waiting} requests are waiting already "
+                raise APIError(503, f"the server is busy: {self.taken()} requests are running or waiting "
                                f"(--max-queue {self.max_queue}); retry later", code="queue_full",
                                headers={"Retry-After": str(self._retry_after())})
             self.waiting += 1
 
+    def taken(self) -> int:
+        """Admitted requests not yet over: waiting (those being tokenized included) or running."""
+        return self.waiting + (self.running is not None)
+
     def _full(self) -> bool:
-        """No room for one more request: --max-queue are waiting (0 waiting is room on an idle engine)."""
-        return self.waiting >= self.max_queue and (self.waiting or self.running is not None)
+        """No room for one more request: one runs and --max-queue wait (an idle engine takes one even with
+        --max-queue 0)."""
+        return self.taken() >= 1 + self.max_queue
 
     def leave(self):
         """An admitted request that will not be queued (its prompt was refused)."""
