@@ -356,6 +356,44 @@ def test_max_queue_0_takes_a_request_when_idle_and_refuses_one_more(pair):
         long.close()
 
 
+BAD_STRINGS = [  # (path, body, the field the 400 names): each was a 500 with two tracebacks
+    ("/v1/chat/completions", {**GOOD, "tools": ["x"]}, "tools[0]"),
+    ("/v1/chat/completions", {**GOOD, "tools": [1]}, "tools[0]"),
+    ("/v1/chat/completions", {**GOOD, "model": "\ud800"}, "model"),
+    ("/v1/messages", {**GOOD, "model": "\ud800"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "sea \ud800", "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": "a\udfffb"}]}, "messages[0].content"),
+    ("/v1/messages", {**GOOD, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {**GOOD, "\udc00": 1}, "a key"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", BAD_STRINGS)
+def test_bad_tools_and_lone_surrogates_are_400s_naming_the_field(served, caplog, path, body, field):
+    url, _ = served
+    status, _, answer = raw(url, path, json.dumps(body).encode())  # json.dumps writes a lone surrogate as \ud800
+    message = answer["error"]["message"]
+    assert status == 400 and field in message, answer
+    if "tools" not in field:
+        assert message.startswith(f"'{field}' is not valid UTF-8 text") or field == "a key", message
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_kept_alive_connection_survives_50_bad_requests(served):
+    url, _ = served
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(url), timeout=30)
+    for i in range(50):
+        path, body, _ = BAD_STRINGS[i % len(BAD_STRINGS)]
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert (r.status, r.getheader("connection")) == (400, None), r.read()
+        r.read()
+    conn.request("POST", "/v1/chat/completions", json.dumps(GOOD), {"Content-Type": "application/json"})
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
 # Load: bursts of requests.
 
 def burst(url, n: int, body: dict, path="/v1/chat/completions") -> list:

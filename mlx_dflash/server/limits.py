@@ -11,12 +11,16 @@
   so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
   client that leaves mid-upload is one log line (status 499), not a traceback.
 - JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
-  JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep.
+  JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep, every string (keys
+  too) text: JSON's `\\ud800` escape without its pair is no character, and would fail later, where the
+  string is encoded (the tokenizer, an error message naming it).
 """
 
 import json
 import logging
 import math
+import re
+from typing import Optional
 
 import anyio
 import anyio.to_thread
@@ -28,6 +32,8 @@ MAX_DEPTH = 64
 FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's own
 DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
 LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate gets into a JSON string (raw bytes are not UTF-8)
+SURROGATE = re.compile("[\ud800-\udfff]")  # left after parsing only without its pair
 
 
 def _finite(text: str) -> float:
@@ -52,6 +58,24 @@ def _depth(value) -> int:
     return deepest
 
 
+def _lone_surrogate_at(value) -> Optional[str]:
+    """The field (a path such as messages[0].content) whose string holds a lone surrogate, or None."""
+    todo = [(value, "", None)]
+    while todo:
+        v, parent, key = todo.pop()
+        at = parent if key is None else f"{parent}[{key}]" if isinstance(key, int) else \
+            f"{parent}.{key}" if parent else key
+        if isinstance(v, str) and SURROGATE.search(v):
+            return at or "the body"
+        if isinstance(v, dict):
+            if any(SURROGATE.search(k) for k in v):
+                return f"a key in {at or 'the body'}"
+            todo += [(x, at, k) for k, x in v.items() if isinstance(x, (str, list, dict))]
+        elif isinstance(v, list):
+            todo += [(x, at, i) for i, x in enumerate(v) if isinstance(x, (str, list, dict))]
+    return None
+
+
 def parse_json(body: bytes):
     try:
         value = json.loads(body, parse_float=_finite, parse_constant=_non_json_constant)
@@ -61,6 +85,9 @@ def parse_json(body: bytes):
         raise APIError(400, f"the request body is not valid JSON ({e})"[:300]) from None
     if _depth(value) > MAX_DEPTH:
         raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+    if SURROGATE_ESCAPE.search(body) and (at := _lone_surrogate_at(value)) is not None:
+        raise APIError(400, f"'{at[:200]}' is not valid UTF-8 text: it holds a lone surrogate (a \\ud800-\\udfff "
+                       "escape without its pair)", param=at[:200])
     return value
 
 
