@@ -156,6 +156,46 @@ def test_max_tokens_is_cut_to_the_limit_and_the_context(pair):
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_a_small_request_is_answered_while_big_prompts_tokenize(pair):
+    big = {"model": MODEL, "max_tokens": 4, "messages": [  # an assistant turn's text: tokenized, then refused
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "sea " * (1 << 19)},
+        {"role": "user", "content": "Go on."}]}
+    with running(pair, max_body_bytes=8 << 20) as (url, engine):
+        tic = time.monotonic()
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+        alone = time.monotonic() - tic
+        answers = []
+        threads = [threading.Thread(target=lambda: answers.append(raw(url, "/v1/chat/completions", big)))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: engine.waiting == 3)  # admitted: read, and being tokenized
+        tic = time.monotonic()
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+        beside = time.monotonic() - tic
+        still_tokenizing = engine.waiting
+        for t in threads:
+            t.join(timeout=120)
+    assert beside < 5 * alone + 1.0, (beside, alone)
+    assert still_tokenizing == 3  # it overtook them
+    assert [a[2]["error"]["code"] for a in answers] == ["context_length_exceeded"] * 3
+
+
+def test_a_text_surely_over_the_context_is_refused_before_tokenizing(pair):
+    huge = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "sea " * (1 << 20)}]}
+    with running(pair, max_body_bytes=8 << 20) as (url, engine):
+        tic = time.monotonic()
+        status, _, answer = raw(url, "/v1/chat/completions", huge)
+        assert time.monotonic() - tic < 1.5  # tokenizing 4 MB takes seconds
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert answer["error"]["message"].startswith("the prompt is at least ")
+        status, _, answer = raw(url, "/v1/messages", huge)
+        assert status == 400 and answer["error"]["message"].startswith("prompt is too long: "), answer
+        status, _, answer = raw(url, "/v1/completions", {**huge, "messages": None, "prompt": [7] * CONTEXT})
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert engine.waiting == 0 and raw(url, "/v1/chat/completions", GOOD)[0] == 200
+
+
 class RecordingTokenizerThread(Engine):
     """Records whether prompt_ids ran where an event loop runs."""
 

@@ -35,6 +35,7 @@ from .tools import ReplyParser
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
+COMPOSED_CHARACTERS = 4  # a tokenizer's normalizer may compose this many characters into one (NFC: ᾇ)
 
 
 @dataclass
@@ -53,6 +54,15 @@ class ServerConfig:
     ping_seconds: float = 10.0  # a quiet stream (queued, prefilling) gets a keep-alive this often
     allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
     allowed_origins: set = field(default_factory=set)
+
+
+class PromptSurelyTooLong(PromptTooLong):
+    """A prompt whose text alone is over the context, refused before it is tokenized (prompt_tokens: at least)."""
+
+    def __init__(self, at_least: int, characters: int, context: int, param: str):
+        super().__init__(at_least, context, param)
+        self.message = (f"the prompt is at least {at_least} tokens ({characters} characters of text) and this "
+                        f"model's context is {context} tokens: shorten the {param}")
 
 
 class PrefillCancelled(Exception):
@@ -216,6 +226,7 @@ class Engine:
 
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
+        self.chars_per_token = longest_token(self.tokenizer) * COMPOSED_CHARACTERS
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
@@ -359,12 +370,36 @@ class Engine:
             marks.append(next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))))
         return marks
 
+    def refuse_surely_too_long(self, req: GenerationRequest):
+        """Refuse, before it is tokenized, a prompt whose length alone puts it over the context: token ids by
+        their count; text (a completion's prompt, the chat messages' but the assistant's, which a template
+        may leave out) by its characters over the most that one token can stand for. Tokenizing 4 MB of
+        text takes seconds of a tokenizer thread that other requests wait for."""
+        context = context_length(self.target)
+        if context is None:
+            return
+        if req.kind == "text" and not isinstance(req.prompt, str):
+            if len(req.prompt) >= context:
+                raise PromptTooLong(len(req.prompt), context, "prompt")
+            return
+        texts = [req.prompt] if req.kind == "text" else [m["content"] for m in req.prompt if m["role"] != "assistant"]
+        characters = sum(len(t) for t in texts if isinstance(t, str))
+        at_least = -(-characters // self.chars_per_token)
+        if at_least >= context:
+            raise PromptSurelyTooLong(at_least, characters, context, "messages" if req.kind == "chat" else "prompt")
+
     def fit(self, req: GenerationRequest, prompt_tokens: int, limit: int):
         """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits."""
         context = context_length(self.target)
         if context is not None and prompt_tokens >= context:
             raise PromptTooLong(prompt_tokens, context, "messages" if req.kind == "chat" else "prompt")
         req.max_tokens = min(req.max_tokens, limit, (context - prompt_tokens) if context else limit)
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of the vocabulary is written with (a byte-level vocabulary writes a byte
+    as a character, so this bounds the bytes of text a token stands for, and so its characters)."""
+    return max(len(piece) for piece in tokenizer.vocab)
 
 
 async def replies(job: Job, ping_seconds: Optional[float]):

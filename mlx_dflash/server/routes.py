@@ -1,8 +1,10 @@
 """The HTTP side of `mlx-dflash serve`: the routes, their errors, the middlewares, and the uvicorn server.
 
-Each generation route reads and checks its body (limits.py, then the API's parser), takes a place in the
-engine's queue, tokenizes the prompt on a worker thread (never on the event loop: a 4 MB prompt takes
-seconds), refuses a prompt over the context and cuts max_tokens, all before the engine sees it; then
+Each generation route reads and checks its body (limits.py, then the API's parser), refuses a prompt whose
+text alone is over the context, takes a place in the engine's queue, tokenizes the prompt on one of a few
+worker threads (never on the event loop: a 4 MB prompt takes seconds; the tokenizers release the GIL, so a
+short prompt is tokenized beside long ones), refuses a prompt over the context and cuts max_tokens, all
+before the engine sees it; then
 answers as a stream or a whole response in the API's format. The same reply events feed both APIs.
 """
 
@@ -23,6 +25,7 @@ from .security import Guard, error_response, with_cors
 from .tools import ReplyParser, tool_support
 
 log = logging.getLogger("mlx_dflash.server")
+TOKENIZER_THREADS = 4  # prompts tokenized at once
 
 
 async def _cancel_on_disconnect(receive, job: Job):
@@ -45,12 +48,12 @@ def make_app(engine: Engine, config: ServerConfig):
                   "type": "model", "display_name": name,  # the fields Anthropic's clients read
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
     tools = tool_support(engine.tokenizer)
-    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx-dflash-tokenizer")  # one at a time
+    tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        tokenizer_thread.shutdown(wait=False)
+        tokenizer_threads.shutdown(wait=False)
 
     async def health(request):
         body = {"status": "ok", "model": name, "waiting": engine.waiting}
@@ -77,9 +80,10 @@ def make_app(engine: Engine, config: ServerConfig):
             raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools",
                            param="tools")
         if admit:
+            engine.refuse_surely_too_long(req)
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.prompt_ids, req)
+            ids = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.prompt_ids, req)
             if admit:
                 engine.fit(req, len(ids), config.max_tokens_limit)
         except BaseException:
@@ -90,7 +94,7 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def generate(request, parse, stream, body):
         req, ids = await tokenized(request, parse, admit=True)
-        boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.message_boundaries,
+        boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.message_boundaries,
                                                                        req, ids)
         job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
                   boundaries)
