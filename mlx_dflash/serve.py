@@ -31,6 +31,9 @@ from .sampling import SamplingParams
               help="Requests that may wait behind the running one; more get 503 with Retry-After.")
 @click.option("--max-connections", default=128, show_default=True, type=int,
               help="Open connections at most; one more is answered 503 and closed.")
+@click.option("--max-uploads-per-client", default=None, type=int,
+              help="Request bodies one client address may be sending at once (default: a quarter of "
+                   "--max-connections); past it a new one replaces one stalled for a second, else gets 429.")
 @click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
               help="Largest request body in bytes (413 above it).")
 @click.option("--header-timeout", default=10.0, show_default=True, type=float,
@@ -59,7 +62,7 @@ from .sampling import SamplingParams
 @kv_options
 @shard_options
 def main(model_path, drafter_path, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
-         max_connections, max_body_bytes, header_timeout, body_timeout, max_tokens, max_tokens_limit,
+         max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens, max_tokens_limit,
          prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max, force_width, p_min,
          n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv_bits,
          kv_group_size, quantized_kv_start, shard, rank_timeout):
@@ -82,6 +85,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, prefill_step_size) < 1 or max_queue < 0:
         raise DFlashError("--max-tokens, --max-tokens-limit, --max-body, --max-connections and --prefill-step-size "
                           "must be at least 1, --max-queue at least 0")
+    if max_uploads_per_client is not None and max_uploads_per_client < 1:
+        raise DFlashError(f"--max-uploads-per-client must be at least 1, got {max_uploads_per_client}")
     if not min(header_timeout, body_timeout) > 0 or not shutdown_grace >= 0:
         raise DFlashError("--header-timeout and --body-timeout must be positive seconds, --shutdown-grace at least 0")
     check_api_key(api_key)
@@ -143,7 +148,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_key=api_key,
                           max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
-                          max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
+                          max_connections=max_connections, max_uploads_per_client=max_uploads_per_client,
+                          header_timeout=header_timeout, body_timeout=body_timeout,
                           shutdown_grace=shutdown_grace, allowed_hosts=hosts_for(host, _names(allowed_hosts)),
                           allowed_origins=set(_names(allowed_origins)))
     if shard:

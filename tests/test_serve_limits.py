@@ -307,13 +307,36 @@ def test_a_flood_of_half_sent_requests_is_capped_and_drained(served):
             s.close()
         return answers
 
-    answers = flood(20)  # --max-connections 12: 12 held until --body-timeout (408), the rest refused (503)
-    assert answers.count(b"503") >= 8 and set(answers) == {b"503", b"408"}, answers
+    answers = flood(20)  # --max-connections 12: 3 bodies held until --body-timeout (408: a quarter of them, per
+    # address), the other 9 connections' bodies refused (429), the rest of the connections refused (503)
+    assert answers.count(b"503") >= 8 and answers.count(b"408") == 3 and set(answers) == {b"503", b"408", b"429"}, \
+        answers
     answers = flood(60)  # beyond the refused ones that may linger too: those are reset
-    assert answers.count(b"503") >= 12 and set(answers) <= {b"503", b"408", b"reset"}, answers
+    assert answers.count(b"503") >= 12 and set(answers) <= {b"503", b"408", b"429", b"reset"}, answers
     assert raw(url, "/v1/chat/completions", GOOD)[0] == 200 and raw(url, "/health")[0] == 200
     time.sleep(1.0)
     assert open_fds() <= before + 2  # every connection's descriptor was given back
+
+
+def test_half_sent_bodies_from_one_address_leave_room_for_health_and_valid_requests(pair):
+    with running(pair, max_connections=16, body_timeout=20) as (url, _):  # 4 bodies per address in flight
+        socks = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) for _ in range(16)]
+        for s in socks:
+            s.sendall(head(length=1000) + b"{")
+        time.sleep(1.2)  # the held bodies stall (nothing more comes)
+        tic = time.monotonic()
+        assert raw(url, "/health")[0] == 200
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200  # takes the place of the longest stalled body
+        assert time.monotonic() - tic < 5
+        answers = []
+        for s in socks:
+            s.settimeout(0.5)
+            try:
+                answers.append(s.recv(65536).split(b" ", 2)[1])
+            except TimeoutError:
+                answers.append(b"held")
+            s.close()
+    assert sorted(answers) == [b"408"] + [b"429"] * 12 + [b"held"] * 3, answers
 
 
 def test_the_same_failure_is_logged_a_few_times_a_second():

@@ -18,7 +18,7 @@ from functools import partial
 
 from . import anthropic
 from .app import Engine, Job, ServerConfig, replies
-from .limits import limited_protocol, open_files_for, read_json
+from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
@@ -48,6 +48,7 @@ def make_app(engine: Engine, config: ServerConfig):
                   "type": "model", "display_name": name,  # the fields Anthropic's clients read
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
     tools = tool_support(engine.tokenizer)
+    uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4))
     tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
 
     @contextlib.asynccontextmanager
@@ -74,7 +75,8 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def tokenized(request, parse, admit: bool) -> tuple:
         """(request, prompt ids): the body read and parsed, then (admitted to the queue) tokenized off the loop."""
-        req = parse(await read_json(request, config.max_body_bytes, config.body_timeout), config.defaults, name)
+        req = parse(await read_json(request, config.max_body_bytes, config.body_timeout, uploads), config.defaults,
+                    name)
         request.scope.setdefault("dflash.log", {})["id"] = req.id
         if req.tools and not tools.renders_tools:
             raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools",
