@@ -18,9 +18,10 @@ from .sampling import SamplingParams
               help="Address to bind; 0.0.0.0 exposes the server (then consider --api-key and --allowed-hosts).")
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--model-name", default=None, help="The model id clients send (default: the target directory's name).")
-@click.option("--api-key", default=None, envvar="MLX_DFLASH_API_KEY",
+@click.option("--api-key", "api_key", multiple=True, envvar="MLX_DFLASH_API_KEY",
               help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health "
-                   "(env MLX_DFLASH_API_KEY).")
+                   "(env MLX_DFLASH_API_KEY). Repeat it, or separate keys by commas, for several: each key's "
+                   "clients then get prefix-cache hits only from their own key's requests.")
 @click.option("--allowed-hosts", default="", show_default=False,
               help="Comma-separated Host names to answer besides the loopback ones (* for any); bound to a "
                    "non-loopback --host without it, any Host is answered.")
@@ -79,7 +80,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     from .server.app import Engine, ServerConfig, bind
     from .server.protocol import Defaults
     from .server.routes import run_server
-    from .server.security import allowed_hosts as hosts_for, check_api_key
+    from .server.security import allowed_hosts as hosts_for, api_keys
     from .utils import load
 
     if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, prefill_step_size) < 1 or max_queue < 0:
@@ -89,7 +90,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         raise DFlashError(f"--max-uploads-per-client must be at least 1, got {max_uploads_per_client}")
     if not min(header_timeout, body_timeout) > 0 or not shutdown_grace >= 0:
         raise DFlashError("--header-timeout and --body-timeout must be positive seconds, --shutdown-grace at least 0")
-    check_api_key(api_key)
+    keys = api_keys(api_key)
     if prompt_cache_size < 0 or (prompt_cache_bytes is not None and prompt_cache_bytes < 1):
         raise DFlashError("--prompt-cache-size must be at least 0 (0 turns the cache off), --prompt-cache-bytes "
                           "at least 1")
@@ -146,7 +147,7 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
         follow(*load_models(), prefill_step_size)
         return
-    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_key=api_key,
+    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_keys=keys,
                           max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
                           max_connections=max_connections, max_uploads_per_client=max_uploads_per_client,
                           header_timeout=header_timeout, body_timeout=body_timeout,

@@ -27,7 +27,7 @@ from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
 from mlx_dflash.server.logs import RateLimit
-from mlx_dflash.server.security import allowed_hosts
+from mlx_dflash.server.security import allowed_hosts, api_keys
 
 CONTEXT = 2048
 MAX_BODY = 64 << 10
@@ -394,14 +394,20 @@ def test_cross_site_requests_are_refused_and_allowed_origins_get_cors(pair, serv
 
 
 def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
-    with running(pair, api_key="s3cret") as (url, _):
+    with running(pair, api_keys=("s3cret",)) as (url, _):
         for header in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret"):
             assert raw(url, "/v1/chat/completions", GOOD, headers={"Authorization": header})[0] == 200, header
         assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": "s3cret"})[0] == 200
         status, headers, _ = raw(url, "/v1/models", headers={"Authorization": "Bearer nope"})
         assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
+    keys = api_keys(("key-a,key-b", "key-c", "key-a"))  # --api-key key-a,key-b --api-key key-c --api-key key-a
+    assert keys == ("key-a", "key-b", "key-c")
+    with running(pair, api_keys=keys) as (url, _):
+        for key in keys:
+            assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": key})[0] == 200, key
+        assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": "key-d"})[0] == 401
     runner = CliRunner()
-    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "ключ"], "printable ASCII"),
+    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "a,,b"], "--api-key is empty"), (["--api-key", "ключ"], "printable ASCII"),
                         (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
                         (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections")]:
         r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads

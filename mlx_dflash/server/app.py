@@ -44,7 +44,7 @@ class ServerConfig:
 
     model_name: str  # the id clients send as "model"
     defaults: Defaults = field(default_factory=Defaults)
-    api_key: Optional[str] = None
+    api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
     max_connections: int = 128
@@ -74,9 +74,10 @@ class Job:
     """One request on its way through the engine. The engine thread talks to it through emit()."""
 
     def __init__(self, request: GenerationRequest, prompt_ids: list, parser: Optional[ReplyParser] = None,
-                 boundaries=()):
+                 boundaries=(), cache_scope: str = ""):
         self.request, self.prompt_ids, self.parser = request, prompt_ids, parser
         self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
+        self.cache_scope = cache_scope  # the prefix cache's part for the request's API key (security.py)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
@@ -328,7 +329,7 @@ class Engine:
         return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
                                seed=req.seed, policy=self.policy, prefill_step_size=self.prefill_step,
                                prompt_progress_callback=job.check_cancelled, prompt_cache=self.prompt_cache,
-                               boundaries=job.boundaries, **req.sampling.keywords())
+                               boundaries=job.boundaries, cache_scope=job.cache_scope, **req.sampling.keywords())
 
     def _ended_early(self):
         pass  # one process: closing the generator was all

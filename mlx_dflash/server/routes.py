@@ -58,6 +58,8 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def health(request):
         body = {"status": "ok", "model": name, "waiting": engine.waiting}
+        if not request.scope.get("dflash.authorized", True):  # the counters tell what others' requests did
+            return JSONResponse(body)
         if engine.prompt_cache is not None:
             body["prompt_cache"] = engine.prompt_cache.stats()
         if hasattr(engine, "batch_report"):
@@ -99,7 +101,7 @@ def make_app(engine: Engine, config: ServerConfig):
         boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.message_boundaries,
                                                                        req, ids)
         job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
-                  boundaries)
+                  boundaries, request.scope.get("dflash.cache_scope", ""))
         engine.enqueue(job)
         info = request.scope["dflash.log"]
         if req.stream:
@@ -172,7 +174,7 @@ def make_app(engine: Engine, config: ServerConfig):
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
-    guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_key)
+    guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_keys)
     return RequestLog(with_cors(guarded, config.allowed_origins))
 
 
@@ -207,7 +209,7 @@ def run_server(engine: Engine, config: ServerConfig, sock):
     server = uvicorn_server(engine, config)
     host, port = sock.getsockname()[:2]
     log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
-             + (" (API key required)" if config.api_key else ""))
+             + (" (API key required)" if config.api_keys else ""))
     engine.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
     # this one ignores it, so that the engine still closes (a sharded one tells the other ranks to stop).
