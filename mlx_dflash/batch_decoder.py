@@ -224,7 +224,7 @@ class Scheduler:
         self.prefill_step = prefill_step
         self.waiting: deque = deque()
         self.reading: Optional[Prefill] = None
-        self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), kept with its state when it leaves
+        self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), for its state when it leaves
         self.ending: set = set()
         self.stats = BatchStats()
 

@@ -63,10 +63,10 @@ from .sampling import SamplingParams
 @kv_options
 @shard_options
 def main(model_path, drafter_path, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
-         max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens, max_tokens_limit,
-         prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max, force_width, p_min,
-         n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv_bits,
-         kv_group_size, quantized_kv_start, shard, rank_timeout):
+         max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens,
+         max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max,
+         force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes,
+         prompt_cache_dir, kv_bits, kv_group_size, quantized_kv_start, shard, rank_timeout):
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/messages).
 

@@ -407,7 +407,8 @@ def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
             assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": key})[0] == 200, key
         assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": "key-d"})[0] == 401
     runner = CliRunner()
-    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "a,,b"], "--api-key is empty"), (["--api-key", "ключ"], "printable ASCII"),
+    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "a,,b"], "--api-key is empty"),
+                        (["--api-key", "ключ"], "printable ASCII"),
                         (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
                         (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections")]:
         r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads

@@ -48,7 +48,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
     max_connections: int = 128
-    max_uploads_per_client: Optional[int] = None  # request bodies in flight per client address; None: a quarter of max_connections
+    max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     shutdown_grace: float = 10.0

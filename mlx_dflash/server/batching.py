@@ -149,8 +149,8 @@ class BatchEngine(Engine):
                 del progress[job]
                 job.emit("error", APIError(400, str(e)))
                 continue
-            self.scheduler.submit(Request(job, job.prompt_ids, max_tokens, req.sampling, req.seed, tuple(job.boundaries),
-                                          job.cache_scope))
+            self.scheduler.submit(Request(job, job.prompt_ids, max_tokens, req.sampling, req.seed,
+                                          tuple(job.boundaries), job.cache_scope))
         return True
 
     def _dispatch(self, job: Job, kind: str, value, progress: dict):

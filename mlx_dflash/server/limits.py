@@ -7,10 +7,11 @@
 - Headers: a connection that has not sent a whole request head within `--header-timeout` seconds (after
   it opened, or after its previous response) is closed; heads over h11's 16 KB are a 400 (uvicorn's).
 - Bodies: at most `--max-body` bytes (413), arriving within `--body-timeout` seconds (408); both answers
-  close the connection. One client address has at most `--max-uploads-per-client` bodies in flight
-  (`Uploads`), so that half-sent bodies from one address cannot hold every connection. A body up to 4 times the limit is read to its end (and dropped) before its 413,
+  close the connection. A body up to 4 times the limit is read to its end (and dropped) before its 413,
   so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
-  client that leaves mid-upload is one log line (status 499), not a traceback.
+  client that leaves mid-upload is one log line (status 499), not a traceback. One client address has
+  at most `--max-uploads-per-client` bodies in flight (`Uploads`), so that half-sent bodies from one
+  address cannot hold every connection.
 - JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
   JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep, every string (keys
   too) text: JSON's `\\ud800` escape without its pair is no character, and would fail later, where the
@@ -35,7 +36,7 @@ FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's ow
 DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
 LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
 STALLED_SECONDS = 1.0  # a body that got nothing for this long gives way to a new one from its address
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a surrogate gets into a JSON string (raw bytes are not UTF-8)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's way into JSON (raw, it is not UTF-8)
 SURROGATE = re.compile("[\ud800-\udfff]")  # left after parsing only without its pair
 
 
