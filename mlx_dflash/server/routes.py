@@ -4,8 +4,8 @@ Each generation route reads and checks its body (limits.py, then the API's parse
 text alone is over the context, takes a place in the engine's queue, tokenizes the prompt on one of a few
 worker threads (never on the event loop: a 4 MB prompt takes seconds; the tokenizers release the GIL, so a
 short prompt is tokenized beside long ones), refuses a prompt over the context and cuts max_tokens, all
-before the engine sees it; then
-answers as a stream or a whole response in the API's format. The same reply events feed both APIs.
+before the engine sees it; then answers as a stream or a whole response in the API's format. The same
+reply events feed every API.
 """
 
 import asyncio
@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from . import anthropic
+from . import anthropic, openai_responses
 from .app import Engine, Job, ServerConfig, replies
 from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
@@ -50,6 +50,7 @@ def make_app(engine: Engine, config: ServerConfig):
     tools = tool_support(engine.tokenizer)
     uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4))
     tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
+    kept = openai_responses.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -145,6 +146,14 @@ def make_app(engine: Engine, config: ServerConfig):
     async def messages(request):
         return await generate(request, anthropic.parse_messages, anthropic.message_stream, anthropic.message_body)
 
+    async def responses(request):
+        return await generate(request, partial(openai_responses.parse_responses, store=kept),
+                              partial(openai_responses.response_stream, store=kept),
+                              partial(openai_responses.response_body, store=kept))
+
+    async def kept_response(request):
+        return JSONResponse(kept.response(request.path_params["response_id"]))
+
     async def count_tokens(request):
         _, ids = await tokenized(request, partial(anthropic.parse_messages, count_only=True), admit=False)
         return JSONResponse({"input_tokens": len(ids)})
@@ -155,6 +164,8 @@ def make_app(engine: Engine, config: ServerConfig):
         Route("/v1/models/{model_id:path}", model),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", kept_response),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
