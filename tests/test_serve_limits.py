@@ -467,10 +467,10 @@ def test_a_kept_alive_connection_survives_50_bad_requests(served):
 # Load: bursts of requests.
 
 def burst(url, n: int, body: dict, path="/v1/chat/completions") -> list:
-    """n requests sent at once, each on its own connection: the status each got (streams are closed at their
-    first answer, which cancels them)."""
+    """n requests sent at once, each on its own connection: the status each got (streams are closed once every
+    request has its answer, which cancels them: none ends before the last is admitted or refused)."""
     host, port = "127.0.0.1", port_of(url)
-    gate, statuses = threading.Barrier(n), []
+    gate, answered, statuses = threading.Barrier(n), threading.Barrier(n), []
 
     def ask():
         conn = http.client.HTTPConnection(host, port, timeout=30)
@@ -478,6 +478,7 @@ def burst(url, n: int, body: dict, path="/v1/chat/completions") -> list:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
         statuses.append(r.status if r.status == 200 else json.loads(r.read())["error"].get("code") or r.status)
+        answered.wait(timeout=30)
         conn.close()
 
     threads = [threading.Thread(target=ask) for _ in range(n)]
