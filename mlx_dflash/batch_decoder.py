@@ -211,8 +211,8 @@ class Scheduler:
     rows decoding), join the batch once all but their last token is read (the round that step reads that
     token and picks their first), and leave it at once when done.
 
-    step() returns events (handle, kind, value): ("admitted", cached prompt tokens) when a request's
-    prefill starts, ("round", Round) for each of its rounds (the first: its first token alone, drafted 0),
+    step() returns events (handle, kind, value): ("admitted", (cached prompt tokens, perf_counter() when
+    its prefill started)) when a request's prefill starts, ("round", Round) for each of its rounds (the first: its first token alone, drafted 0),
     ("done", None) when it has left the batch. A request ends at a stop token, at max_tokens, or by
     cancel()."""
 
@@ -283,7 +283,8 @@ class Scheduler:
         if self.prompt_cache is not None and not self.target.trimmable:
             marks = [m for m in rungs(len(request.ids), request.boundaries) if m > len(state.tokens)]
         self.reading = Prefill(request, state, checkpoints, marks)
-        return [(request.handle, "admitted", len(state.tokens))]
+        # the time goes with it: the step reads its first chunk (maybe its first token) before returning
+        return [(request.handle, "admitted", (len(state.tokens), time.perf_counter()))]
 
     def _read_chunk(self):
         """One chunk of the prompt being read; once all but its last token is read, it joins the batch."""
@@ -332,9 +333,12 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     while scheduler.busy:
         for i, kind, value in scheduler.step():
             if kind == "admitted":
+                cached, started = value
                 stats = GenerationStats(prompt_tokens=len(ids[i]), block_size=policy.block_size,
-                                        max_width=policy.max_width, cached_tokens=value)
-                streams[i] = ResponseStream(tokenizer, stats, limits[i], time.perf_counter(), prompt_cache)
+                                        max_width=policy.max_width, cached_tokens=cached)
+                if prompt_cache is not None:
+                    stats.prefill_seconds_saved = prompt_cache.seconds_saved(cached)
+                streams[i] = ResponseStream(tokenizer, stats, limits[i], started, prompt_cache)
             elif kind == "round" and not streams[i].finished:
                 for response in streams[i].feed(value):
                     texts[i].append(response.text)

@@ -16,14 +16,14 @@ import mlx.core as mx
 
 from .decoder import DecodeState, speculative_rounds
 from .distributed import SingleProcess
-from .engine_report import Report, announce
+from .engine_report import Report, announce, silenced
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
-from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_options,
-                      shard_options, width_options)
+from .options import (apply_kv_options, check_rank_timeout, check_seed, kv_options, pair_options,
+                      sampling_from_flags, sampling_options, shard_options, width_options)
 from .policy import WidthPolicy, build_policy, check_width_options
-from .prompt_cache import PromptCache, pair_identity, read_to_rungs
+from .prompt_cache import PromptCache, check_prompt_cache_file, pair_identity, read_to_rungs
 from .responses import GenerationResponse, GenerationStats, ResponseStream
 from .sampling import SamplingParams
 
@@ -105,6 +105,7 @@ def stream_generate(
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     sampling = SamplingParams(temp, top_p, top_k, min_p)
+    check_seed(seed, "seed")
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
@@ -202,8 +203,14 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise DFlashError("--prompt is empty: give the text to answer (or - to read it from stdin)")
-    SamplingParams(temp, top_p, top_k, min_p)  # refuse bad settings before loading anything
+    # Bad settings are refused before anything loads, and before any work (the prompt cache file too).
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be at least 1, got {max_tokens}")
+    sampling_from_flags(temp, top_p, top_k, min_p)
+    check_seed(seed)
     check_width_options(width, n_max, cost_table)
+    if prompt_cache_file:
+        check_prompt_cache_file(prompt_cache_file)
     if blas := slow_blas_warning():
         click.echo(blas, err=True)
     if shard:
@@ -228,9 +235,9 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     for note in policy.notes if ranks.rank == 0 else ():  # before any work; stream_generate keeps them in the stats
         announce(note)
     bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
-    stats, shown = None, None
+    stats, shown, said, line_open = None, None, set(policy.notes), False
     try:
-        with ranks.watch():
+        with ranks.watch(), silenced():  # notes new during the run are printed here, each on a line of its own
             for response in stream_generate(
                 target, drafter, tokenizer, ids, max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                 seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
@@ -242,8 +249,14 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
                 if verbose and response.round is not shown:  # a new round: the one before has all its text
                     if shown is not None and shown.drafted:
                         echo(f" [{shown.accepted}/{shown.drafted}]", nl=False, err=True)
+                        line_open = True
                     shown = response.round
+                for note in [n for n in stats.notes if n not in said]:
+                    echo(("\n" if line_open else "") + note, err=True)
+                    said.add(note)
+                    line_open = False
                 echo(response.text, nl=False)
+                line_open = not response.text.endswith("\n") if response.text else line_open
     except KeyboardInterrupt:
         bar.close()
         echo("\n" + "=" * 10, err=True)

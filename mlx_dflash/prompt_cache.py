@@ -106,6 +106,7 @@ class Entry:
     tokens: np.ndarray
     state: DecodeState
     checkpoints: Optional[dict] = None  # {position: checkpoint}; None: every position (a trimmable target)
+    prefill_rate: Optional[float] = None  # read from its file: the rate its cache had seen (what a hit saves)
     scope: str = ""
     nbytes: int = field(default=0, init=False)
 
@@ -216,20 +217,21 @@ class PromptCache:
                 return False
         mx.eval([c.state for c in state.cache], state.context, [_drafter_arrays(c) for c in state.draft_cache])
         key = (scope, *state.tokens)
-        entry = Entry(np.array(key[1:], dtype=np.int32), state, None if self.trimmable else checkpoints, scope)
+        entry = Entry(np.array(key[1:], dtype=np.int32), state, None if self.trimmable else checkpoints,
+                      scope=scope)
         with self._lock:
             self._entries.pop(key, None)
             for older in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
                 folded = self._entries[older].checkpoints
                 if folded is not None:  # its checkpoints stay good for the newer state, which holds them all
-                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints}, scope)
+                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints}, scope=scope)
                 self._forget(older)
             self._entries[key] = entry
             self._evict()
             kept = key in self._entries
         if kept and self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_entry(self._file(entry), entry, self.identity)
+            write_entry(self._file(entry), entry, self.identity, self.prefill_rate)
         return kept
 
     def _evict(self):
@@ -278,6 +280,7 @@ class PromptCache:
             entry = None if f.name.startswith(".") else read_entry(f, self.identity)
             if entry is not None:
                 self._entries[(entry.scope, *entry.state.tokens)] = entry
+                self.prefill_rate = entry.prefill_rate or self.prefill_rate
         self._evict()
 
     def save_file(self, path, tokens: list) -> bool:
@@ -286,7 +289,7 @@ class PromptCache:
         key, _ = self.best(list(tokens) + [-1])  # as if one more token followed: all of `tokens` counts
         if key is None:
             return False
-        write_entry(Path(path), self._entries[key], self.identity)
+        write_entry(Path(path), self._entries[key], self.identity, self.prefill_rate)
         return True
 
     def load_file(self, path) -> bool:
@@ -294,14 +297,45 @@ class PromptCache:
         entry = read_entry(Path(path), self.identity) if Path(path).is_file() else None
         if entry is not None:
             self._entries[(entry.scope, *entry.state.tokens)] = entry
+            self.prefill_rate = self.prefill_rate or entry.prefill_rate
             self._evict()
         return entry is not None
 
 
-def write_entry(path: Path, entry: Entry, identity: str):
+def is_prompt_cache_file(path: Path) -> bool:
+    """Whether `path` is a file write_entry wrote (of any pair): its safetensors header's metadata (mlx-lm
+    keeps ours under "0.") names FORMAT. Only the header is read."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 24:
+                return False
+            metadata = json.loads(f.read(size)).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return FORMAT in metadata.values()
+
+
+def check_prompt_cache_file(path) -> None:
+    """Refuse, before any work, a `--prompt-cache-file` that cannot be kept: its folder does not exist or
+    cannot be written, or it is an existing file that is not a prompt cache (it would be replaced)."""
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        raise DFlashError(f"--prompt-cache-file {path}: no folder {folder}: create it, or name a file in an "
+                          "existing folder")
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"--prompt-cache-file {path}: the folder {folder} is not writable: name a file elsewhere")
+    if path.is_file() and path.stat().st_size and not is_prompt_cache_file(path):
+        raise DFlashError(f"--prompt-cache-file {path} is a file that is not an mlx-dflash prompt cache, and it "
+                          "would be replaced: name a new file (or delete this one)")
+
+
+def write_entry(path: Path, entry: Entry, identity: str, prefill_rate: Optional[float] = None):
     """One kept state as a safetensors file (mlx-lm's prompt-cache format): the target's cache layers, one
     ArraysCache per drafter layer (keys, values), one per checkpoint (its recurrent arrays, layer by layer),
-    and last one holding (tokens, unread feature rows)."""
+    and last one holding (tokens, unread feature rows); the metadata names the pair and keeps the cache's
+    prefill rate, so a later process can say what a hit saves."""
     state, points = entry.state, sorted((entry.checkpoints or {}).items())
     holders = []
     for c in state.draft_cache:
@@ -312,10 +346,12 @@ def write_entry(path: Path, entry: Entry, identity: str):
         holders[-1].cache = [a for layer in sorted(point) for a in point[layer]]
     holders.append(ArraysCache(2))
     holders[-1].cache = [mx.array(entry.tokens), state.context]
-    metadata = {"format": FORMAT, "identity": identity, "scope": entry.scope, "target_layers": str(len(state.cache)),
+    metadata = {"format": FORMAT, "identity": identity, "scope": entry.scope,
+                "target_layers": str(len(state.cache)),
                 "drafter_layers": str(len(state.draft_cache)),
                 "checkpoints": json.dumps(None if entry.checkpoints is None else
-                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points])}
+                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points]),
+                "prefill_rate": json.dumps(prefill_rate)}
     partial = path.with_name(f".{path.stem}.partial.safetensors")
     try:
         save_prompt_cache(str(partial), list(state.cache) + holders, metadata)
@@ -333,6 +369,7 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             return None
         n, d = int(metadata["target_layers"]), int(metadata["drafter_layers"])
         layout = json.loads(metadata["checkpoints"])
+        rate = json.loads(metadata.get("prefill_rate", "null"))
     except Exception:  # a torn or foreign file: never fatal
         return None
     draft_cache = []
@@ -352,7 +389,8 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             checkpoints[position] = point
     tokens, context = layers[-1].cache
     return Entry(np.array(tokens, dtype=np.int32), DecodeState(layers[:n], draft_cache, tokens.tolist(), context),
-                 checkpoints, metadata.get("scope", ""))
+                 checkpoints, rate if isinstance(rate, (int, float)) and rate > 0 else None,
+                 metadata.get("scope", ""))
 
 
 def rungs(prompt_tokens: int, boundaries=()) -> list:

@@ -6,10 +6,9 @@ from pathlib import Path
 import click
 
 from .errors import DFlashError
-from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_options,
-                      shard_options, width_options)
+from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_from_flags,
+                      sampling_options, shard_options, width_options)
 from .policy import build_policy, check_width_options
-from .sampling import SamplingParams
 
 
 @click.command("serve")
@@ -90,13 +89,15 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         raise DFlashError(f"--max-uploads-per-client must be at least 1, got {max_uploads_per_client}")
     if not min(header_timeout, body_timeout) > 0 or not shutdown_grace >= 0:
         raise DFlashError("--header-timeout and --body-timeout must be positive seconds, --shutdown-grace at least 0")
+    if not 0 <= port <= 65535:
+        raise DFlashError(f"--port must be from 0 to 65535 (0: any free port), got {port}")
     keys = api_keys(api_key)
     if prompt_cache_size < 0 or (prompt_cache_bytes is not None and prompt_cache_bytes < 1):
         raise DFlashError("--prompt-cache-size must be at least 0 (0 turns the cache off), --prompt-cache-bytes "
                           "at least 1")
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
-    sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
+    sampling = sampling_from_flags(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
     max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
     if width is None and n_max is None and max_batch > 1:

@@ -1,7 +1,8 @@
 """`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server over one target + drafter pair.
 
-A Starlette app on uvicorn. One engine thread owns the models and runs requests one at a time in arrival
-order (the decoder's batch size is 1); a bounded queue feeds it and answers 503 when full. Each request is
+A Starlette app on uvicorn. One engine thread owns the models; the `Engine` here runs requests one at a time
+in arrival order (`--max-batch 1`, and sharded targets), the default `BatchEngine` (batching.py) decodes
+several together. A bounded queue feeds it and answers 503 when full. Each request is
 a `Job`: the engine pushes its text to the request's asyncio queue round by round, and checks the job's
 cancel flag after every round and between prefill chunks, so a client that goes away (streamed or not)
 stops its generation within a round, or a chunk of its prompt.

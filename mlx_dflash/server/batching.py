@@ -158,12 +158,12 @@ class BatchEngine(Engine):
         if p is None:
             return
         if kind == "admitted":
+            cached, started = value
             stats = GenerationStats(prompt_tokens=len(job.prompt_ids), block_size=self.policy.block_size,
-                                    max_width=self.policy.max_width, notes=list(self.policy.notes), cached_tokens=value)
+                                    max_width=self.policy.max_width, notes=list(self.policy.notes), cached_tokens=cached)
             if self.prompt_cache is not None:
-                stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(value)
-            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, time.perf_counter(),
-                                      self.prompt_cache))
+                stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(cached)
+            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache))
         elif kind == "round" and p.finish is None:
             if p.take(value):
                 self.scheduler.cancel(job)  # it is over: its row leaves at the next step
