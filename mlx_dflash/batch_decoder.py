@@ -193,6 +193,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: Optional[int] = None
     boundaries: tuple = ()  # chat message ends, for a hybrid target's prefix-cache checkpoints
+    cache_scope: str = ""  # the part of the prefix cache it uses (a server's per API key)
 
 
 @dataclass
@@ -223,7 +224,7 @@ class Scheduler:
         self.prefill_step = prefill_step
         self.waiting: deque = deque()
         self.reading: Optional[Prefill] = None
-        self.checkpoints: dict = {}  # handle -> its prefill's checkpoints, kept with its state when it leaves
+        self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), for its state when it leaves
         self.ending: set = set()
         self.stats = BatchStats()
 
@@ -261,7 +262,8 @@ class Scheduler:
         events = []
         for handle, state in self.batch.leave(done) if done else []:
             if self.prompt_cache is not None:
-                self.prompt_cache.insert(state, self.checkpoints.pop(handle, {}))
+                scope, checkpoints = self.checkpoints.pop(handle, ("", {}))
+                self.prompt_cache.insert(state, checkpoints, scope)
             events.append((handle, "done", None))
         for request in [r for r in self.waiting if r.handle in self.ending]:
             self.waiting.remove(request)
@@ -275,7 +277,7 @@ class Scheduler:
     def _start(self, request: Request) -> list:
         state, checkpoints = None, {}
         if self.prompt_cache is not None:
-            state, checkpoints = self.prompt_cache.fetch(request.ids)
+            state, checkpoints = self.prompt_cache.fetch(request.ids, request.cache_scope)
         state = state or DecodeState.fresh(self.target, self.drafter)
         marks = []
         if self.prompt_cache is not None and not self.target.trimmable:
@@ -297,7 +299,7 @@ class Scheduler:
             return
         request = p.request
         self.reading = None
-        self.checkpoints[request.handle] = p.checkpoints
+        self.checkpoints[request.handle] = (request.cache_scope, p.checkpoints)
         # seeded: the first token is drawn with a key of the seed's, every later draw from the row's own stream
         first_key = None if request.seed is None else mx.random.split(mx.random.key(request.seed))[0]
         self.batch.join(request.handle, state, ids[-1], request.sampling, request.max_tokens,

@@ -86,6 +86,7 @@ def stream_generate(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     prompt_cache: Optional[PromptCache] = None,
     boundaries=(),
+    cache_scope: str = "",
     ranks: SingleProcess = SingleProcess(),
     sampler=None,
 ) -> Iterator[GenerationResponse]:
@@ -96,7 +97,8 @@ def stream_generate(
     (default: the drafter's trained block), unless a `policy` is given (`policy.build_policy`).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
     the longest kept prefix of the prompt and keep this generation's state (prompt_cache.py); boundaries:
-    prompt positions worth keeping a hybrid target's state at (the ends of chat messages)."""
+    prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the
+    part of the cache to use (a server's per API key)."""
     if sampler is not None:
         raise DFlashError("sampler= takes a function that draws a token, but speculative sampling needs the "
                           "distribution itself: pass temp=, top_p=, top_k=, min_p= (make_sampler's arguments)")
@@ -122,7 +124,7 @@ def stream_generate(
     tic = time.perf_counter()
     state, checkpoints = None, {}
     if prompt_cache is not None:
-        state, checkpoints = prompt_cache.fetch(ids)
+        state, checkpoints = prompt_cache.fetch(ids, cache_scope)
     state = state or DecodeState.fresh(target, drafter)
     stats.cached_tokens = len(state.tokens)
     if prompt_cache is not None:
@@ -142,7 +144,7 @@ def stream_generate(
     finally:
         rounds.close()
         if prompt_cache is not None:
-            prompt_cache.insert(state, checkpoints)
+            prompt_cache.insert(state, checkpoints, cache_scope)
 
 
 def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False,

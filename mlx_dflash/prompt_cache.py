@@ -11,7 +11,9 @@ recurrent layers only: one KV copy per conversation, however many checkpoints it
 
 Every request keeps the state it ended with (prompt + answer), which the next turn of a conversation
 extends; a kept state whose tokens start a newer one is folded into it (its checkpoints move over).
-Entries go least recently used first, within `max_entries` and `max_bytes`, and are optionally kept on
+Each entry belongs to a scope (a server keeps one per API key, so that one client's hits never tell
+what another sent; "" otherwise): a request starts only from its own scope's entries. Entries go least
+recently used first, within `max_entries` and `max_bytes` (all scopes together), and are optionally kept on
 disk (one safetensors file per entry in mlx-lm's prompt-cache format, written atomically, naming the
 pair it belongs to), so a restart keeps them.
 
@@ -105,6 +107,7 @@ class Entry:
     state: DecodeState
     checkpoints: Optional[dict] = None  # {position: checkpoint}; None: every position (a trimmable target)
     prefill_rate: Optional[float] = None  # read from its file: the rate its cache had seen (what a hit saves)
+    scope: str = ""
     nbytes: int = field(default=0, init=False)
 
     def __post_init__(self):
@@ -160,7 +163,7 @@ class PromptCache:
         if self.max_bytes < 1:
             raise DFlashError(f"--prompt-cache-bytes must be at least 1, got {self.max_bytes}")
         self.directory = None if directory is None else Path(directory).expanduser()
-        self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # (scope, *tokens): least recently used first
         self._lock = threading.Lock()  # /health reads the counters from another thread
         self.hits = self.misses = self.cached_tokens = 0
         self.prefill_rate = None  # prompt tokens per second of recent cold prefills
@@ -168,21 +171,23 @@ class PromptCache:
             self._load_directory()
 
     # Lookup and insertion.
-    def best(self, tokens: list) -> tuple:
-        """(key, usable length) of the entry restoring the longest prefix of `tokens` (at least one token is
-        left for the prefill to read: its logits pick the first new token); (None, 0) if none does."""
+    def best(self, tokens: list, scope: str = "") -> tuple:
+        """(key, usable length) of the scope's entry restoring the longest prefix of `tokens` (at least one
+        token is left for the prefill to read: its logits pick the first new token); (None, 0) if none does."""
         query = np.array(tokens, dtype=np.int32)
         best, best_length = None, 0
         for key, entry in self._entries.items():  # most recently used last: it wins ties
+            if entry.scope != scope:
+                continue
             usable = entry.usable(query)
             if usable >= best_length and usable > 0:
                 best, best_length = key, usable
         return best, best_length
 
-    def fetch(self, tokens: list) -> tuple:
+    def fetch(self, tokens: list, scope: str = "") -> tuple:
         """(a restored copy of the state holding the longest usable prefix of `tokens`, the checkpoints it
-        keeps), or (None, {}) if no entry holds one."""
-        best, best_length = self.best(tokens)
+        keeps), or (None, {}) if no entry of the scope holds one."""
+        best, best_length = self.best(tokens, scope)
         with self._lock:
             if best is None:
                 self.misses += 1
@@ -193,8 +198,8 @@ class PromptCache:
         entry = self._entries[best]
         return entry.restore(best_length), entry.checkpoints_to(best_length)
 
-    def insert(self, state: DecodeState, checkpoints: Optional[dict] = None) -> bool:
-        """Keep `state`, which the caller no longer uses. checkpoints: for a target that cannot trim, the
+    def insert(self, state: DecodeState, checkpoints: Optional[dict] = None, scope: str = "") -> bool:
+        """Keep `state` in the scope; the caller no longer uses it. checkpoints: for a target that cannot trim, the
         positions (and recurrent arrays) it may be restored to; its end is added when its caches agree with
         its tokens. A state that dropped its features (drafting off) is not kept. Returns whether kept."""
         if state.dropped_features or not state.tokens:
@@ -211,21 +216,22 @@ class PromptCache:
             if not checkpoints:
                 return False
         mx.eval([c.state for c in state.cache], state.context, [_drafter_arrays(c) for c in state.draft_cache])
-        key = tuple(state.tokens)
-        entry = Entry(np.array(key, dtype=np.int32), state, None if self.trimmable else checkpoints)
+        key = (scope, *state.tokens)
+        entry = Entry(np.array(key[1:], dtype=np.int32), state, None if self.trimmable else checkpoints,
+                      scope=scope)
         with self._lock:
             self._entries.pop(key, None)
             for older in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
                 folded = self._entries[older].checkpoints
                 if folded is not None:  # its checkpoints stay good for the newer state, which holds them all
-                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints})
+                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints}, scope=scope)
                 self._forget(older)
             self._entries[key] = entry
             self._evict()
             kept = key in self._entries
         if kept and self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_entry(self._file(entry.tokens), entry, self.identity, self.prefill_rate)
+            write_entry(self._file(entry), entry, self.identity, self.prefill_rate)
         return kept
 
     def _evict(self):
@@ -235,7 +241,7 @@ class PromptCache:
     def _forget(self, key: tuple):
         entry = self._entries.pop(key)
         if self.directory is not None:
-            self._file(entry.tokens).unlink(missing_ok=True)
+            self._file(entry).unlink(missing_ok=True)
 
     # Statistics.
     @property
@@ -261,8 +267,8 @@ class PromptCache:
                     "cached_tokens": self.cached_tokens}
 
     # Persistence: one file per entry in `directory`, or one file for `generate --prompt-cache-file`.
-    def _file(self, tokens: np.ndarray) -> Path:
-        digest = hashlib.sha256(self.identity.encode() + tokens.tobytes()).hexdigest()[:24]
+    def _file(self, entry: Entry) -> Path:
+        digest = hashlib.sha256(self.identity.encode() + entry.scope.encode() + entry.tokens.tobytes()).hexdigest()[:24]
         return self.directory / f"{digest}.safetensors"
 
     def _load_directory(self):
@@ -273,7 +279,7 @@ class PromptCache:
         for f in sorted(self.directory.glob("*.safetensors"), key=lambda f: f.stat().st_mtime):
             entry = None if f.name.startswith(".") else read_entry(f, self.identity)
             if entry is not None:
-                self._entries[tuple(entry.state.tokens)] = entry
+                self._entries[(entry.scope, *entry.state.tokens)] = entry
                 self.prefill_rate = entry.prefill_rate or self.prefill_rate
         self._evict()
 
@@ -290,7 +296,7 @@ class PromptCache:
         """Take the entry in `path` (written by save_file) if it belongs to this pair. Returns whether it did."""
         entry = read_entry(Path(path), self.identity) if Path(path).is_file() else None
         if entry is not None:
-            self._entries[tuple(entry.state.tokens)] = entry
+            self._entries[(entry.scope, *entry.state.tokens)] = entry
             self.prefill_rate = self.prefill_rate or entry.prefill_rate
             self._evict()
         return entry is not None
@@ -340,7 +346,8 @@ def write_entry(path: Path, entry: Entry, identity: str, prefill_rate: Optional[
         holders[-1].cache = [a for layer in sorted(point) for a in point[layer]]
     holders.append(ArraysCache(2))
     holders[-1].cache = [mx.array(entry.tokens), state.context]
-    metadata = {"format": FORMAT, "identity": identity, "target_layers": str(len(state.cache)),
+    metadata = {"format": FORMAT, "identity": identity, "scope": entry.scope,
+                "target_layers": str(len(state.cache)),
                 "drafter_layers": str(len(state.draft_cache)),
                 "checkpoints": json.dumps(None if entry.checkpoints is None else
                                           [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points]),
@@ -382,7 +389,8 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             checkpoints[position] = point
     tokens, context = layers[-1].cache
     return Entry(np.array(tokens, dtype=np.int32), DecodeState(layers[:n], draft_cache, tokens.tolist(), context),
-                 checkpoints, rate if isinstance(rate, (int, float)) and rate > 0 else None)
+                 checkpoints, rate if isinstance(rate, (int, float)) and rate > 0 else None,
+                 metadata.get("scope", ""))
 
 
 def rungs(prompt_tokens: int, boundaries=()) -> list:

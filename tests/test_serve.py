@@ -185,7 +185,7 @@ def test_a_bug_during_generation_is_a_500_in_one_line_and_the_server_carries_on(
 
 
 def test_api_key_is_required_everywhere_but_health(tiny_pair):
-    with running(tiny_pair, api_key="s3cret") as (url, _):
+    with running(tiny_pair, api_keys=("s3cret",)) as (url, _):
         with pytest.raises(openai.AuthenticationError) as e:
             client(url, key="wrong").models.list()
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"

@@ -37,6 +37,7 @@ from .tools import ReplyParser, generic_tools_messages, tool_support
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
+COMPOSED_CHARACTERS = 4  # a tokenizer's normalizer may compose this many characters into one (NFC: ᾇ)
 
 
 @dataclass
@@ -45,10 +46,11 @@ class ServerConfig:
 
     model_name: str  # the id clients send as "model"
     defaults: Defaults = field(default_factory=Defaults)
-    api_key: Optional[str] = None
+    api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
     max_connections: int = 128
+    max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     shutdown_grace: float = 10.0
@@ -56,6 +58,15 @@ class ServerConfig:
     allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
     allowed_origins: set = field(default_factory=set)
     generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
+
+
+class PromptSurelyTooLong(PromptTooLong):
+    """A prompt whose text alone is over the context, refused before it is tokenized (prompt_tokens: at least)."""
+
+    def __init__(self, at_least: int, characters: int, context: int, param: str):
+        super().__init__(at_least, context, param)
+        self.message = (f"the prompt is at least {at_least} tokens ({characters} characters of text) and this "
+                        f"model's context is {context} tokens: shorten the {param}")
 
 
 class PrefillCancelled(Exception):
@@ -66,10 +77,11 @@ class Job:
     """One request on its way through the engine. The engine thread talks to it through emit()."""
 
     def __init__(self, request: GenerationRequest, prompt_ids: list, parser: Optional[ReplyParser] = None,
-                 boundaries=(), thinking=None):
+                 boundaries=(), thinking=None, cache_scope: str = ""):
         self.request, self.prompt_ids, self.parser = request, prompt_ids, parser
         self.thinking = thinking  # a thinking.ReasoningSplitter, for a thinking model's chat reply
         self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
+        self.cache_scope = cache_scope  # the prefix cache's part for the request's API key (security.py)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
@@ -155,14 +167,19 @@ class Engine:
             if self.failure is not None or self.stopping is not None:
                 raise APIError(503, f"the server is stopping: {self.failure or self.stopping}")
             if self._full():
-                raise APIError(503, f"the server is busy: {self.waiting} requests are waiting already "
+                raise APIError(503, f"the server is busy: {self.taken()} requests are running or waiting "
                                f"(--max-queue {self.max_queue}); retry later", code="queue_full",
                                headers={"Retry-After": str(self._retry_after())})
             self.waiting += 1
 
+    def taken(self) -> int:
+        """Admitted requests not yet over: waiting (those being tokenized included) or running."""
+        return self.waiting + (self.running is not None)
+
     def _full(self) -> bool:
-        """No room for one more request: --max-queue are waiting (0 waiting is room on an idle engine)."""
-        return self.waiting >= self.max_queue and (self.waiting or self.running is not None)
+        """No room for one more request: one runs and --max-queue wait (an idle engine takes one even with
+        --max-queue 0)."""
+        return self.taken() >= 1 + self.max_queue
 
     def leave(self):
         """An admitted request that will not be queued (its prompt was refused)."""
@@ -216,6 +233,7 @@ class Engine:
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
         self.tools = tool_support(self.tokenizer)
+        self.chars_per_token = longest_token(self.tokenizer) * COMPOSED_CHARACTERS
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
@@ -316,7 +334,7 @@ class Engine:
         return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
                                seed=req.seed, policy=self.policy, prefill_step_size=self.prefill_step,
                                prompt_progress_callback=job.check_cancelled, prompt_cache=self.prompt_cache,
-                               boundaries=job.boundaries, **req.sampling.keywords())
+                               boundaries=job.boundaries, cache_scope=job.cache_scope, **req.sampling.keywords())
 
     def _ended_early(self):
         pass  # one process: closing the generator was all
@@ -367,12 +385,36 @@ class Engine:
             marks.append(next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))))
         return marks
 
+    def refuse_surely_too_long(self, req: GenerationRequest):
+        """Refuse, before it is tokenized, a prompt whose length alone puts it over the context: token ids by
+        their count; text (a completion's prompt, the chat messages' but the assistant's, which a template
+        may leave out) by its characters over the most that one token can stand for. Tokenizing 4 MB of
+        text takes seconds of a tokenizer thread that other requests wait for."""
+        context = context_length(self.target)
+        if context is None:
+            return
+        if req.kind == "text" and not isinstance(req.prompt, str):
+            if len(req.prompt) >= context:
+                raise PromptTooLong(len(req.prompt), context, "prompt")
+            return
+        texts = [req.prompt] if req.kind == "text" else [m["content"] for m in req.prompt if m["role"] != "assistant"]
+        characters = sum(len(t) for t in texts if isinstance(t, str))
+        at_least = -(-characters // self.chars_per_token)
+        if at_least >= context:
+            raise PromptSurelyTooLong(at_least, characters, context, "messages" if req.kind == "chat" else "prompt")
+
     def fit(self, req: GenerationRequest, prompt_tokens: int, limit: int):
         """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits."""
         context = context_length(self.target)
         if context is not None and prompt_tokens >= context:
             raise PromptTooLong(prompt_tokens, context, "messages" if req.kind == "chat" else "prompt")
         req.max_tokens = min(req.max_tokens, limit, (context - prompt_tokens) if context else limit)
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of the vocabulary is written with (a byte-level vocabulary writes a byte
+    as a character, so this bounds the bytes of text a token stands for, and so its characters)."""
+    return max(len(piece) for piece in tokenizer.vocab)
 
 
 async def replies(job: Job, ping_seconds: Optional[float]):

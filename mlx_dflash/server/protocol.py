@@ -239,8 +239,8 @@ def parse_tools(tools, tool_choice, parallel=True) -> tuple:
         raise APIError(400, f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (tool.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                            "\"description\": ..., \"parameters\": {...}}}}", param=f"tools[{i}]")
     if tool_choice not in (None, "auto"):
