@@ -102,3 +102,16 @@ def test_with_several_keys_a_client_hits_only_its_own_keys_entries(pair, batch):
         keyed = raw(url, "/health", headers={"Authorization": "Bearer key-b"})[2]
     assert anonymous == {"status": "ok", "model": MODEL, "waiting": 0}
     assert keyed["prompt_cache"]["hits"] >= 1 and ("batch" in keyed) == (batch > 1)
+
+
+def test_with_several_keys_a_client_reads_only_its_own_keys_kept_responses(pair):
+    with running(pair, api_keys=("key-a", "key-b")) as (url, _):
+        made = client(url, key="key-a").responses.create(model=MODEL, input="Hello there.", max_output_tokens=4)
+        mine = raw(url, f"/v1/responses/{made.id}", headers={"Authorization": "Bearer key-a"})
+        theirs = raw(url, f"/v1/responses/{made.id}", headers={"Authorization": "Bearer key-b"})
+        follow_up = raw(url, "/v1/responses", {"model": MODEL, "input": "And?", "max_output_tokens": 4,
+                                                "previous_response_id": made.id},
+                        headers={"Authorization": "Bearer key-b"})
+    assert mine[0] == 200 and mine[2]["id"] == made.id
+    assert theirs[0] == 404 and follow_up[0] == 400
+    assert follow_up[2]["error"]["param"] == "previous_response_id"

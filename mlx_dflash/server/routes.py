@@ -9,6 +9,7 @@ reply events feed every API.
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import sys
@@ -54,7 +55,9 @@ def make_app(engine: Engine, config: ServerConfig):
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
     uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4))
     tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
-    kept = openai_responses.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
+    # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
+    # that with several keys a client reads only the responses made with its own key.
+    kept = collections.defaultdict(openai_responses.ResponseStore)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -153,13 +156,17 @@ def make_app(engine: Engine, config: ServerConfig):
     async def messages(request):
         return await generate(request, anthropic.parse_messages, anthropic.message_stream, anthropic.message_body)
 
+    def kept_for(request) -> openai_responses.ResponseStore:
+        return kept[request.scope.get("dflash.cache_scope", "")]
+
     async def responses(request):
-        return await generate(request, partial(openai_responses.parse_responses, store=kept),
-                              partial(openai_responses.response_stream, store=kept),
-                              partial(openai_responses.response_body, store=kept))
+        store = kept_for(request)
+        return await generate(request, partial(openai_responses.parse_responses, store=store),
+                              partial(openai_responses.response_stream, store=store),
+                              partial(openai_responses.response_body, store=store))
 
     async def kept_response(request):
-        return JSONResponse(kept.response(request.path_params["response_id"]))
+        return JSONResponse(kept_for(request).response(request.path_params["response_id"]))
 
     async def count_tokens(request):
         _, ids = await tokenized(request, partial(anthropic.parse_messages, count_only=True), admit=False)
