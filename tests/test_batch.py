@@ -124,8 +124,9 @@ def test_a_request_joins_and_gets_its_first_token_in_the_step_that_reads_its_pro
 
 
 def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_read_ends(pairs):
-    """Prompts are read in turn, a chunk per step: a short one submitted during a long one's read gets its
-    first token while the long one is still being read, and both answers are the single-request ones."""
+    """Prompts are read in turn, a chunk per step: a short one submitted during a long one's read is read
+    next and gets its first token while the long one is still being read, and both answers are the
+    single-request ones."""
     target, drafter, tokenizer = pairs["dense"]
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
@@ -133,17 +134,20 @@ def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_
     scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, 4), 2, tokenizer.eos_token_ids,
                           prefill_step=8)
     scheduler.submit(Request("long", long, 8))
-    out, firsts, step = {"long": [], "short": []}, {}, 0
+    out, admitted, firsts, step = {"long": [], "short": []}, {}, {}, 0
     while scheduler.busy:
         if step == 1:
             scheduler.submit(Request("short", short, 8))
         for h, kind, value in scheduler.step():
-            if kind == "round":
+            if kind == "admitted":
+                admitted[h] = step
+            elif kind == "round":
                 firsts.setdefault(h, step)
                 out[h] += value.tokens
         step += 1
     chunks = -(-(len(long) - 1) // 8)
     assert chunks > 2 * -(-(len(short) - 1) // 8) + 4  # the long read is many chunks, the short one's few
+    assert admitted == {"long": 0, "short": 1}  # a prompt just admitted is read next, ahead of the long one
     assert firsts["short"] < firsts["long"] and firsts["long"] > chunks  # the long read took turns with it
     assert [out["long"], out["short"]] == want
 
