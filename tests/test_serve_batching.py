@@ -14,7 +14,7 @@ from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.generate import generate
 from mlx_dflash.server.batching import BatchEngine
 
-CHUNK_SECONDS = 0.4  # a prompt chunk's read, slowed to this in the fairness test
+CHUNK_SECONDS = 0.25  # a prompt chunk's read, slowed to this in the fairness test
 QUESTIONS = [f"Question {i}: tell me about topic {i}." for i in range(6)]
 
 
@@ -84,8 +84,9 @@ def test_short_requests_during_a_long_read_are_read_in_turn_and_queued_counts_th
         return read(*args, **kw)
 
     monkeypatch.setattr(target, "read", slow_read)
-    long_prompt, shorts = " ".join(QUESTIONS), [QUESTIONS[1], QUESTIONS[1] + " Briefly, please."]
-    assert -(-len(chat_ids(tokenizer, long_prompt)) // 16) >= 6  # the long read is many chunks
+    long_prompt, shorts = " ".join(QUESTIONS * 2), [QUESTIONS[1], QUESTIONS[1] + " Briefly, please."]
+    # the long read is many chunks: more than the short ones' reads and rounds together
+    assert -(-len(chat_ids(tokenizer, long_prompt)) // 16) >= 11
     ask = lambda content: client(url).chat.completions.create(  # noqa: E731
         model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}])
     with running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, 3, 4),
