@@ -161,6 +161,27 @@ def test_function_tool_round_trip_streamed_and_not(scripted):
     assert added["id"] == final["output"][1]["id"] and added["arguments"] == ""
 
 
+def test_forced_calls_are_function_call_items_streamed_and_not(scripted):
+    """tool_choice "required" and a named function: the reply starts with the opening the server wrote (after
+    the generation prompt) and comes back as a function_call item."""
+    url, engine = scripted
+    c = client(url)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = ' {"city": "Paris"}}\n</tool_call>'  # the model's part, after the opening
+    engine.scripts += [named, named, 'get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
+    choice = {"type": "function", "name": "get_weather"}
+    r = c.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=choice)
+    (call,) = r.output
+    assert (call.type, call.name, json.loads(call.arguments), r.status) == (
+        "function_call", "get_weather", {"city": "Paris"}, "completed")
+    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":')
+    final = streamed(url, {"model": MODEL, "input": ask, "tools": [WEATHER], "tool_choice": choice})[-1][1]
+    assert [(i["type"], i["name"]) for i in final["response"]["output"]] == [("function_call", "get_weather")]
+    r = c.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required")
+    assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
+    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+
+
 def test_freeform_tool_is_a_function_of_one_input_and_answers_custom_tool_calls(scripted):
     url, engine = scripted
     c = client(url)
@@ -298,6 +319,7 @@ BAD = [({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}
        ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role"),
        ({"input": []}, 400, "input"),
        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
+       ({"reasoning": {"effort": "max"}}, 400, "reasoning.effort"),
        ({"tool_choice": "required"}, 400, "tool_choice"),
        ({"tools": [{"type": "function"}]}, 400, "tools[0]"),
        ({"max_output_tokens": 0}, 400, "max_output_tokens"),

@@ -21,8 +21,10 @@ import json
 import logging
 import uuid
 
-from .protocol import (APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, check_model, checked,
-                       max_tokens_field, message_text, sampling_fields, sse, stop_strings)
+from .fields import (APIError, Defaults, check_model, checked, max_tokens_field, sampling_fields, stop_strings,
+                     text_content)
+from .protocol import GenerationRequest, Outcome, PromptTooLong, sse
+from .tools import forced_tool
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -49,22 +51,13 @@ def _refuse_media(block, at: str):
                        param=at)
 
 
-def _text(content, where: str) -> str:
-    """A system prompt or tool result: a string, or text blocks (joined by blank lines)."""
-    if isinstance(content, list):
-        for j, block in enumerate(content):
-            _refuse_media(block, f"{where}[{j}]")
-        return "\n\n".join(message_text([block], f"{where}[{j}]") for j, block in enumerate(content))
-    return message_text(content, where)
-
-
 def _system(content, where: str) -> str:
     """A system prompt's text, without Claude Code's billing-header block: its checksum changes on every
     request, so in the prompt it would make each turn miss the prefix cache."""
     if isinstance(content, list):
         content = [b for b in content if not (isinstance(b, dict) and b.get("type") == "text"
                                               and str(b.get("text", "")).startswith(BILLING_HEADER))]
-    return _text(content, where)
+    return text_content(content, where, sep="\n\n")
 
 
 def system_turns(tokenizer) -> bool:
@@ -101,7 +94,7 @@ def _blocks(role: str, content, i: int) -> list:
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"], "arguments": arguments}})
         elif kind == "tool_result" and role == "user":
-            result = _text(block.get("content", ""), f"{at}.content")
+            result = text_content(block.get("content", ""), f"{at}.content", sep="\n\n")
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                             "content": "Error: " + result if block.get("is_error") else result})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -152,13 +145,9 @@ def _tools(body: dict, request_id: str) -> tuple:
                  + ", ".join(ignored)[:300])
     if kind == "auto":
         return out or None, parallel, None
-    if kind == "any" and not out:
-        raise APIError(400, 'tool_choice {"type": "any"} needs a tool in \'tools\' with an input_schema',
-                       param="tool_choice")
-    if kind == "tool" and choice["name"] not in {t["function"]["name"] for t in out}:
-        raise APIError(400, f"tool_choice names the tool {json.dumps(choice['name'])[:100]}, which is not among "
-                       "'tools' with an input_schema", param="tool_choice.name")
-    return out, parallel, choice["name"] if kind == "tool" else ""
+    if kind == "tool":
+        return out, parallel, forced_tool(choice["name"], out, "tool_choice.name")
+    return out, parallel, forced_tool("", out)
 
 
 def _thinking(body: dict):
