@@ -160,7 +160,8 @@ def _thinking(body: dict):
 
 def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool = False,
                    system_turns: bool = True) -> GenerationRequest:
-    """A Messages API body (count_only: a count_tokens body, which has no max_tokens) as a chat request.
+    """A Messages API body (count_only: a count_tokens body, which has no max_tokens, and whose count leaves out
+    a forced call's opening, written by the server as the reply's start) as a chat request.
     system_turns: system messages inside `messages` stay where they are (else they join the system prompt)."""
     model = check_model(body, served_model)
     if not count_only and body.get("max_tokens") is None:
@@ -202,7 +203,8 @@ def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool
                              sampling=sampling_fields(body, defaults, max_temperature=1.0),
                              stop=stop_strings(body.get("stop_sequences"), "stop_sequences"), stream=stream,
                              tools=tools, parallel_tool_calls=parallel, thinking=_thinking(body),
-                             force_tool=force_tool, continue_final=continue_final, id=request_id)
+                             force_tool=None if count_only else force_tool,
+                             continue_final=continue_final, id=request_id)
 
 
 # Reply pieces streamed as the deltas of one block: (the block as it starts, its delta's type, the delta's field).
