@@ -408,3 +408,29 @@ def test_reasoning_errors_and_unknown_reply_kinds_render_as_valid_events():
     assert got[-1]["response"]["error"] == {"code": "server_error", "message": "the server is stopping"}
     assert [e["type"] for e in events([("done", Outcome("stop", 3, 1))])][-2:] == [
         "response.output_item.done", "response.completed"]  # nothing said: an empty message
+
+
+def test_reasoning_alone_is_one_reasoning_item_streamed_or_not():
+    """A reply cut while reasoning: the reasoning item and no message, in the stream and the whole response."""
+    import asyncio
+
+    from mlx_dflash.server.openai_responses import response_body, response_stream
+    from mlx_dflash.server.protocol import Outcome
+
+    req = parse_responses({"model": MODEL, "input": "x"}, Defaults(), MODEL, ResponseStore())
+    whole = response_body(req, "", Outcome("length", 3, 4), store=ResponseStore(), reasoning="Let me")
+
+    async def final():
+        async def replies():
+            yield "reasoning", "Let me"
+            yield "done", Outcome("length", 3, 4)
+
+        chunks = [c async for c in response_stream(req, 3, replies(), store=ResponseStore())]
+        return json.loads(chunks[-1].split("data: ", 1)[1])["response"]
+
+    streamed_body = asyncio.run(final())
+    for body in (whole, streamed_body):
+        assert [i["type"] for i in body["output"]] == ["reasoning"] and body["status"] == "incomplete"
+        assert Response.model_validate(body).output_text == ""
+    empty = response_body(req, "", Outcome("stop", 3, 1), store=ResponseStore())
+    assert [i["type"] for i in empty["output"]] == ["message"]

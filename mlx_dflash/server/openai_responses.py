@@ -301,9 +301,12 @@ def _finished(store: ResponseStore, req: ResponsesRequest, output: list, outcome
 
 def response_body(req: ResponsesRequest, text: str, outcome: Outcome, calls: list = (), *,
                   store: ResponseStore, reasoning: str = "") -> dict:
-    """The whole (non-streamed) response: the reasoning as one item, the text as one message, then the calls."""
+    """The whole (non-streamed) response: the reasoning as one item, the text as one message, then the calls;
+    reasoning alone is the reasoning item alone (as OpenAI answers a reply cut while reasoning), and a reply
+    with none of them one empty message."""
     thought = [_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, "completed")] if reasoning else []
-    message = [_message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not calls else []
+    said = text or calls or reasoning
+    message = [_message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not said else []
     return _finished(store, req, thought + message + [_call_item(req, c, "completed") for c in calls], outcome)
 
 
