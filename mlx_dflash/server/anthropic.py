@@ -227,7 +227,8 @@ def _tool_use(call) -> dict:
 def _usage(prompt_tokens: int, cached: int, output_tokens: int, caching: bool) -> dict:
     """Usage as Anthropic counts it, input_tokens + cache_read_input_tokens + cache_creation_input_tokens being
     the prompt: what the prefix cache held (`cached`) is read, and with a prefix cache every other prompt
-    token is written to it (each request keeps the state it ended with); without one, they are all
+    token is counted as written, as each request offers the cache the state it ended with (whether the cache
+    kept it, prompt_cache.insert's answer, does not reach the Outcome); without one, they are all
     input_tokens."""
     created = prompt_tokens - cached if caching else 0
     return {"input_tokens": prompt_tokens - cached - created, "output_tokens": output_tokens,
