@@ -353,8 +353,8 @@ class Engine:
 
     def prompt_ids(self, req: GenerationRequest) -> list:
         """The prompt's token ids: chat messages (and tools; in the generic form of tools.py where the template
-        renders none) through the tokenizer's chat template, then a forced tool call's opening
-        (tools.forced_prefix); text as it is. Touches no MLX array: it runs on a worker thread, off the event
+        renders none) through the tokenizer's chat template, a forced tool call's opening (tools.forced_prefix)
+        after its text; text as it is. Touches no MLX array: it runs on a worker thread, off the event
         loop and beside the engine."""
         tok = self.tokenizer
         if req.kind == "chat":
@@ -363,13 +363,16 @@ class Engine:
             turn = (dict(add_generation_prompt=False, continue_final_message=True) if req.continue_final
                     else dict(add_generation_prompt=True))
             messages, options = self.chat_input(req)
+            forced = req.force_tool is not None
             try:
-                ids = list(tok.apply_chat_template(messages, **turn, **options))
+                rendered = tok.apply_chat_template(messages, **turn, **options, tokenize=not forced)
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}"[:500], param="messages") from None
-            if req.force_tool is None:
-                return ids
-            return ids + tok.encode(forced_prefix(self.tools, req.force_tool), add_special_tokens=False)
+            if not forced:
+                return list(rendered)
+            # The opening is encoded with the prompt's text, as the template's own tokenizing encodes it (no
+            # special tokens added): alone, a SentencePiece tokenizer would start it with a "▁" token.
+            return list(tok.encode(rendered + forced_prefix(self.tools, req.force_tool), add_special_tokens=False))
         if isinstance(req.prompt, str):
             ids = encode_prompt(tok, req.prompt)
         else:
