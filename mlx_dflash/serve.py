@@ -35,7 +35,7 @@ from .policy import build_policy, check_width_options
               help="Open connections at most; one more is answered 503 and closed.")
 @click.option("--max-uploads-per-client", default=None, type=int,
               help="Request bodies one client address may be sending at once (default: a quarter of "
-                   "--max-connections); past it a new one replaces one stalled for a second, else gets 429.")
+                   "--max-connections); past it a new one replaces one in flight for over a second, else gets 429.")
 @click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
               help="Largest request body in bytes (413 above it).")
 @click.option("--header-timeout", default=10.0, show_default=True, type=float,

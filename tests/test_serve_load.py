@@ -1,10 +1,15 @@
-"""`mlx-dflash serve` under a hostile client's load: a burst of requests beyond --max-queue, prompts of
-megabytes beside a short one, bad strings and tools on one kept-alive connection, half-sent bodies from one
-address. Each was a defect a probe of the server found; each test drives a server on a loopback port,
+"""`mlx-dflash serve` under a hostile client's load: a burst of requests beyond --max-queue gets exactly the
+`queue_full`s past the running and waiting ones; a short prompt is tokenized while more megabyte prompts than
+tokenizer threads are, and a text surely over the context is refused before tokenizing; a tokenizer.json's
+truncation and padding are cleared at load (the tokenizer threads share the tokenizer); bad strings and
+tools are 400s naming the field, and leave a kept-alive connection serving; half-sent and trickling bodies
+from one address leave room for valid requests from it. Each test drives a server on a loopback port,
 every wait bounded."""
 
+import contextlib
 import http.client
 import json
+import select
 import socket
 import threading
 import time
@@ -14,7 +19,10 @@ import pytest
 from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, head, port_of, raw, running, wait_until
 from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.policy import build_policy
+from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
+from mlx_dflash.server.routes import TOKENIZER_THREADS
 
 CONTEXT = 2048
 GOOD = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
@@ -70,20 +78,21 @@ def test_a_burst_gets_queue_full_beyond_the_running_and_max_queue(pair, batch, m
 
 # Prompts of megabytes.
 
-def test_a_small_request_is_answered_while_big_prompts_tokenize(pair):
+def test_a_small_request_is_answered_while_more_big_prompts_than_tokenizer_threads_tokenize(pair):
     big = {"model": MODEL, "max_tokens": 4, "messages": [  # an assistant turn's text: tokenized, then refused
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "sea " * (1 << 19)},
         {"role": "user", "content": "Go on."}]}
+    n = TOKENIZER_THREADS + 1
     with running(pair, max_body_bytes=8 << 20) as (url, engine):
         tic = time.monotonic()
         assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
         alone = time.monotonic() - tic
         answers = []
         threads = [threading.Thread(target=lambda: answers.append(raw(url, "/v1/chat/completions", big)))
-                   for _ in range(3)]
+                   for _ in range(n)]
         for t in threads:
             t.start()
-        wait_until(lambda: engine.waiting == 3)  # admitted: read, and being tokenized
+        wait_until(lambda: engine.waiting == n)  # admitted: read, and being tokenized or waiting for a thread
         tic = time.monotonic()
         assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
         beside = time.monotonic() - tic
@@ -91,8 +100,8 @@ def test_a_small_request_is_answered_while_big_prompts_tokenize(pair):
         for t in threads:
             t.join(timeout=120)
     assert beside < 5 * alone + 1.0, (beside, alone)
-    assert still_tokenizing == 3  # it overtook them
-    assert [a[2]["error"]["code"] for a in answers] == ["context_length_exceeded"] * 3
+    assert still_tokenizing == n  # it overtook them all
+    assert [a[2]["error"]["code"] for a in answers] == ["context_length_exceeded"] * n
 
 
 def test_a_text_surely_over_the_context_is_refused_before_tokenizing(pair):
@@ -110,9 +119,30 @@ def test_a_text_surely_over_the_context_is_refused_before_tokenizing(pair):
         assert engine.waiting == 0 and raw(url, "/v1/chat/completions", GOOD)[0] == 200
 
 
+def test_a_tokenizer_json_s_truncation_and_padding_are_cleared_at_load(pair, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_dflash.downloads import ensure_smollm2
+
+    target, drafter, _ = pair
+    files = ensure_smollm2("float32")
+    tokenizer = json.loads((files / "tokenizer.json").read_text())
+    tokenizer["truncation"] = {"direction": "Right", "max_length": 16, "strategy": "LongestFirst", "stride": 0}
+    tokenizer["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                            "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "tokenizer_config.json").write_bytes((files / "tokenizer_config.json").read_bytes())
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.backend_tokenizer.truncation is not None  # as the file says, until something clears it
+    engine = Engine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)))
+    engine.close()
+    backend = engine.tokenizer.backend_tokenizer
+    assert (backend.truncation, backend.padding) == (None, None)
+
+
 # Bad strings and tools, one connection.
 
-BAD_STRINGS = [  # (path, body, the field the 400 names): each was a 500 with two tracebacks
+BAD_STRINGS = [  # (path, body, the field the 400 names): a bad tool, or a lone surrogate in a value or a key
     ("/v1/chat/completions", {**GOOD, "tools": ["x"]}, "tools[0]"),
     ("/v1/chat/completions", {**GOOD, "tools": [1]}, "tools[0]"),
     ("/v1/chat/completions", {**GOOD, "model": "\ud800"}, "model"),
@@ -152,22 +182,57 @@ def test_a_kept_alive_connection_survives_50_bad_requests(served):
 
 # Half-sent bodies.
 
+def statuses_of(socks) -> list:
+    """The status each connection was answered with (b"held": none within half a second); each then closed."""
+    answers = []
+    for s in socks:
+        s.settimeout(0.5)
+        try:
+            answers.append(s.recv(65536).split(b" ", 2)[1])
+        except TimeoutError:
+            answers.append(b"held")
+        s.close()
+    return answers
+
+
 def test_half_sent_bodies_from_one_address_leave_room_for_health_and_valid_requests(pair):
     with running(pair, max_connections=16, body_timeout=20) as (url, _):  # 4 bodies per address in flight
         socks = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) for _ in range(16)]
         for s in socks:
             s.sendall(head(length=1000) + b"{")
-        time.sleep(1.2)  # the held bodies stall (nothing more comes)
+        time.sleep(1.2)  # the held bodies are older than a whole body takes to arrive
         tic = time.monotonic()
         assert raw(url, "/health")[0] == 200
-        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200  # takes the place of the longest stalled body
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200  # takes the place of the oldest held body
         assert time.monotonic() - tic < 5
-        answers = []
-        for s in socks:
-            s.settimeout(0.5)
-            try:
-                answers.append(s.recv(65536).split(b" ", 2)[1])
-            except TimeoutError:
-                answers.append(b"held")
-            s.close()
+        answers = statuses_of(socks)
     assert sorted(answers) == [b"408"] + [b"429"] * 12 + [b"held"] * 3, answers
+
+
+def test_bodies_trickling_from_one_address_give_way_to_valid_requests(pair):
+    with running(pair, max_connections=16, body_timeout=20) as (url, _):  # 4 bodies per address in flight
+        socks = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) for _ in range(4)]
+        for s in socks:
+            s.sendall(head(length=1000) + b"{")
+        stop = threading.Event()
+
+        def trickle():  # a byte to each body every 0.2 s, until its answer comes
+            while not stop.wait(0.2):
+                answered, _, _ = select.select(socks, [], [], 0)
+                for s in set(socks) - set(answered):
+                    with contextlib.suppress(OSError):
+                        s.sendall(b" ")
+
+        trickling = threading.Thread(target=trickle)
+        trickling.start()
+        try:
+            time.sleep(1.2)  # longer than a whole body takes to arrive
+            tic = time.monotonic()
+            statuses = [raw(url, "/v1/chat/completions", GOOD)[0] for _ in range(3)]
+            took = time.monotonic() - tic
+        finally:
+            stop.set()
+            trickling.join()
+        answers = statuses_of(socks)
+    assert statuses == [200] * 3 and took < 5, (statuses, took)
+    assert sorted(answers) == [b"408"] + [b"held"] * 3, answers  # the first took the place of the oldest

@@ -233,6 +233,7 @@ class Engine:
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
         self.tools = tool_support(self.tokenizer)
+        untruncated(self.tokenizer)
         self.chars_per_token = longest_token(self.tokenizer) * COMPOSED_CHARACTERS
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
@@ -429,6 +430,18 @@ def longest_token(tokenizer) -> int:
     """The most characters one token of the vocabulary is written with (a byte-level vocabulary writes a byte
     as a character, so this bounds the bytes of text a token stands for, and so its characters)."""
     return max(len(piece) for piece in tokenizer.vocab)
+
+
+def untruncated(tokenizer) -> None:
+    """Clear the truncation and padding a tokenizer.json may set on the Rust tokenizer (transformers' fast
+    tokenizer, behind mlx-lm's wrapper). transformers clears them on each call that finds them set, and a
+    change while another thread tokenizes with it fails ("Already borrowed"): the tokenizer threads share
+    one tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is not None:
+        backend.no_truncation()
+    if backend is not None and backend.padding is not None:
+        backend.no_padding()
 
 
 async def replies(job: Job, ping_seconds: Optional[float]):

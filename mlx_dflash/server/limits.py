@@ -35,7 +35,7 @@ MAX_DEPTH = 64
 FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's own
 DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
 LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
-STALLED_SECONDS = 1.0  # a body that got nothing for this long gives way to a new one from its address
+UPLOAD_GRACE_SECONDS = 1.0  # a body in flight this long gives way to a new one from its address (one arrives in ms)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's way into JSON (raw, it is not UTF-8)
 SURROGATE = re.compile("[\ud800-\udfff]")  # left after parsing only without its pair
 
@@ -101,44 +101,43 @@ class Uploads:
     What is bounded is bodies, not connections: every client on this machine comes from 127.0.0.1, and
     a bound on its connections would bound all of them together, kept-alive and streaming ones included,
     while a whole request's body arrives in milliseconds; a half-sent body is how one client holds a
-    connection until --body-timeout. Past the bound, a new body takes the place of the one that has
-    received nothing for longest, once that is STALLED_SECONDS (the stalled one is answered 408), and is
-    refused (429) otherwise: valid requests go on while one address stalls bodies, and its stalled bodies
-    hold at most `per_client` connections. Only the event loop touches it."""
+    connection until --body-timeout. Past the bound, a new body takes the place of the one in flight
+    longest, once that is UPLOAD_GRACE_SECONDS old (it is answered 408), and is refused (429) otherwise:
+    valid requests go on while one address holds bodies, and its held bodies hold at most `per_client`
+    connections. The age, not the time since a body last received, decides: a body trickling a byte at a
+    time is as held as a silent one, and any minimum rate would leave the client its bodies at that rate.
+    Only the event loop touches it."""
 
     def __init__(self, per_client: int):
         self.per_client = per_client
-        self.stalled: dict = {}  # address -> {cancel scope: when its body last received}, longest first
+        self.in_flight: dict = {}  # address -> {cancel scope: when its body started}, oldest first
 
     def start(self, address: str, scope) -> None:
-        bodies = self.stalled.setdefault(address, {})
+        bodies = self.in_flight.setdefault(address, {})
         if len(bodies) >= self.per_client:
-            longest, since = next(iter(bodies.items()))
-            if time.monotonic() - since < STALLED_SECONDS:
+            oldest, since = next(iter(bodies.items()))
+            if time.monotonic() - since < UPLOAD_GRACE_SECONDS:
                 raise APIError(429, f"this client address is sending {len(bodies)} request bodies already "
                                f"(--max-uploads-per-client {self.per_client}); retry when one has arrived",
                                code="too_many_uploads", headers={"Connection": "close", "Retry-After": "1"})
-            del bodies[longest]
-            longest.cancel()  # its read ends with a 408
-        bodies[scope] = time.monotonic()
-
-    def received(self, address: str, scope) -> None:
-        bodies = self.stalled[address]
-        bodies.pop(scope, None)
+            del bodies[oldest]
+            oldest.cancel()  # its read ends with a 408
         bodies[scope] = time.monotonic()
 
     def end(self, address: str, scope) -> None:
-        bodies = self.stalled.get(address, {})
+        bodies = self.in_flight.get(address)
+        if bodies is None:  # evicted, and its address's last body has ended since
+            return
         bodies.pop(scope, None)
         if not bodies:
-            self.stalled.pop(address, None)
+            del self.in_flight[address]
 
 
 async def read_json(request, max_bytes: int, timeout: float, uploads: Optional[Uploads] = None):
-    """The request's JSON body, read within the size and time limits (and the uploads' bound per client
-    address). A body over the size limit (up to DRAIN_FACTOR times it) is read to its end and dropped
-    before the 413: a client that sends its whole body before it reads the answer then gets the answer,
-    not a broken pipe."""
+    """(the request's JSON body, its size in bytes), read within the size and time limits (and the uploads'
+    bound per client address). A body over the size limit (up to DRAIN_FACTOR times it) is read to its end
+    and dropped before the 413: a client that sends its whole body before it reads the answer then gets
+    the answer, not a broken pipe."""
     from starlette.requests import ClientDisconnect
 
     close = {"Connection": "close"}  # the unread rest of a body would otherwise be the next request
@@ -159,8 +158,6 @@ async def read_json(request, max_bytes: int, timeout: float, uploads: Optional[U
                     chunks.append(chunk)
                 elif size > DRAIN_FACTOR * max_bytes:
                     break
-                if uploads is not None:
-                    uploads.received(address, scope)
     except ClientDisconnect:
         raise APIError(499, "the client disconnected during the upload") from None
     finally:
@@ -169,10 +166,11 @@ async def read_json(request, max_bytes: int, timeout: float, uploads: Optional[U
     if size > max_bytes:
         raise too_large
     if scope.cancelled_caught:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)"
-                       if anyio.current_time() >= scope.deadline else "the request body stalled and gave its place "
-                       f"to another from this address (--max-uploads-per-client {uploads.per_client})", headers=close)
-    return await anyio.to_thread.run_sync(parse_json, b"".join(chunks))  # 4 MB of JSON: not on the event loop
+        late = anyio.current_time() >= scope.deadline
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)" if late else
+                       f"the request body was still arriving after {UPLOAD_GRACE_SECONDS:g} s and gave its place to "
+                       f"another from this address (--max-uploads-per-client {uploads.per_client})", headers=close)
+    return await anyio.to_thread.run_sync(parse_json, b"".join(chunks)), size  # 4 MB of JSON: not on the event loop
 
 
 def open_files_for(max_connections: int) -> None:

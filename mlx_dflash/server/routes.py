@@ -3,7 +3,8 @@
 Each generation route reads and checks its body (limits.py, then the API's parser), refuses a prompt whose
 text alone is over the context, takes a place in the engine's queue, tokenizes the prompt on one of a few
 worker threads (never on the event loop: a 4 MB prompt takes seconds; the tokenizers release the GIL, so a
-short prompt is tokenized beside long ones), refuses a prompt over the context and cuts max_tokens, all
+short prompt is tokenized beside long ones; big prompts have threads of their own, so that however many
+come, a short one finds a thread free), refuses a prompt over the context and cuts max_tokens, all
 before the engine sees it; then answers as a stream or a whole response in the API's format. The same
 reply events feed every API.
 """
@@ -27,7 +28,17 @@ from .thinking import reasoning_splitter
 from .tools import ReplyParser, forced_prefix
 
 log = logging.getLogger("mlx_dflash.server")
-TOKENIZER_THREADS = 4  # prompts tokenized at once
+TOKENIZER_THREADS = 4  # short prompts tokenized at once
+BIG_PROMPT_THREADS = 2  # big prompts tokenized at once, on threads of their own
+BIG_PROMPT_CHARACTERS = 1 << 16  # a prompt over this is big: tokenizing it takes tens of milliseconds or more
+
+
+def prompt_characters(req, body_bytes: int) -> int:
+    """About how many characters tokenizing the request's prompt reads: its body's bytes (tools included), or
+    its messages' text where that is more (a kept conversation, previous_response_id's, is not in the body)."""
+    if req.kind != "chat":
+        return body_bytes
+    return max(body_bytes, sum(len(m["content"]) for m in req.prompt if isinstance(m.get("content"), str)))
 
 
 async def _cancel_on_disconnect(receive, job: Job):
@@ -57,6 +68,7 @@ def make_app(engine: Engine, config: ServerConfig):
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
     uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4))
     tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
+    big_prompt_threads = ThreadPoolExecutor(BIG_PROMPT_THREADS, thread_name_prefix="mlx-dflash-tokenizer-big")
     # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
     # that with several keys a client reads only the responses made with its own key.
     kept = collections.defaultdict(openai_responses.ResponseStore)
@@ -65,6 +77,7 @@ def make_app(engine: Engine, config: ServerConfig):
     async def lifespan(app):
         yield
         tokenizer_threads.shutdown(wait=False)
+        big_prompt_threads.shutdown(wait=False)
 
     async def health(request):
         body = {"status": "ok", "model": name, "waiting": engine.waiting}
@@ -95,9 +108,10 @@ def make_app(engine: Engine, config: ServerConfig):
         return JSONResponse(model_card)
 
     async def tokenized(request, parse, admit: bool) -> tuple:
-        """(request, prompt ids): the body read and parsed, then (admitted to the queue) tokenized off the loop."""
-        req = parse(await read_json(request, config.max_body_bytes, config.body_timeout, uploads), config.defaults,
-                    name)
+        """(request, prompt ids, the threads that tokenized it): the body read and parsed, then (admitted to the
+        queue) tokenized off the loop."""
+        body, size = await read_json(request, config.max_body_bytes, config.body_timeout, uploads)
+        req = parse(body, config.defaults, name)
         request.scope.setdefault("dflash.log", {})["id"] = req.id
         if req.tools and not tools.renders_tools and not config.generic_tools:
             raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools "
@@ -106,20 +120,21 @@ def make_app(engine: Engine, config: ServerConfig):
         if admit:
             engine.refuse_surely_too_long(req)
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
+        big = prompt_characters(req, size) > BIG_PROMPT_CHARACTERS
+        threads = big_prompt_threads if big else tokenizer_threads
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.prompt_ids, req)
+            ids = await asyncio.get_running_loop().run_in_executor(threads, engine.prompt_ids, req)
             if admit:
                 engine.fit(req, len(ids), config.max_tokens_limit)
         except BaseException:
             if admit:
                 engine.leave()
             raise
-        return req, ids
+        return req, ids, threads
 
     async def generate(request, parse, stream, body):
-        req, ids = await tokenized(request, parse, admit=True)
-        boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.message_boundaries,
-                                                                       req, ids)
+        req, ids, threads = await tokenized(request, parse, admit=True)
+        boundaries = await asyncio.get_running_loop().run_in_executor(threads, engine.message_boundaries, req, ids)
         job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls, forced(req)) if req.tools else None,
                   boundaries, reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None,
                   request.scope.get("dflash.cache_scope", ""))
@@ -184,7 +199,7 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def count_tokens(request):
         parse = partial(anthropic.parse_messages, count_only=True, system_turns=system_turns)
-        _, ids = await tokenized(request, parse, admit=False)
+        _, ids, _ = await tokenized(request, parse, admit=False)
         return JSONResponse({"input_tokens": len(ids)})
 
     routes = [
