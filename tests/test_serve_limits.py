@@ -68,6 +68,8 @@ def test_a_non_streamed_request_whose_client_leaves_stops_within_a_round(tiny_ch
         with pytest.raises(openai.APITimeoutError):  # the client gives up after 1.5 s of a 8192-token answer
             client(url, timeout=1.5).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8192)
         wait_until(lambda: engine.cancelled == 1 and engine.running is None, 30)
+        # the request's log line is written on the event loop, after the engine thread let go of the job
+        wait_until(lambda: any("finish=cancelled" in m for m in log_lines(caplog)), 30)
         line = next(m for m in log_lines(caplog) if "finish=cancelled" in m)
         assert line.startswith("POST /v1/chat/completions 499 ")
         assert int(line.split("completion=")[1].split()[0]) < 8192
