@@ -97,3 +97,26 @@ def wait_for_health(server, url, seconds=120):
                 return
         except OSError:
             time.sleep(0.2)
+
+
+def sse_events(url, path, body, headers=None):
+    """(event name, data) of each server-sent event of a streamed POST, read as they come; SSE comments
+    (keep-alive pings) as (":", the comment)."""
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    events, name = [], None
+    for line in response:
+        line = line.decode().rstrip("\n")
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[6:])))
+        elif line.startswith(":"):
+            events.append((":", line[1:].strip()))
+    conn.close()
+    return events

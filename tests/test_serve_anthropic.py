@@ -5,15 +5,13 @@ content blocks included), Anthropic's streaming event sequence with its pings, c
 sequences, and Anthropic-shaped errors, "prompt is too long" worded as Anthropic words it.
 """
 
-import http.client
-import json
 import threading
 
 import anthropic
 import pytest
 
 from serve_helpers import pair_with_context
-from serving import MODEL, running
+from serving import MODEL, running, sse_events
 from mlx_dflash.generate import generate
 
 SYSTEM = "You answer briefly."
@@ -42,24 +40,6 @@ def decoded(pair, messages, max_tokens):
     target, drafter, tokenizer = pair
     return generate(target, drafter, tokenizer, tokenizer.apply_chat_template(messages, add_generation_prompt=True),
                     max_tokens=max_tokens)
-
-
-def sse_events(url, body, headers=None):
-    """(event name, data) of each server-sent event of a POST /v1/messages, read as they come."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/messages", json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
-    response = conn.getresponse()
-    assert response.status == 200, response.read()
-    events, name = [], None
-    for line in response:
-        line = line.decode().rstrip("\n")
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            events.append((name, json.loads(line[6:])))
-    conn.close()
-    return events
 
 
 def test_text_equals_the_decoder_with_system_and_content_blocks(pair, served):
@@ -100,7 +80,7 @@ def test_stream_event_sequence_with_pings_while_queued(pair, served):
     long.start()  # keeps the engine busy: the stream below waits in the queue, pinged every 0.3 s
     while engine.running is None:
         pass
-    events = sse_events(url, {"model": MODEL, "max_tokens": 8, "stream": True,
+    events = sse_events(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "stream": True,
                               "messages": [{"role": "user", "content": QUESTION}]})
     long.join(timeout=60)
     names = [n for n, _ in events]

@@ -6,9 +6,9 @@ a `Job`: the engine pushes its text to the request's asyncio queue round by roun
 cancel flag after every round and between prefill chunks, so a client that goes away (streamed or not)
 stops its generation within a round, or a chunk of its prompt.
 
-The routes and the uvicorn server are routes.py; the wire formats protocol.py (OpenAI) and anthropic.py
-(Messages); tool calls in replies tools.py; what the network may send limits.py; who may send it
-security.py; the log logs.py. A sharded target
+The routes and the uvicorn server are routes.py; the wire formats protocol.py (OpenAI chat and
+completions), openai_responses.py (Responses) and anthropic.py (Messages); tool calls in replies tools.py;
+what the network may send limits.py; who may send it security.py; the log logs.py. A sharded target
 (`--shard`, rank 0's engine and the other ranks' loop) is sharded.py, through the Engine's hooks
 (_next_job, _responses, _ended_early, fatal_errors).
 """

@@ -79,6 +79,8 @@ class GenerationRequest:
     include_usage: bool = False
     tools: Optional[list] = None  # OpenAI function tools, for the chat template; None: no tools
     parallel_tool_calls: bool = True
+    force_tool: Optional[str] = None  # None: the model may answer in text; "": it must call a tool; a name: that tool
+    thinking: Optional[bool] = None  # None: the chat template's default; False/True: enable_thinking for templates that take it
     continue_final: bool = False  # continue the last (assistant) message instead of starting a new one
     id: str = ""
     created: int = 0

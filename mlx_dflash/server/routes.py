@@ -3,7 +3,7 @@
 Each generation route reads and checks its body (limits.py, then the API's parser), takes a place in the
 engine's queue, tokenizes the prompt on a worker thread (never on the event loop: a 4 MB prompt takes
 seconds), refuses a prompt over the context and cuts max_tokens, all before the engine sees it; then
-answers as a stream or a whole response in the API's format. The same reply events feed both APIs.
+answers as a stream or a whole response in the API's format. The same reply events feed every API.
 """
 
 import asyncio
@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from . import anthropic
+from . import anthropic, openai_responses
 from .app import Engine, Job, ServerConfig, replies
 from .limits import limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
@@ -46,6 +46,7 @@ def make_app(engine: Engine, config: ServerConfig):
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
     tools = tool_support(engine.tokenizer)
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx-dflash-tokenizer")  # one at a time
+    kept = openai_responses.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -137,6 +138,14 @@ def make_app(engine: Engine, config: ServerConfig):
     async def messages(request):
         return await generate(request, anthropic.parse_messages, anthropic.message_stream, anthropic.message_body)
 
+    async def responses(request):
+        return await generate(request, partial(openai_responses.parse_responses, store=kept),
+                              partial(openai_responses.response_stream, store=kept),
+                              partial(openai_responses.response_body, store=kept))
+
+    async def kept_response(request):
+        return JSONResponse(kept.response(request.path_params["response_id"]))
+
     async def count_tokens(request):
         _, ids = await tokenized(request, partial(anthropic.parse_messages, count_only=True), admit=False)
         return JSONResponse({"input_tokens": len(ids)})
@@ -147,6 +156,8 @@ def make_app(engine: Engine, config: ServerConfig):
         Route("/v1/models/{model_id:path}", model),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", kept_response),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
