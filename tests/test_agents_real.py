@@ -124,15 +124,19 @@ def test_claude_code_answers_and_its_second_turn_reads_the_first_from_the_prefix
 def test_codex_exec_answers(server, tmp_path):
     home = tmp_path / "codex-home"
     home.mkdir()
+    # Codex drops a stream quiet for stream_idle_timeout_ms (default 300000) and an SSE comment (the server's
+    # ping) does not count: its ~6k-token first prompt takes longer than that to prefill on a CPU.
     (home / "config.toml").write_text(
         f'model = "{server.model}"\nmodel_provider = "local"\n\n[model_providers.local]\nname = "local"\n'
-        f'base_url = "{server.url}/v1"\nenv_key = "LOCAL_API_KEY"\nwire_api = "responses"\n')
+        f'base_url = "{server.url}/v1"\nenv_key = "LOCAL_API_KEY"\nwire_api = "responses"\n'
+        f'stream_idle_timeout_ms = {CLIENT_SECONDS * 1000}\n')
     answer = tmp_path / "answer.txt"
     env = {"HOME": str(tmp_path), "CODEX_HOME": str(home), "LOCAL_API_KEY": "unused"}
     code, out, err, _ = run_client([npm_client("codex"), "exec", "--skip-git-repo-check", "--ephemeral",
                                     "--output-last-message", answer, HELLO], env, tmp_path)
     assert code == 0, err[-4000:]
     assert answer.read_text().strip(), out + err[-4000:]
+    assert not [line for line in server.requests() if "/v1/responses" in line and "finish=cancelled" in line]
 
 
 def test_openai_agents_runs_its_function_tool_over_responses(server):
