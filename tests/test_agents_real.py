@@ -114,11 +114,11 @@ def test_claude_code_answers_and_its_second_turn_reads_the_first_from_the_prefix
     code, second, err = claude_code(server, tmp_path, "--resume", result["session_id"], "Now reply with: bye")
     assert code == 0, (second or {}).get("result") or err
     assert second["is_error"] is False and second["result"].strip(), second
-    # The second request's prompt starts with the first's (system prompt, tools, first turn): it is read from
-    # the prefix cache, most of it, and the server says so in Anthropic's usage.
+    # The second request's prompt starts with the first's (system prompt, tools, first turn): the first's
+    # prompt is read from the prefix cache, near all of it, and the server says so in Anthropic's usage.
     assert server.health()["prompt_cache"]["hits"] > hits
-    usage = second["usage"]
-    assert usage["cache_read_input_tokens"] > usage["input_tokens"], usage
+    first_prompt = result["usage"]["cache_creation_input_tokens"] + result["usage"]["cache_read_input_tokens"]
+    assert second["usage"]["cache_read_input_tokens"] >= 0.9 * first_prompt, (result["usage"], second["usage"])
 
 
 def test_codex_exec_answers(server, tmp_path):
