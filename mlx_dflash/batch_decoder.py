@@ -193,6 +193,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: Optional[int] = None
     boundaries: tuple = ()  # chat message ends, for a hybrid target's prefix-cache checkpoints
+    cache_scope: str = ""  # the part of the prefix cache it uses (a server's per API key)
 
 
 @dataclass
@@ -210,8 +211,8 @@ class Scheduler:
     rows decoding), join the batch once all but their last token is read (the round that step reads that
     token and picks their first), and leave it at once when done.
 
-    step() returns events (handle, kind, value): ("admitted", cached prompt tokens) when a request's
-    prefill starts, ("round", Round) for each of its rounds (the first: its first token alone, drafted 0),
+    step() returns events (handle, kind, value): ("admitted", (cached prompt tokens, perf_counter() when
+    its prefill started)) when a request's prefill starts, ("round", Round) for each of its rounds (the first: its first token alone, drafted 0),
     ("done", None) when it has left the batch. A request ends at a stop token, at max_tokens, or by
     cancel()."""
 
@@ -223,7 +224,7 @@ class Scheduler:
         self.prefill_step = prefill_step
         self.waiting: deque = deque()
         self.reading: Optional[Prefill] = None
-        self.checkpoints: dict = {}  # handle -> its prefill's checkpoints, kept with its state when it leaves
+        self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), for its state when it leaves
         self.ending: set = set()
         self.stats = BatchStats()
 
@@ -261,7 +262,8 @@ class Scheduler:
         events = []
         for handle, state in self.batch.leave(done) if done else []:
             if self.prompt_cache is not None:
-                self.prompt_cache.insert(state, self.checkpoints.pop(handle, {}))
+                scope, checkpoints = self.checkpoints.pop(handle, ("", {}))
+                self.prompt_cache.insert(state, checkpoints, scope)
             events.append((handle, "done", None))
         for request in [r for r in self.waiting if r.handle in self.ending]:
             self.waiting.remove(request)
@@ -275,13 +277,14 @@ class Scheduler:
     def _start(self, request: Request) -> list:
         state, checkpoints = None, {}
         if self.prompt_cache is not None:
-            state, checkpoints = self.prompt_cache.fetch(request.ids)
+            state, checkpoints = self.prompt_cache.fetch(request.ids, request.cache_scope)
         state = state or DecodeState.fresh(self.target, self.drafter)
         marks = []
         if self.prompt_cache is not None and not self.target.trimmable:
             marks = [m for m in rungs(len(request.ids), request.boundaries) if m > len(state.tokens)]
         self.reading = Prefill(request, state, checkpoints, marks)
-        return [(request.handle, "admitted", len(state.tokens))]
+        # the time goes with it: the step reads its first chunk (maybe its first token) before returning
+        return [(request.handle, "admitted", (len(state.tokens), time.perf_counter()))]
 
     def _read_chunk(self):
         """One chunk of the prompt being read; once all but its last token is read, it joins the batch."""
@@ -296,7 +299,7 @@ class Scheduler:
             return
         request = p.request
         self.reading = None
-        self.checkpoints[request.handle] = p.checkpoints
+        self.checkpoints[request.handle] = (request.cache_scope, p.checkpoints)
         # seeded: the first token is drawn with a key of the seed's, every later draw from the row's own stream
         first_key = None if request.seed is None else mx.random.split(mx.random.key(request.seed))[0]
         self.batch.join(request.handle, state, ids[-1], request.sampling, request.max_tokens,
@@ -330,9 +333,12 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     while scheduler.busy:
         for i, kind, value in scheduler.step():
             if kind == "admitted":
+                cached, started = value
                 stats = GenerationStats(prompt_tokens=len(ids[i]), block_size=policy.block_size,
-                                        max_width=policy.max_width, cached_tokens=value)
-                streams[i] = ResponseStream(tokenizer, stats, limits[i], time.perf_counter(), prompt_cache)
+                                        max_width=policy.max_width, cached_tokens=cached)
+                if prompt_cache is not None:
+                    stats.prefill_seconds_saved = prompt_cache.seconds_saved(cached)
+                streams[i] = ResponseStream(tokenizer, stats, limits[i], started, prompt_cache)
             elif kind == "round" and not streams[i].finished:
                 for response in streams[i].feed(value):
                     texts[i].append(response.text)

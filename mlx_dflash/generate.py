@@ -16,14 +16,14 @@ import mlx.core as mx
 
 from .decoder import DecodeState, speculative_rounds
 from .distributed import SingleProcess
-from .engine_report import Report, announce
+from .engine_report import Report, announce, silenced
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
-from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_options,
-                      shard_options, width_options)
+from .options import (apply_kv_options, check_rank_timeout, check_seed, kv_options, pair_options,
+                      sampling_from_flags, sampling_options, shard_options, width_options)
 from .policy import WidthPolicy, build_policy, check_width_options
-from .prompt_cache import PromptCache, pair_identity, read_to_rungs
+from .prompt_cache import PromptCache, check_prompt_cache_file, pair_identity, read_to_rungs
 from .responses import GenerationResponse, GenerationStats, ResponseStream
 from .sampling import SamplingParams
 
@@ -86,6 +86,7 @@ def stream_generate(
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     prompt_cache: Optional[PromptCache] = None,
     boundaries=(),
+    cache_scope: str = "",
     ranks: SingleProcess = SingleProcess(),
     sampler=None,
 ) -> Iterator[GenerationResponse]:
@@ -96,13 +97,15 @@ def stream_generate(
     (default: the drafter's trained block), unless a `policy` is given (`policy.build_policy`).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
     the longest kept prefix of the prompt and keep this generation's state (prompt_cache.py); boundaries:
-    prompt positions worth keeping a hybrid target's state at (the ends of chat messages)."""
+    prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the
+    part of the cache to use (a server's per API key)."""
     if sampler is not None:
         raise DFlashError("sampler= takes a function that draws a token, but speculative sampling needs the "
                           "distribution itself: pass temp=, top_p=, top_k=, min_p= (make_sampler's arguments)")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     sampling = SamplingParams(temp, top_p, top_k, min_p)
+    check_seed(seed, "seed")
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
@@ -121,7 +124,7 @@ def stream_generate(
     tic = time.perf_counter()
     state, checkpoints = None, {}
     if prompt_cache is not None:
-        state, checkpoints = prompt_cache.fetch(ids)
+        state, checkpoints = prompt_cache.fetch(ids, cache_scope)
     state = state or DecodeState.fresh(target, drafter)
     stats.cached_tokens = len(state.tokens)
     if prompt_cache is not None:
@@ -141,7 +144,7 @@ def stream_generate(
     finally:
         rounds.close()
         if prompt_cache is not None:
-            prompt_cache.insert(state, checkpoints)
+            prompt_cache.insert(state, checkpoints, cache_scope)
 
 
 def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False,
@@ -200,8 +203,14 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise DFlashError("--prompt is empty: give the text to answer (or - to read it from stdin)")
-    SamplingParams(temp, top_p, top_k, min_p)  # refuse bad settings before loading anything
+    # Bad settings are refused before anything loads, and before any work (the prompt cache file too).
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be at least 1, got {max_tokens}")
+    sampling_from_flags(temp, top_p, top_k, min_p)
+    check_seed(seed)
     check_width_options(width, n_max, cost_table)
+    if prompt_cache_file:
+        check_prompt_cache_file(prompt_cache_file)
     if blas := slow_blas_warning():
         click.echo(blas, err=True)
     if shard:
@@ -226,9 +235,9 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
     for note in policy.notes if ranks.rank == 0 else ():  # before any work; stream_generate keeps them in the stats
         announce(note)
     bar = tqdm(total=len(ids), desc="prompt", unit="tok", delay=2, leave=False, disable=ranks.rank != 0)
-    stats, shown = None, None
+    stats, shown, said, line_open = None, None, set(policy.notes), False
     try:
-        with ranks.watch():
+        with ranks.watch(), silenced():  # notes new during the run are printed here, each on a line of its own
             for response in stream_generate(
                 target, drafter, tokenizer, ids, max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                 seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
@@ -240,8 +249,14 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
                 if verbose and response.round is not shown:  # a new round: the one before has all its text
                     if shown is not None and shown.drafted:
                         echo(f" [{shown.accepted}/{shown.drafted}]", nl=False, err=True)
+                        line_open = True
                     shown = response.round
+                for note in [n for n in stats.notes if n not in said]:
+                    echo(("\n" if line_open else "") + note, err=True)
+                    said.add(note)
+                    line_open = False
                 echo(response.text, nl=False)
+                line_open = not response.text.endswith("\n") if response.text else line_open
     except KeyboardInterrupt:
         bar.close()
         echo("\n" + "=" * 10, err=True)

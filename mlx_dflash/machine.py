@@ -17,7 +17,13 @@ from .kernels.metal import metal_available
 from .kernels.race_gate import chip_name
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian/Ubuntu's libopenblas0-pthread
-BLAS_FIX = f"apt-get install libopenblas0-pthread, then export LD_PRELOAD={OPENBLAS}"
+# Where the distributions put OpenBLAS (the first found is preloaded): Debian/Ubuntu (libopenblas0-pthread,
+# by architecture), Fedora (openblas), Arch (openblas).
+OPENBLAS_PATHS = (f"/usr/lib/{platform.machine()}-linux-gnu/libopenblas.so.0", "/usr/lib64/libopenblas.so.0",
+                  "/usr/lib/libopenblas.so.0")
+BLAS_FIX = ("install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread; Fedora: dnf install openblas; "
+            f"Arch: pacman -S openblas) and mlx-dflash preloads it; or export LD_PRELOAD={OPENBLAS}")
+NO_PRELOAD = "MLX_DFLASH_NO_BLAS_PRELOAD"  # set to 1: never re-run a command with OpenBLAS preloaded
 
 
 def machine_info() -> dict:
@@ -156,6 +162,33 @@ def slow_blas_warning(blas: dict | None = None) -> str | None:
         return None
     what = "the reference BLAS bundled with MLX's wheel" if blas["kind"] == "bundled" else "a reference BLAS"
     return f"warning: MLX runs its CPU matmuls on {what} ({blas['library']}), about 10x slower: {BLAS_FIX}"
+
+
+def blas_preload(blas: dict, environ=os.environ, paths=OPENBLAS_PATHS, exists=os.path.exists) -> str | None:
+    """The OpenBLAS to re-run this process with (LD_PRELOAD), or None: when MLX computes on a reference BLAS
+    (`blas`, blas_library's), the user has not turned it off (NO_PRELOAD) and LD_PRELOAD does not hold that
+    library already (a preload that did not take is not tried twice)."""
+    if environ.get(NO_PRELOAD, "") not in ("", "0") or not blas["slow"]:
+        return None
+    found = next((path for path in paths if exists(path)), None)
+    if found is None or found in environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        return None
+    return found
+
+
+def rerun_with_fast_blas():
+    """On Linux with MLX on the CPU and its slow reference BLAS: re-run this command (same interpreter and
+    arguments, os.execv) with a system OpenBLAS preloaded, saying so in one line on stderr; else return."""
+    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu:
+        return
+    path = blas_preload(blas_library())
+    if path is None:
+        return
+    preload = " ".join(filter(None, [path, os.environ.get("LD_PRELOAD", "")]))
+    print(f"mlx-dflash: MLX's bundled reference BLAS is about 10x slower than OpenBLAS: running with "
+          f"LD_PRELOAD={path} ({NO_PRELOAD}=1 turns this off)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "LD_PRELOAD": preload})
 
 
 def versions() -> dict:

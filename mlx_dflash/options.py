@@ -3,6 +3,7 @@
 import click
 
 from .errors import DFlashError
+from .sampling import FLAGS, SamplingParams, sampling_problem
 
 
 def options(*decorators):
@@ -64,6 +65,19 @@ shard_options = options(
     click.option("--rank-timeout", default=300.0, show_default=True, type=float,
                  help="With --shard: give up when no round finishes for this many seconds (a hung rank)."),
 )
+
+
+def sampling_from_flags(temp, top_p, top_k, min_p) -> SamplingParams:
+    """The sampling flags as SamplingParams; bad values are refused naming the flags (before anything loads)."""
+    if problem := sampling_problem(temp, top_p, top_k, min_p, FLAGS):
+        raise DFlashError(problem)
+    return SamplingParams(temp, top_p, top_k, min_p)
+
+
+def check_seed(seed, name: str = "--seed") -> None:
+    """MLX seeds its random state with an unsigned 64-bit integer."""
+    if seed is not None and not 0 <= seed < 2**64:
+        raise DFlashError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
 
 
 def check_rank_timeout(seconds: float) -> None:

@@ -11,7 +11,9 @@ recurrent layers only: one KV copy per conversation, however many checkpoints it
 
 Every request keeps the state it ended with (prompt + answer), which the next turn of a conversation
 extends; a kept state whose tokens start a newer one is folded into it (its checkpoints move over).
-Entries go least recently used first, within `max_entries` and `max_bytes`, and are optionally kept on
+Each entry belongs to a scope (a server keeps one per API key, so that one client's hits never tell
+what another sent; "" otherwise): a request starts only from its own scope's entries. Entries go least
+recently used first, within `max_entries` and `max_bytes` (all scopes together), and are optionally kept on
 disk (one safetensors file per entry in mlx-lm's prompt-cache format, written atomically, naming the
 pair it belongs to), so a restart keeps them.
 
@@ -104,6 +106,8 @@ class Entry:
     tokens: np.ndarray
     state: DecodeState
     checkpoints: Optional[dict] = None  # {position: checkpoint}; None: every position (a trimmable target)
+    prefill_rate: Optional[float] = None  # read from its file: the rate its cache had seen (what a hit saves)
+    scope: str = ""
     nbytes: int = field(default=0, init=False)
 
     def __post_init__(self):
@@ -159,7 +163,7 @@ class PromptCache:
         if self.max_bytes < 1:
             raise DFlashError(f"--prompt-cache-bytes must be at least 1, got {self.max_bytes}")
         self.directory = None if directory is None else Path(directory).expanduser()
-        self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # (scope, *tokens): least recently used first
         self._lock = threading.Lock()  # /health reads the counters from another thread
         self.hits = self.misses = self.cached_tokens = 0
         self.prefill_rate = None  # prompt tokens per second of recent cold prefills
@@ -167,21 +171,23 @@ class PromptCache:
             self._load_directory()
 
     # Lookup and insertion.
-    def best(self, tokens: list) -> tuple:
-        """(key, usable length) of the entry restoring the longest prefix of `tokens` (at least one token is
-        left for the prefill to read: its logits pick the first new token); (None, 0) if none does."""
+    def best(self, tokens: list, scope: str = "") -> tuple:
+        """(key, usable length) of the scope's entry restoring the longest prefix of `tokens` (at least one
+        token is left for the prefill to read: its logits pick the first new token); (None, 0) if none does."""
         query = np.array(tokens, dtype=np.int32)
         best, best_length = None, 0
         for key, entry in self._entries.items():  # most recently used last: it wins ties
+            if entry.scope != scope:
+                continue
             usable = entry.usable(query)
             if usable >= best_length and usable > 0:
                 best, best_length = key, usable
         return best, best_length
 
-    def fetch(self, tokens: list) -> tuple:
+    def fetch(self, tokens: list, scope: str = "") -> tuple:
         """(a restored copy of the state holding the longest usable prefix of `tokens`, the checkpoints it
-        keeps), or (None, {}) if no entry holds one."""
-        best, best_length = self.best(tokens)
+        keeps), or (None, {}) if no entry of the scope holds one."""
+        best, best_length = self.best(tokens, scope)
         with self._lock:
             if best is None:
                 self.misses += 1
@@ -192,8 +198,8 @@ class PromptCache:
         entry = self._entries[best]
         return entry.restore(best_length), entry.checkpoints_to(best_length)
 
-    def insert(self, state: DecodeState, checkpoints: Optional[dict] = None) -> bool:
-        """Keep `state`, which the caller no longer uses. checkpoints: for a target that cannot trim, the
+    def insert(self, state: DecodeState, checkpoints: Optional[dict] = None, scope: str = "") -> bool:
+        """Keep `state` in the scope; the caller no longer uses it. checkpoints: for a target that cannot trim, the
         positions (and recurrent arrays) it may be restored to; its end is added when its caches agree with
         its tokens. A state that dropped its features (drafting off) is not kept. Returns whether kept."""
         if state.dropped_features or not state.tokens:
@@ -210,21 +216,22 @@ class PromptCache:
             if not checkpoints:
                 return False
         mx.eval([c.state for c in state.cache], state.context, [_drafter_arrays(c) for c in state.draft_cache])
-        key = tuple(state.tokens)
-        entry = Entry(np.array(key, dtype=np.int32), state, None if self.trimmable else checkpoints)
+        key = (scope, *state.tokens)
+        entry = Entry(np.array(key[1:], dtype=np.int32), state, None if self.trimmable else checkpoints,
+                      scope=scope)
         with self._lock:
             self._entries.pop(key, None)
             for older in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
                 folded = self._entries[older].checkpoints
                 if folded is not None:  # its checkpoints stay good for the newer state, which holds them all
-                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints})
+                    entry = Entry(entry.tokens, state, {**folded, **entry.checkpoints}, scope=scope)
                 self._forget(older)
             self._entries[key] = entry
             self._evict()
             kept = key in self._entries
         if kept and self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_entry(self._file(entry.tokens), entry, self.identity)
+            write_entry(self._file(entry), entry, self.identity, self.prefill_rate)
         return kept
 
     def _evict(self):
@@ -234,7 +241,7 @@ class PromptCache:
     def _forget(self, key: tuple):
         entry = self._entries.pop(key)
         if self.directory is not None:
-            self._file(entry.tokens).unlink(missing_ok=True)
+            self._file(entry).unlink(missing_ok=True)
 
     # Statistics.
     @property
@@ -260,8 +267,8 @@ class PromptCache:
                     "cached_tokens": self.cached_tokens}
 
     # Persistence: one file per entry in `directory`, or one file for `generate --prompt-cache-file`.
-    def _file(self, tokens: np.ndarray) -> Path:
-        digest = hashlib.sha256(self.identity.encode() + tokens.tobytes()).hexdigest()[:24]
+    def _file(self, entry: Entry) -> Path:
+        digest = hashlib.sha256(self.identity.encode() + entry.scope.encode() + entry.tokens.tobytes()).hexdigest()[:24]
         return self.directory / f"{digest}.safetensors"
 
     def _load_directory(self):
@@ -272,7 +279,8 @@ class PromptCache:
         for f in sorted(self.directory.glob("*.safetensors"), key=lambda f: f.stat().st_mtime):
             entry = None if f.name.startswith(".") else read_entry(f, self.identity)
             if entry is not None:
-                self._entries[tuple(entry.state.tokens)] = entry
+                self._entries[(entry.scope, *entry.state.tokens)] = entry
+                self.prefill_rate = entry.prefill_rate or self.prefill_rate
         self._evict()
 
     def save_file(self, path, tokens: list) -> bool:
@@ -281,22 +289,53 @@ class PromptCache:
         key, _ = self.best(list(tokens) + [-1])  # as if one more token followed: all of `tokens` counts
         if key is None:
             return False
-        write_entry(Path(path), self._entries[key], self.identity)
+        write_entry(Path(path), self._entries[key], self.identity, self.prefill_rate)
         return True
 
     def load_file(self, path) -> bool:
         """Take the entry in `path` (written by save_file) if it belongs to this pair. Returns whether it did."""
         entry = read_entry(Path(path), self.identity) if Path(path).is_file() else None
         if entry is not None:
-            self._entries[tuple(entry.state.tokens)] = entry
+            self._entries[(entry.scope, *entry.state.tokens)] = entry
+            self.prefill_rate = self.prefill_rate or entry.prefill_rate
             self._evict()
         return entry is not None
 
 
-def write_entry(path: Path, entry: Entry, identity: str):
+def is_prompt_cache_file(path: Path) -> bool:
+    """Whether `path` is a file write_entry wrote (of any pair): its safetensors header's metadata (mlx-lm
+    keeps ours under "0.") names FORMAT. Only the header is read."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 24:
+                return False
+            metadata = json.loads(f.read(size)).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return FORMAT in metadata.values()
+
+
+def check_prompt_cache_file(path) -> None:
+    """Refuse, before any work, a `--prompt-cache-file` that cannot be kept: its folder does not exist or
+    cannot be written, or it is an existing file that is not a prompt cache (it would be replaced)."""
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        raise DFlashError(f"--prompt-cache-file {path}: no folder {folder}: create it, or name a file in an "
+                          "existing folder")
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"--prompt-cache-file {path}: the folder {folder} is not writable: name a file elsewhere")
+    if path.is_file() and path.stat().st_size and not is_prompt_cache_file(path):
+        raise DFlashError(f"--prompt-cache-file {path} is a file that is not an mlx-dflash prompt cache, and it "
+                          "would be replaced: name a new file (or delete this one)")
+
+
+def write_entry(path: Path, entry: Entry, identity: str, prefill_rate: Optional[float] = None):
     """One kept state as a safetensors file (mlx-lm's prompt-cache format): the target's cache layers, one
     ArraysCache per drafter layer (keys, values), one per checkpoint (its recurrent arrays, layer by layer),
-    and last one holding (tokens, unread feature rows)."""
+    and last one holding (tokens, unread feature rows); the metadata names the pair and keeps the cache's
+    prefill rate, so a later process can say what a hit saves."""
     state, points = entry.state, sorted((entry.checkpoints or {}).items())
     holders = []
     for c in state.draft_cache:
@@ -307,10 +346,12 @@ def write_entry(path: Path, entry: Entry, identity: str):
         holders[-1].cache = [a for layer in sorted(point) for a in point[layer]]
     holders.append(ArraysCache(2))
     holders[-1].cache = [mx.array(entry.tokens), state.context]
-    metadata = {"format": FORMAT, "identity": identity, "target_layers": str(len(state.cache)),
+    metadata = {"format": FORMAT, "identity": identity, "scope": entry.scope,
+                "target_layers": str(len(state.cache)),
                 "drafter_layers": str(len(state.draft_cache)),
                 "checkpoints": json.dumps(None if entry.checkpoints is None else
-                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points])}
+                                          [[p, {str(i): len(a) for i, a in point.items()}] for p, point in points]),
+                "prefill_rate": json.dumps(prefill_rate)}
     partial = path.with_name(f".{path.stem}.partial.safetensors")
     try:
         save_prompt_cache(str(partial), list(state.cache) + holders, metadata)
@@ -328,6 +369,7 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             return None
         n, d = int(metadata["target_layers"]), int(metadata["drafter_layers"])
         layout = json.loads(metadata["checkpoints"])
+        rate = json.loads(metadata.get("prefill_rate", "null"))
     except Exception:  # a torn or foreign file: never fatal
         return None
     draft_cache = []
@@ -347,7 +389,8 @@ def read_entry(path: Path, identity: str) -> Optional[Entry]:
             checkpoints[position] = point
     tokens, context = layers[-1].cache
     return Entry(np.array(tokens, dtype=np.int32), DecodeState(layers[:n], draft_cache, tokens.tolist(), context),
-                 checkpoints)
+                 checkpoints, rate if isinstance(rate, (int, float)) and rate > 0 else None,
+                 metadata.get("scope", ""))
 
 
 def rungs(prompt_tokens: int, boundaries=()) -> list:

@@ -67,11 +67,13 @@ class GenerationStats:
         from .engine_report import engine_lines
 
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
-        cached = f" ({self.cached_tokens} cached, ~{self.prefill_seconds_saved:.1f} s saved)" if self.cached_tokens else ""
+        saved = f", ~{self.prefill_seconds_saved:.2f} s saved" if self.prefill_seconds_saved else ""  # once a rate is known
+        cached = f" ({self.cached_tokens} cached{saved})" if self.cached_tokens else ""
+        tau = f"{self.tau:.2f}" if self.rounds else "-"  # the first token is the prefill's: no round, no tau
         lines = [
             f"prompt: {self.prompt_tokens} tokens{cached}, {self.prefill_tps:.1f} tokens/s",
             f"generation: {self.generated_tokens} tokens, {self.decode_tps:.1f} tokens/s, "
-            f"{self.rounds} rounds, tau {self.tau:.2f} (block {self.block_size}, verify width <= {self.max_width})",
+            f"{self.rounds} rounds, tau {tau} (block {self.block_size}, verify width <= {self.max_width})",
             f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
             "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths))
             + f"; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",

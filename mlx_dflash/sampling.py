@@ -27,6 +27,26 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categoric
 from .errors import DFlashError
 
 
+FIELDS = ("temperature", "top_p", "top_k", "min_p")  # as the Python API and the HTTP APIs name them
+FLAGS = ("--temp", "--top-p", "--top-k", "--min-p")  # as the command line does
+
+
+def sampling_problem(temperature, top_p, top_k, min_p, names=FIELDS) -> Optional[str]:
+    """What is wrong with these sampling settings, in one line naming each as `names` do (None if nothing)."""
+    t, p, k, m = names
+    if not all(math.isfinite(v) for v in (temperature, top_p, min_p)):
+        return f"{t}, {p} and {m} must be finite numbers, got {temperature}, {top_p}, {min_p}"
+    if temperature < 0:
+        return f"{t} must be >= 0, got {temperature}"
+    if not 0 < top_p <= 1:
+        return f"{p} must be in (0, 1], got {top_p}"
+    if top_k < 0:
+        return f"{k} must be >= 0 (0 disables it), got {top_k}"
+    if not 0 <= min_p < 1:
+        return f"{m} must be in [0, 1) (0 disables it), got {min_p}"
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -35,17 +55,8 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if not all(math.isfinite(v) for v in (self.temperature, self.top_p, self.min_p)):
-            raise DFlashError(f"temperature, top_p and min_p must be finite numbers, got {self.temperature}, "
-                              f"{self.top_p}, {self.min_p}")
-        if self.temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise DFlashError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p < 1:
-            raise DFlashError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
+        if problem := sampling_problem(self.temperature, self.top_p, self.top_k, self.min_p):
+            raise DFlashError(problem)
 
     @property
     def greedy(self) -> bool:

@@ -6,10 +6,9 @@ from pathlib import Path
 import click
 
 from .errors import DFlashError
-from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_options,
-                      shard_options, width_options)
+from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_from_flags,
+                      sampling_options, shard_options, width_options)
 from .policy import build_policy, check_width_options
-from .sampling import SamplingParams
 
 
 @click.command("serve")
@@ -18,9 +17,10 @@ from .sampling import SamplingParams
               help="Address to bind; 0.0.0.0 exposes the server (then consider --api-key and --allowed-hosts).")
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--model-name", default=None, help="The model id clients send (default: the target directory's name).")
-@click.option("--api-key", default=None, envvar="MLX_DFLASH_API_KEY",
+@click.option("--api-key", "api_key", multiple=True, envvar="MLX_DFLASH_API_KEY",
               help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health "
-                   "(env MLX_DFLASH_API_KEY).")
+                   "(env MLX_DFLASH_API_KEY). Repeat it, or separate keys by commas, for several: each key's "
+                   "clients then get prefix-cache hits only from their own key's requests.")
 @click.option("--allowed-hosts", default="", show_default=False,
               help="Comma-separated Host names to answer besides the loopback ones (* for any); bound to a "
                    "non-loopback --host without it, any Host is answered.")
@@ -31,6 +31,9 @@ from .sampling import SamplingParams
               help="Requests that may wait behind the running one; more get 503 with Retry-After.")
 @click.option("--max-connections", default=128, show_default=True, type=int,
               help="Open connections at most; one more is answered 503 and closed.")
+@click.option("--max-uploads-per-client", default=None, type=int,
+              help="Request bodies one client address may be sending at once (default: a quarter of "
+                   "--max-connections); past it a new one replaces one stalled for a second, else gets 429.")
 @click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
               help="Largest request body in bytes (413 above it).")
 @click.option("--header-timeout", default=10.0, show_default=True, type=float,
@@ -48,6 +51,9 @@ from .sampling import SamplingParams
 @click.option("--max-batch", default=None, type=int,
               help="Requests decoded together (continuous batching; 1: one at a time). Default: 8 with Metal, 4 on "
                    "the CPU.")
+@click.option("--no-generic-tools", is_flag=True,
+              help="Refuse tools (400) where the target's chat template does not render them, instead of putting "
+                   "them in the system prompt in the generic <tool_call> JSON form.")
 @sampling_options
 @width_options
 @click.option("--prompt-cache-size", default=10, show_default=True, type=int,
@@ -59,10 +65,10 @@ from .sampling import SamplingParams
 @kv_options
 @shard_options
 def main(model_path, drafter_path, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
-         max_connections, max_body_bytes, header_timeout, body_timeout, max_tokens, max_tokens_limit,
-         prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max, force_width, p_min,
-         n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv_bits,
-         kv_group_size, quantized_kv_start, shard, rank_timeout):
+         max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens,
+         max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max,
+         force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes,
+         prompt_cache_dir, kv_bits, kv_group_size, quantized_kv_start, shard, rank_timeout, no_generic_tools):
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/messages).
 
@@ -76,21 +82,25 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
     from .server.app import Engine, ServerConfig, bind
     from .server.protocol import Defaults
     from .server.routes import run_server
-    from .server.security import allowed_hosts as hosts_for, check_api_key
+    from .server.security import allowed_hosts as hosts_for, api_keys
     from .utils import load
 
     if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, prefill_step_size) < 1 or max_queue < 0:
         raise DFlashError("--max-tokens, --max-tokens-limit, --max-body, --max-connections and --prefill-step-size "
                           "must be at least 1, --max-queue at least 0")
+    if max_uploads_per_client is not None and max_uploads_per_client < 1:
+        raise DFlashError(f"--max-uploads-per-client must be at least 1, got {max_uploads_per_client}")
     if not min(header_timeout, body_timeout) > 0 or not shutdown_grace >= 0:
         raise DFlashError("--header-timeout and --body-timeout must be positive seconds, --shutdown-grace at least 0")
-    check_api_key(api_key)
+    if not 0 <= port <= 65535:
+        raise DFlashError(f"--port must be from 0 to 65535 (0: any free port), got {port}")
+    keys = api_keys(api_key)
     if prompt_cache_size < 0 or (prompt_cache_bytes is not None and prompt_cache_bytes < 1):
         raise DFlashError("--prompt-cache-size must be at least 0 (0 turns the cache off), --prompt-cache-bytes "
                           "at least 1")
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
-    sampling = SamplingParams(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
+    sampling = sampling_from_flags(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
     max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
     if width is None and n_max is None and max_batch > 1:
@@ -141,11 +151,12 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
         follow(*load_models(), prefill_step_size)
         return
-    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_key=api_key,
+    config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_keys=keys,
                           max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
-                          max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
+                          max_connections=max_connections, max_uploads_per_client=max_uploads_per_client,
+                          header_timeout=header_timeout, body_timeout=body_timeout,
                           shutdown_grace=shutdown_grace, allowed_hosts=hosts_for(host, _names(allowed_hosts)),
-                          allowed_origins=set(_names(allowed_origins)))
+                          allowed_origins=set(_names(allowed_origins)), generic_tools=not no_generic_tools)
     if shard:
         from .server.sharded import ShardedEngine as Engine
     prompt_cache = None

@@ -104,10 +104,12 @@ def sha256_file(path: str | Path) -> str:
 
 
 def portable_path(path: str | Path) -> str:
-    """A path as benchmark records show it: relative to this checkout if inside it, else ~/... under the
-    home directory, so results name no machine's absolute paths."""
+    """A path as benchmark records and the doctor show it: relative to this checkout if inside it, else
+    $MLX_DFLASH_CACHE/... in a cache that variable moved, else ~/... under the home directory, so results
+    name no machine's absolute paths."""
     p = Path(path).expanduser().absolute()
-    for base, shown in ((Path(__file__).resolve().parents[1], ""), (Path.home(), "~")):
+    moved = [(cache_dir().absolute(), "$MLX_DFLASH_CACHE")] if os.environ.get("MLX_DFLASH_CACHE") else []
+    for base, shown in ((Path(__file__).resolve().parents[1], ""), *moved, (Path.home(), "~")):
         try:
             rel = p.relative_to(base)
         except ValueError:

@@ -1,5 +1,5 @@
-"""Pieces for the server tests: an engine whose replies are given by the test (a forced output), a tokenizer
-whose chat template renders tools, and a tiny random pair with a context length.
+"""Pieces for the server tests: an engine whose replies are given by the test (a forced output), tokenizers
+whose chat template renders tools or opens a thinking section, and a tiny random pair with a context length.
 
 `ScriptedEngine` runs every request as the real engine does (chat template, queue, stop strings, rounds,
 cancellation, wire formats) but answers with the next of its `scripts`: that text's tokens, three per
@@ -8,7 +8,6 @@ text, so a test can see what the chat template made of the tools and tool result
 """
 
 import json
-import shutil
 from pathlib import Path
 
 from mlx_dflash.decoder import Round
@@ -49,14 +48,49 @@ For each call, return <tool_call>{"name": <function-name>, "arguments": <args-js
 {% endif %}"""
 
 
+# Qwen3's thinking switch over ChatML, its section opened by the generation prompt (as in Qwen3-2507's
+# thinking models): `enable_thinking=False` closes it empty, so the model answers at once. No tools.
+THINKING_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+THINK_TOKENS = {3: "<think>", 4: "</think>"}  # SmolLM2's <repo_name> and <reponame>, renamed (no new ids)
+
+
 def tools_tokenizer(tokenizer_dir: Path, out: Path):
     """SmolLM2's tokenizer with TOOLS_TEMPLATE as its chat template, loaded as mlx-lm loads tokenizers."""
+    return templated_tokenizer(tokenizer_dir, out, TOOLS_TEMPLATE)
+
+
+def thinking_tokenizer(tokenizer_dir: Path, out: Path):
+    """SmolLM2's tokenizer with THINKING_TEMPLATE and two special tokens renamed `<think>` and `</think>` (as
+    Qwen3's, not special), so that mlx-lm finds a thinking section in it."""
+    return templated_tokenizer(tokenizer_dir, out, THINKING_TEMPLATE, THINK_TOKENS)
+
+
+def templated_tokenizer(tokenizer_dir: Path, out: Path, template: str, renamed: dict = None):
+    """SmolLM2's tokenizer with `template` as its chat template and the added tokens `renamed` ({id: text})
+    renamed, loaded as mlx-lm loads tokenizers."""
     from mlx_lm.utils import load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    vocab = tokenizer["model"]["vocab"]
+    for token in tokenizer["added_tokens"]:
+        if token["id"] in (renamed or {}):
+            del vocab[token["content"]]
+            token["content"], token["special"] = renamed[token["id"]], False
+            vocab[token["content"]] = token["id"]
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return load_tokenizer(out)
 
 

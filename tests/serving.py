@@ -53,6 +53,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_of(url) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def head(path="/v1/chat/completions", length=None, host="127.0.0.1", extra=b"") -> bytes:
+    """A POST's request head, as raw bytes (a test then sends the body, or part of it, itself)."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n").encode() + extra + b"\r\n"
+
+
 def client(url, key="unused", timeout=60):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 

@@ -89,3 +89,22 @@ def test_docs_state_what_is(doc):
     text = doc.read_text()
     for phrase in (r"this session", r"last session", r"the issue's goal", r"session [0-9]", r"\.\./shared"):
         assert not re.search(phrase, text, flags=re.I), f"{doc.relative_to(ROOT)} says {phrase!r}"
+
+
+def test_readme_examples_get_right_answers(smollm2_path):
+    """The README's first `generate` command and its Python API prompt, greedy on the default pair (slow tier:
+    the real target), give right answers: the prompts are read out of README.md, so they cannot drift."""
+    from click.testing import CliRunner
+
+    import mlx_dflash
+
+    text = README.read_text()
+    prompt = re.search(r'^mlx-dflash generate --prompt "([^"]+)"$', text, flags=re.M).group(1)
+    result = CliRunner().invoke(main, ["generate", "--prompt", prompt])
+    assert result.exit_code == 0, result.output
+    assert "5 * 4 = 20 legs" in result.stdout, result.stdout
+    question = re.search(r'messages = \[\{"role": "user", "content": "([^"]+)"\}\]', text).group(1)
+    target, drafter, tokenizer = mlx_dflash.load()
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert "equals 25" in mlx_dflash.generate(target, drafter, tokenizer, chat, max_tokens=128)

@@ -199,6 +199,37 @@ def test_slow_blas_warning_names_the_fix():
     assert machine.slow_blas_warning(machine.blas_library(MAPS, global_sgemm=0x7F0000200100)) is None
 
 
+SLOW, FAST = {"library": BUNDLED, "kind": "bundled", "slow": True}, {"library": "x", "kind": "optimized", "slow": False}
+
+
+def test_blas_preload_decides_when_to_rerun_with_openblas():
+    paths, present = ("/a/libopenblas.so.0", "/b/libopenblas.so.0"), {"/b/libopenblas.so.0"}.__contains__
+    assert machine.blas_preload(SLOW, {}, paths, present) == "/b/libopenblas.so.0"  # the first that exists
+    assert machine.blas_preload(SLOW, {"LD_PRELOAD": "/x/libjemalloc.so"}, paths, present) == "/b/libopenblas.so.0"
+    assert machine.blas_preload(SLOW, {}, paths, lambda path: False) is None  # none installed
+    assert machine.blas_preload(FAST, {}, paths, present) is None  # MLX runs a fast BLAS already
+    assert machine.blas_preload(SLOW, {machine.NO_PRELOAD: "1"}, paths, present) is None  # turned off
+    assert machine.blas_preload(SLOW, {machine.NO_PRELOAD: "0"}, paths, present) == "/b/libopenblas.so.0"
+    # preloaded already and still slow (the preload did not take): not tried again
+    assert machine.blas_preload(SLOW, {"LD_PRELOAD": "/x/y.so:/b/libopenblas.so.0"}, paths, present) is None
+
+
+@pytest.mark.skipif(not LINUX or not any(map(os.path.exists, machine.OPENBLAS_PATHS)),
+                    reason="needs Linux and a system OpenBLAS")
+def test_generate_reruns_itself_with_openblas_preloaded(tiny_pair_dirs):
+    target, drafter = tiny_pair_dirs
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", machine.NO_PRELOAD)}
+    command = [sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", str(target), "--drafter", str(drafter),
+               "--prompt", "hi", "--max-tokens", "4"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "BLAS" in line]
+    assert len(said) == 1 and said[0].startswith("mlx-dflash: MLX's bundled reference BLAS") and "LD_PRELOAD=" in said[0]
+    assert "generation: 4 tokens" in done.stderr
+    off = subprocess.run(command, env={**env, machine.NO_PRELOAD: "1"}, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0 and off.stderr.startswith("warning: MLX runs its CPU matmuls on the reference BLAS")
+
+
 def _python(code: str, preload: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if preload:
@@ -255,3 +286,11 @@ def test_the_doctor_command_on_the_default_pair(tmp_path, smollm2_path):
     validate(report)
     found = by_name(report)
     assert found["pair"]["status"] == "ok" and found["generation"]["details"][0]["tau"] > 1
+
+
+def test_paths_in_a_cache_moved_outside_home_are_written_without_the_machines_folders(tmp_path, monkeypatch):
+    from mlx_dflash.utils import portable_path
+
+    monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path / "cache"))
+    assert portable_path(tmp_path / "cache" / "kernels" / "verdicts.json") == "$MLX_DFLASH_CACHE/kernels/verdicts.json"
+    assert portable_path(Path.home() / "x" / "y.json") == "~/x/y.json"

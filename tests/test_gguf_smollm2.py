@@ -430,8 +430,29 @@ def test_pip_progress_lines_become_a_bar_and_errors_are_kept(capsys):
     assert "downloading x==9: 100%" in err and "4.00k/4.00k" in err
 
 
+def test_an_older_pips_own_output_goes_to_stderr_and_its_errors_are_kept(capfd):
+    """pip before 24.1 has no parsable progress: its own bar (drawn on a terminal) and messages go to stderr."""
+    script = ("import sys; print('Downloading x-9.whl (94.1 MB)'); "
+              "print('ERROR: No matching distribution found for x==9', file=sys.stderr); sys.exit(3)")
+    status, lines = downloads.run_pip([sys.executable, "-c", script], "x==9", passthrough=True)
+    assert status == 3 and lines == ["ERROR: No matching distribution found for x==9"]
+    out, err = capfd.readouterr()
+    assert "Downloading x-9.whl (94.1 MB)" in err and not out
+
+
+@pytest.mark.parametrize("pip, raw", [("26.3", True), ("24.1", True), ("23.0.1", False)])
+def test_the_download_command_fits_the_pip_it_runs(tmp_path, monkeypatch, pip, raw):
+    seen = {}
+    monkeypatch.setattr(downloads.importlib.metadata, "version", lambda name: pip)
+    monkeypatch.setattr(downloads, "run_pip", lambda cmd, what, passthrough: seen.update(cmd=cmd, passthrough=passthrough)
+                        or (1, ["ERROR: stop here"]))
+    with pytest.raises(DFlashError):
+        downloads._pip_download("x", "9", tmp_path)
+    assert ("raw" in seen["cmd"]) == raw and seen["passthrough"] == (not raw) and "--quiet" not in seen["cmd"]
+
+
 def test_a_failed_pip_download_names_pips_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(downloads, "run_pip", lambda cmd, what: (1, ["Collecting x", "ERROR: no such version",
+    monkeypatch.setattr(downloads, "run_pip", lambda cmd, what, passthrough: (1, ["Collecting x", "ERROR: no such version",
                                                                      "WARNING: Location ignored"]))
     with pytest.raises(DFlashError, match=r"^pip download x==9 failed: ERROR: no such version$"):
         downloads._pip_download("x", "9", tmp_path)

@@ -205,6 +205,65 @@ def test_an_empty_prompt_is_refused_before_anything_loads(tmp_path, prompt):
     assert line == "error: --prompt is empty: give the text to answer (or - to read it from stdin)"
 
 
+@pytest.mark.parametrize("seed", ["-5", str(2**64), str(2**70)])
+def test_a_seed_mlx_cannot_take_is_refused_naming_the_flag(tmp_path, seed):
+    line = one_line_error(["generate", "--model", str(tmp_path / "not-loaded"), "--prompt", "hi", "--seed", seed])
+    assert line == f"error: --seed must be an integer from 0 to 2**64 - 1, got {seed}"
+
+
+def test_the_python_api_refuses_a_bad_seed_naming_the_keyword(tiny_chat_pair):
+    from mlx_dflash.generate import generate
+
+    target, tokenizer, drafter = tiny_chat_pair
+    with pytest.raises(DFlashError, match=r"^seed must be an integer from 0 to 2\*\*64 - 1, got -1$"):
+        generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=2, seed=-1)
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_a_port_out_of_range_is_refused_naming_the_flag(tmp_path, port):
+    line = one_line_error(["serve", "--model", str(tmp_path / "not-loaded"), "--port", port])
+    assert line == f"error: --port must be from 0 to 65535 (0: any free port), got {port}"
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--temp", "-1"], "error: --temp must be >= 0, got -1.0"),
+    (["--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0"),
+    (["--top-k", "-2"], "error: --top-k must be >= 0 (0 disables it), got -2"),
+    (["--min-p", "1"], "error: --min-p must be in [0, 1) (0 disables it), got 1.0"),
+    (["--max-tokens", "0"], "error: --max-tokens must be at least 1, got 0"),
+])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_sampling_flags_are_named_as_typed(tmp_path, flags, said, command):
+    if command == "serve" and flags[0] == "--max-tokens":
+        said = "error: --max-tokens, --max-tokens-limit, --max-body"  # serve's own line for its limits
+    args = ["--prompt", "hi"] if command == "generate" else []
+    line = one_line_error([command, "--model", str(tmp_path / "not-loaded"), *args, *flags])
+    assert line.startswith(said), line
+
+
+def test_a_prompt_cache_file_in_a_missing_folder_is_refused_before_any_work(tmp_path):
+    path = tmp_path / "no-such-folder" / "cache.safetensors"
+    line = one_line_error(["generate", "--model", str(tmp_path / "not-loaded"), "--prompt", "hi",
+                           "--prompt-cache-file", str(path)])
+    assert line == (f"error: --prompt-cache-file {path}: no folder {path.parent}: create it, or name a file in an "
+                    "existing folder")
+
+
+def test_a_prompt_cache_file_that_is_not_one_is_left_alone(tmp_path, tiny_pair_dirs):
+    target, drafter = tiny_pair_dirs
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    line = one_line_error(["generate", "--model", str(target), "--drafter", str(drafter), "--prompt", "hi",
+                           "--max-tokens", "2", "--prompt-cache-file", str(notes)])
+    assert line.startswith(f"error: --prompt-cache-file {notes} is a file that is not an mlx-dflash prompt cache")
+    assert notes.read_text() == "my notes\n"
+    kept = tmp_path / "kept.safetensors"  # a cache of ours is taken and written again
+    for _ in range(2):
+        result = CliRunner().invoke(main, ["generate", "--model", str(target), "--drafter", str(drafter), "--prompt",
+                                           "hi", "--max-tokens", "2", "--prompt-cache-file", str(kept)])
+        assert result.exit_code == 0 and f"prompt cache: kept in {kept}" in result.stderr, result.output
+
+
 def test_a_missing_model_path_is_named_before_any_drafter_rule(tmp_path):
     missing = tmp_path / "no-such-model"
     line = one_line_error(["generate", "--model", str(missing), "--prompt", "hi"])

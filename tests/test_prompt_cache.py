@@ -150,6 +150,17 @@ def test_states_persist_across_restarts_only_for_their_own_pair(tiny_chat_pair, 
     assert len(other) == 0 and answer(pair, ids, other).stats.cached_tokens == 0
 
 
+def test_a_scope_serves_only_its_own_entries_across_restarts(tiny_chat_pair, tmp_path):
+    target, tokenizer, drafter = tiny_chat_pair
+    pair = (target, drafter, tokenizer)
+    ids = conversation(tokenizer, TURNS[:1], [None])
+    answer(pair, ids, PromptCache("pair-a", True, directory=tmp_path), cache_scope="key-a")
+    restarted = PromptCache("pair-a", True, directory=tmp_path)
+    assert answer(pair, ids, restarted, cache_scope="key-b").stats.cached_tokens == 0
+    assert answer(pair, ids, restarted).stats.cached_tokens == 0
+    assert answer(pair, ids, restarted, cache_scope="key-a").stats.cached_tokens == len(ids) - 1
+    assert len(restarted) == 3  # one state per scope
+
 def test_a_kv_group_size_that_does_not_divide_the_head_dim_is_refused(tiny_chat_pair):
     from mlx_dflash.errors import DFlashError
 

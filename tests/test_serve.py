@@ -185,7 +185,7 @@ def test_a_bug_during_generation_is_a_500_in_one_line_and_the_server_carries_on(
 
 
 def test_api_key_is_required_everywhere_but_health(tiny_pair):
-    with running(tiny_pair, api_key="s3cret") as (url, _):
+    with running(tiny_pair, api_keys=("s3cret",)) as (url, _):
         with pytest.raises(openai.AuthenticationError) as e:
             client(url, key="wrong").models.list()
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
@@ -313,7 +313,7 @@ def test_a_load_error_is_raised_where_the_engine_is_made():
 def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
     runner = CliRunner()
     for args, words in [(["--max-batch", "1", "--cost-table", "t.json"], "add --width auto"),
-                        (["--cost-table", "t.json"], "t.json: no such file"), (["--temp", "-1"], "temperature"),
+                        (["--cost-table", "t.json"], "t.json: no such file"), (["--temp", "-1"], "--temp must be"),
                         (["--model", "x"], "no such directory"), (["--max-queue", "-1"], "--max-queue"),
                         (["--n-max", "3", "--width", "2"], "disagree")]:
         r = runner.invoke(main, ["serve", *args])

@@ -147,7 +147,7 @@ def test_errors_are_anthropic_shaped(pair, served):
         c.get("/v1/nowhere", cast_to=object)
     assert e.value.status_code == 404 and e.value.body["error"]["type"] == "not_found_error"
     assert engine.completed == completed  # nothing was generated for any of these
-    with running(pair, api_key="s3cret") as (keyed, _):
+    with running(pair, api_keys=("s3cret",)) as (keyed, _):
         with pytest.raises(anthropic.AuthenticationError) as e:
             messages_client(keyed, key="wrong").messages.create(model=MODEL, max_tokens=2, messages=ask)
         assert e.value.body["error"]["type"] == "authentication_error"

@@ -20,11 +20,11 @@ import pytest
 from click.testing import CliRunner
 
 from serve_helpers import pair_with_context
-from serving import CHAT, MODEL, chat_text, client, free_port, raw, running, wait_for_health, wait_until
+from serving import CHAT, MODEL, chat_text, client, free_port, head, port_of, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.logs import RateLimit
-from mlx_dflash.server.security import allowed_hosts
+from mlx_dflash.server.security import allowed_hosts, api_keys
 
 CONTEXT = 2048
 MAX_BODY = 64 << 10
@@ -43,10 +43,6 @@ def served(pair):
         yield url, engine
 
 
-def port_of(url):
-    return int(url.rsplit(":", 1)[1])
-
-
 def send_raw(url, data: bytes, read=True, timeout=10.0) -> bytes:
     """Send bytes on a fresh connection; return what came back until the server closed it."""
     with socket.create_connection(("127.0.0.1", port_of(url)), timeout=timeout) as s:
@@ -57,13 +53,6 @@ def send_raw(url, data: bytes, read=True, timeout=10.0) -> bytes:
         while chunk := s.recv(65536):
             out += chunk
         return out
-
-
-def head(path="/v1/chat/completions", length=None, host="127.0.0.1", extra=b""):
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
-    if length is not None:
-        lines.append(f"Content-Length: {length}")
-    return ("\r\n".join(lines) + "\r\n").encode() + extra + b"\r\n"
 
 
 def log_lines(caplog):
@@ -264,10 +253,12 @@ def test_a_flood_of_half_sent_requests_is_capped_and_drained(served):
             s.close()
         return answers
 
-    answers = flood(20)  # --max-connections 12: 12 held until --body-timeout (408), the rest refused (503)
-    assert answers.count(b"503") >= 8 and set(answers) == {b"503", b"408"}, answers
+    answers = flood(20)  # --max-connections 12: 3 bodies held until --body-timeout (408: a quarter of them, per
+    # address), the other 9 connections' bodies refused (429), the rest of the connections refused (503)
+    assert answers.count(b"503") >= 8 and answers.count(b"408") == 3 and set(answers) == {b"503", b"408", b"429"}, \
+        answers
     answers = flood(60)  # beyond the refused ones that may linger too: those are reset
-    assert answers.count(b"503") >= 12 and set(answers) <= {b"503", b"408", b"reset"}, answers
+    assert answers.count(b"503") >= 12 and set(answers) <= {b"503", b"408", b"429", b"reset"}, answers
     assert raw(url, "/v1/chat/completions", GOOD)[0] == 200 and raw(url, "/health")[0] == 200
     time.sleep(1.0)
     assert open_fds() <= before + 2  # every connection's descriptor was given back
@@ -328,14 +319,21 @@ def test_cross_site_requests_are_refused_and_allowed_origins_get_cors(pair, serv
 
 
 def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
-    with running(pair, api_key="s3cret") as (url, _):
+    with running(pair, api_keys=("s3cret",)) as (url, _):
         for header in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret"):
             assert raw(url, "/v1/chat/completions", GOOD, headers={"Authorization": header})[0] == 200, header
         assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": "s3cret"})[0] == 200
         status, headers, _ = raw(url, "/v1/models", headers={"Authorization": "Bearer nope"})
         assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
+    keys = api_keys(("key-a,key-b", "key-c", "key-a"))  # --api-key key-a,key-b --api-key key-c --api-key key-a
+    assert keys == ("key-a", "key-b", "key-c")
+    with running(pair, api_keys=keys) as (url, _):
+        for key in keys:
+            assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": key})[0] == 200, key
+        assert raw(url, "/v1/chat/completions", GOOD, headers={"x-api-key": "key-d"})[0] == 401
     runner = CliRunner()
-    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "ключ"], "printable ASCII"),
+    for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "a,,b"], "--api-key is empty"),
+                        (["--api-key", "ключ"], "printable ASCII"),
                         (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
                         (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections")]:
         r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads

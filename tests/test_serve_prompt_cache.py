@@ -1,6 +1,7 @@
 """The server's prefix cache as clients see it: a conversation's later turns report their cached prompt
 tokens (OpenAI's usage.prompt_tokens_details.cached_tokens) and answer as a server without the cache does;
-/health reports the cache; concurrent clients leave it consistent."""
+/health reports the cache; concurrent clients leave it consistent; with several API keys, each key's
+clients see only their own entries, and /health's counters only with a key."""
 
 import json
 import threading
@@ -8,7 +9,9 @@ import urllib.request
 
 import pytest
 
-from serving import MODEL, client, running
+from serving import MODEL, client, raw, running
+from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.server.batching import BatchEngine
 from tiny_families import tiny_chat_target
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 
@@ -83,3 +86,32 @@ def test_concurrent_clients_leave_the_cache_consistent(pair):
         stats = health(url)["prompt_cache"]
     assert [[t for t, _ in c] for c in got] == [[t for t, _ in c] for c in want]
     assert stats["entries"] <= 3 and stats["hits"] + stats["misses"] == 2 * len(conversations)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_with_several_keys_a_client_hits_only_its_own_keys_entries(pair, batch):
+    target, drafter, _ = pair
+    engine = dict(engine_class=BatchEngine, policy=build_batch_policy(target, drafter, batch, 4)) if batch > 1 else {}
+    options = dict(prompt_cache=dict(max_entries=8), **(dict(max_batch=batch) if batch > 1 else {}))
+    with running(pair, api_keys=("key-a", "key-b"), engine_options=options, **engine) as (url, _):
+        secret = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "My password is sea-salt-42."}]
+        assert chat(client(url, key="key-a"), secret).usage.prompt_tokens_details.cached_tokens == 0
+        assert chat(client(url, key="key-b"), secret).usage.prompt_tokens_details.cached_tokens == 0
+        assert chat(client(url, key="key-a"), secret).usage.prompt_tokens_details.cached_tokens > 50
+        anonymous = raw(url, "/health")[2]
+        keyed = raw(url, "/health", headers={"Authorization": "Bearer key-b"})[2]
+    assert anonymous == {"status": "ok", "model": MODEL, "waiting": 0}
+    assert keyed["prompt_cache"]["hits"] >= 1 and ("batch" in keyed) == (batch > 1)
+
+
+def test_with_several_keys_a_client_reads_only_its_own_keys_kept_responses(pair):
+    with running(pair, api_keys=("key-a", "key-b")) as (url, _):
+        made = client(url, key="key-a").responses.create(model=MODEL, input="Hello there.", max_output_tokens=4)
+        mine = raw(url, f"/v1/responses/{made.id}", headers={"Authorization": "Bearer key-a"})
+        theirs = raw(url, f"/v1/responses/{made.id}", headers={"Authorization": "Bearer key-b"})
+        follow_up = raw(url, "/v1/responses", {"model": MODEL, "input": "And?", "max_output_tokens": 4,
+                                                "previous_response_id": made.id},
+                        headers={"Authorization": "Bearer key-b"})
+    assert mine[0] == 200 and mine[2]["id"] == made.id
+    assert theirs[0] == 404 and follow_up[0] == 400
+    assert follow_up[2]["error"]["param"] == "previous_response_id"

@@ -3,18 +3,24 @@
 Default tier: a tiny random target with SmolLM2's tokenizer and a Qwen2.5-style tools template
 (serve_helpers.py), whose replies are forced, so that each form a model writes a call in (its family's
 `<tool_call>` tags, bare JSON, fenced JSON) is checked through both APIs, streamed and not, and the tool
-results sent back are seen rendered in the next prompt. Slow tier: the real Qwen2.5-Coder-0.5B-Instruct
-with a random DFlash drafter made for it, a full round trip, its answers equal to mlx-lm's greedy ones.
+results sent back are seen rendered in the next prompt; and SmolLM2's own template, which renders no tools,
+with the tools in the generic form (forced replies, and the real decoder's greedy text). Slow tier: the
+real Qwen2.5-Coder-0.5B-Instruct with a random DFlash drafter made for it, a full round trip, its answers
+equal to mlx-lm's greedy ones; the real SmolLM2 default pair answering a request with tools.
 """
 
 import json
+import logging
 
 import anthropic
 import pytest
+from mlx_lm.tool_parsers import json_tools
 
 from serve_helpers import ScriptedEngine, tools_tokenizer
 from serving import MODEL, client, raw, running
-from mlx_dflash.server.tools import ReplyParser, ToolSupport, json_calls, tool_support
+from mlx_dflash.generate import generate
+from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, generic_tools_messages,
+                                     json_calls, tool_support)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -100,7 +106,9 @@ def test_tool_support_is_read_from_the_tokenizer(tools_pair, tiny_chat_pair):
     support = tool_support(tools_pair[2])
     assert support.renders_tools and (support.start, support.end) == ("<tool_call>", "</tool_call>")
     assert support.parse(CALL, None) == json.loads(CALL)  # mlx-lm's json_tools parser, as mlx_lm.server picks it
-    assert tool_support(tiny_chat_pair[1]) == ToolSupport(False)  # SmolLM2's own template has no tools
+    # SmolLM2's own template has no tools: the generic form's <tool_call> JSON, read by json_tools
+    assert tool_support(tiny_chat_pair[1]) == ToolSupport(False, "<tool_call>", "</tool_call>",
+                                                          json_tools.parse_tool_call)
 
 
 # Through the server.
@@ -208,9 +216,114 @@ def test_tools_the_server_cannot_honour_are_a_400_naming_the_field(scripted, tin
     assert raw(url, "/v1/chat/completions", neutral)[2]["choices"][0]["message"]["content"] == "fine"
 
     target, tokenizer, drafter = tiny_chat_pair
-    with running((target, drafter, tokenizer)) as (plain_url, _):  # SmolLM2's template renders no tools
+    with running((target, drafter, tokenizer), generic_tools=False) as (plain_url, _):  # no generic form
         status, _, answer = raw(plain_url, "/v1/chat/completions", good)
         assert (status, answer["error"]["param"]) == (400, "tools") and "does not render tools" in answer["error"]["message"]
+        assert "--no-generic-tools" in answer["error"]["message"]
+        status, _, answer = raw(plain_url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": ASK,
+                                                            "tools": [ANTHROPIC_WEATHER]})
+        assert status == 400 and "does not render tools" in answer["error"]["message"]
+
+
+# Tools on a template that renders none (SmolLM2's own): the generic form.
+
+@pytest.fixture(scope="module")
+def generic(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    with running((target, drafter, tokenizer), engine_class=ScriptedEngine) as (url, engine):
+        yield url, engine
+
+
+def test_generic_messages_put_the_tools_in_the_system_prompt_and_turns_in_the_tagged_form():
+    schemas = "\n".join(json.dumps(t) for t in (WEATHER, CLOCK))
+    added = generic_tools_messages(ASK, [WEATHER, CLOCK])
+    assert added == [{"role": "system", "content": GENERIC_TOOLS_PROMPT.format(tools=schemas)}, *ASK]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in added[0]["content"]
+    conversation = [{"role": "system", "content": "Be brief."}, *ASK,
+                    {"role": "assistant", "content": "Looking.", "tool_calls": [
+                        {"id": "1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": {"city": "Paris"}}},
+                        {"id": "2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+                    {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+                    {"role": "tool", "tool_call_id": "2", "content": "noon"},
+                    {"role": "user", "content": "And tomorrow?"}]
+    system, ask, call, results = generic_tools_messages(conversation, [WEATHER])
+    assert system["content"].startswith("Be brief.\n\n# Tools\n") and ask == ASK[0]
+    assert call == {"role": "assistant", "content": f'Looking.\n<tool_call>\n{CALL}\n</tool_call>\n'
+                                                    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'}
+    assert results == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>\n"
+                                                  "<tool_response>\nnoon\n</tool_response>\nAnd tomorrow?"}
+
+
+def test_generic_tools_round_trip_through_both_clients(generic):
+    url, engine = generic
+    c = client(url)
+    engine.scripts += [f"<tool_call>\n{CALL}\n</tool_call>", "It is 18 degrees in Paris."]
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
+    prompt = engine.prompts[-1]
+    assert json.dumps(WEATHER) in prompt and "within <tool_call></tool_call> XML tags" in prompt
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+    messages = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is 18 degrees in Paris."
+    prompt = engine.prompts[-1]  # the call in the assistant turn, its result in a user turn
+    assert f"<|im_start|>assistant\n<tool_call>\n{CALL}\n</tool_call><|im_end|>" in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>' in prompt
+
+    engine.scripts.append(f"I will look.<tool_call>\n{CALL}\n</tool_call>")
+    with anthropic_client(url).messages.stream(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER],
+                                               system="Be brief.", messages=ASK) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Paris"}
+    assert engine.prompts[-1].startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+
+
+def test_generic_tools_are_announced_once_at_start_up(tiny_chat_pair, caplog):
+    target, tokenizer, drafter = tiny_chat_pair
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
+    for generic_tools in (True, False):
+        with running((target, drafter, tokenizer), generic_tools=generic_tools):
+            pass
+    (line,) = [r.message for r in caplog.records if "generic" in r.message]
+    assert "does not render tools" in line and "--no-generic-tools" in line
+
+
+def test_generic_tools_greedy_text_equals_the_decoder(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    ids = tokenizer.apply_chat_template(generic_tools_messages(ASK, [WEATHER]), add_generation_prompt=True)
+    want = generate(target, drafter, tokenizer, ids, max_tokens=16)
+    with running((target, drafter, tokenizer)) as (url, _):
+        c = client(url)
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=16)
+        assert r.choices[0].message.content == want and r.choices[0].message.tool_calls is None
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].finish_reason == "length"
+        chunks = list(c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=16,
+                                                stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+
+
+@pytest.mark.slow
+def test_real_smollm2_pair_answers_a_request_with_tools(smollm2, random_drafter):
+    """The default pair's target: SmolLM2's template renders no tools, so they go in the generic form; what
+    it answers is text equal to the decoder's, or calls read from its <tool_call> JSON."""
+    target, tokenizer = smollm2
+    ids = tokenizer.apply_chat_template(generic_tools_messages(ASK, [WEATHER]), add_generation_prompt=True)
+    want = generate(target, random_drafter, tokenizer, ids, max_tokens=48)
+    with running((target, random_drafter, tokenizer)) as (url, _):
+        status, _, answer = raw(url, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": [WEATHER],
+                                                              "max_tokens": 48})
+    assert status == 200 and answer["usage"]["prompt_tokens"] == len(ids), answer
+    message = answer["choices"][0]["message"]
+    if message.get("tool_calls"):
+        assert want.strip().startswith("<tool_call>") and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    else:
+        assert message["content"] == want
 
 
 # The real Qwen2.5-Coder-0.5B-Instruct (its own tools template, mlx-lm's json_tools parser).

@@ -4,8 +4,9 @@ So that clients of Anthropic's API (its SDKs, coding agents run with `ANTHROPIC_
 the local pair. A request becomes the same `GenerationRequest` as an OpenAI chat: the system prompt and
 the content blocks become chat-template messages (`tool_use` blocks an assistant message's tool_calls,
 `tool_result` blocks `role: "tool"` messages), the tools OpenAI-style function tools. Replies are
-Anthropic's: content blocks, `stop_reason`, and when streamed its event sequence (`message_start`,
-`content_block_start` / `_delta` / `_stop` per block, `ping`s, `message_delta`, `message_stop`).
+Anthropic's: content blocks (a thinking model's reasoning a `thinking` block, with an empty signature),
+`stop_reason`, and when streamed its event sequence (`message_start`, `content_block_start` / `_delta` /
+`_stop` per block, `ping`s, `message_delta`, `message_stop`).
 Errors are Anthropic-shaped (`{"type": "error", "error": {"type", "message"}}`); a prompt over the
 context is "prompt is too long: N tokens > M maximum", as Anthropic words it (agents compact on it).
 """
@@ -20,6 +21,7 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_f
                408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                503: "overloaded_error"}
 PATHS = "/v1/messages"  # every path under it answers in this shape
+THINKING = {"enabled": True, "disabled": False, "adaptive": None}  # `thinking.type` as enable_thinking
 
 
 def error_body(e: APIError) -> dict:
@@ -100,6 +102,14 @@ def _tools(body: dict) -> tuple:
     return out, parallel
 
 
+def _thinking(body: dict):
+    """`thinking` as enable_thinking: "disabled" off, "enabled" on, "adaptive" the template's default (None)."""
+    thinking = checked(body, "thinking", lambda v: isinstance(v, dict) and v.get("type") in THINKING,
+                       'an object {"type": "enabled", "budget_tokens": N}, {"type": "disabled"} or '
+                       '{"type": "adaptive"}')
+    return None if thinking is None else THINKING[thinking["type"]]
+
+
 def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool = False) -> GenerationRequest:
     """A Messages API body (count_only: a count_tokens body, which has no max_tokens) as a chat request."""
     model = check_model(body, served_model)
@@ -127,8 +137,14 @@ def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool
     return GenerationRequest(kind="chat", model=model, prompt=chat, max_tokens=max_tokens,
                              sampling=sampling_fields(body, defaults, max_temperature=1.0),
                              stop=stop_strings(body.get("stop_sequences"), "stop_sequences"), stream=stream,
-                             tools=tools, parallel_tool_calls=parallel, continue_final=continue_final,
+                             tools=tools, parallel_tool_calls=parallel, thinking=_thinking(body),
+                             continue_final=continue_final,
                              id=f"msg_{uuid.uuid4().hex[:24]}")
+
+
+# Reply pieces streamed as the deltas of one block: (the block as it starts, its delta's type, the delta's field).
+STREAMED = {"text": ({"type": "text", "text": ""}, "text_delta", "text"),
+            "reasoning": ({"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta", "thinking")}
 
 
 def stop_reason(outcome: Outcome, calls: int) -> str:
@@ -147,9 +163,10 @@ def _usage(prompt_tokens: int, output_tokens: int) -> dict:
     return {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
 
 
-def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = ()) -> dict:
+def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = (), reasoning: str = "") -> dict:
     """The whole (non-streamed) message."""
-    content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
+    content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []) + (
+        [{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
     return {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": content,
             "stop_reason": stop_reason(outcome, len(calls)), "stop_sequence": outcome.stop_sequence,
             "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens), "dflash": outcome.speculative()}
@@ -161,23 +178,30 @@ async def message_stream(req: GenerationRequest, prompt_tokens: int, replies):
              "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}
     yield sse({"type": "message_start", "message": start}, "message_start")
     yield sse({"type": "ping"}, "ping")
-    index, text_open, calls = 0, False, 0
+    index, open_kind, calls = 0, None, 0  # open_kind: the streamed block that is open ("text", "reasoning")
 
     def block_stop():
-        return sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+        """The open block's end (a thinking block's signature first: empty, as nothing here signs it)."""
+        signature = [sse({"type": "content_block_delta", "index": index, "delta": {
+            "type": "signature_delta", "signature": ""}}, "content_block_delta")] if open_kind == "reasoning" else []
+        return "".join(signature) + sse({"type": "content_block_stop", "index": index}, "content_block_stop")
 
     async for kind, payload in replies:
-        if kind == "text":
-            if not text_open:
-                yield sse({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+        if kind in STREAMED:
+            if open_kind not in (None, kind):
+                yield block_stop()
+                index, open_kind = index + 1, None
+            block, delta, field = STREAMED[kind]
+            if open_kind is None:
+                yield sse({"type": "content_block_start", "index": index, "content_block": block},
                           "content_block_start")
-                text_open = True
-            yield sse({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": payload}},
+                open_kind = kind
+            yield sse({"type": "content_block_delta", "index": index, "delta": {"type": delta, field: payload}},
                       "content_block_delta")
         elif kind == "call":
-            if text_open:
+            if open_kind is not None:
                 yield block_stop()
-                index, text_open = index + 1, False
+                index, open_kind = index + 1, None
             yield sse({"type": "content_block_start", "index": index,
                        "content_block": {**_tool_use(payload), "input": {}}}, "content_block_start")
             yield sse({"type": "content_block_delta", "index": index, "delta": {
@@ -190,8 +214,8 @@ async def message_stream(req: GenerationRequest, prompt_tokens: int, replies):
         elif kind == "error":
             yield sse(error_body(payload), "error")
             return
-        else:
-            if text_open:
+        elif kind == "done":
+            if open_kind is not None:
                 yield block_stop()
             delta = {"stop_reason": stop_reason(payload, calls), "stop_sequence": payload.stop_sequence}
             yield sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": payload.completion_tokens},

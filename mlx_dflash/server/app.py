@@ -1,7 +1,8 @@
 """`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server over one target + drafter pair.
 
-A Starlette app on uvicorn. One engine thread owns the models and runs requests one at a time in arrival
-order (the decoder's batch size is 1); a bounded queue feeds it and answers 503 when full. Each request is
+A Starlette app on uvicorn. One engine thread owns the models; the `Engine` here runs requests one at a time
+in arrival order (`--max-batch 1`, and sharded targets), the default `BatchEngine` (batching.py) decodes
+several together. A bounded queue feeds it and answers 503 when full. Each request is
 a `Job`: the engine pushes its text to the request's asyncio queue round by round, and checks the job's
 cancel flag after every round and between prefill chunks, so a client that goes away (streamed or not)
 stops its generation within a round, or a chunk of its prompt.
@@ -10,7 +11,8 @@ The routes and the uvicorn server are routes.py; the wire formats protocol.py (O
 completions), openai_responses.py (Responses) and anthropic.py (Messages); tool calls in replies tools.py;
 what the network may send limits.py; who may send it security.py; the log logs.py. A sharded target
 (`--shard`, rank 0's engine and the other ranks' loop) is sharded.py, through the Engine's hooks
-(_next_job, _responses, _ended_early, fatal_errors).
+(_next_job, _responses, _ended_early, fatal_errors). A thinking model's reasoning is cut from its answer
+by thinking.py.
 """
 
 import asyncio
@@ -31,10 +33,11 @@ from ..prompt_cache import PromptCache, pair_identity
 from ..responses import GenerationStats
 from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
 from .security import allowed_hosts
-from .tools import ReplyParser
+from .tools import ReplyParser, generic_tools_messages, tool_support
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
+COMPOSED_CHARACTERS = 4  # a tokenizer's normalizer may compose this many characters into one (NFC: ᾇ)
 
 
 @dataclass
@@ -43,16 +46,27 @@ class ServerConfig:
 
     model_name: str  # the id clients send as "model"
     defaults: Defaults = field(default_factory=Defaults)
-    api_key: Optional[str] = None
+    api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
     max_connections: int = 128
+    max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     shutdown_grace: float = 10.0
     ping_seconds: float = 10.0  # a quiet stream (queued, prefilling) gets a keep-alive this often
     allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
     allowed_origins: set = field(default_factory=set)
+    generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
+
+
+class PromptSurelyTooLong(PromptTooLong):
+    """A prompt whose text alone is over the context, refused before it is tokenized (prompt_tokens: at least)."""
+
+    def __init__(self, at_least: int, characters: int, context: int, param: str):
+        super().__init__(at_least, context, param)
+        self.message = (f"the prompt is at least {at_least} tokens ({characters} characters of text) and this "
+                        f"model's context is {context} tokens: shorten the {param}")
 
 
 class PrefillCancelled(Exception):
@@ -63,9 +77,11 @@ class Job:
     """One request on its way through the engine. The engine thread talks to it through emit()."""
 
     def __init__(self, request: GenerationRequest, prompt_ids: list, parser: Optional[ReplyParser] = None,
-                 boundaries=()):
+                 boundaries=(), thinking=None, cache_scope: str = ""):
         self.request, self.prompt_ids, self.parser = request, prompt_ids, parser
+        self.thinking = thinking  # a thinking.ReasoningSplitter, for a thinking model's chat reply
         self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
+        self.cache_scope = cache_scope  # the prefix cache's part for the request's API key (security.py)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
@@ -151,14 +167,19 @@ class Engine:
             if self.failure is not None or self.stopping is not None:
                 raise APIError(503, f"the server is stopping: {self.failure or self.stopping}")
             if self._full():
-                raise APIError(503, f"the server is busy: {self.waiting} requests are waiting already "
+                raise APIError(503, f"the server is busy: {self.taken()} requests are running or waiting "
                                f"(--max-queue {self.max_queue}); retry later", code="queue_full",
                                headers={"Retry-After": str(self._retry_after())})
             self.waiting += 1
 
+    def taken(self) -> int:
+        """Admitted requests not yet over: waiting (those being tokenized included) or running."""
+        return self.waiting + (self.running is not None)
+
     def _full(self) -> bool:
-        """No room for one more request: --max-queue are waiting (0 waiting is room on an idle engine)."""
-        return self.waiting >= self.max_queue and (self.waiting or self.running is not None)
+        """No room for one more request: one runs and --max-queue wait (an idle engine takes one even with
+        --max-queue 0)."""
+        return self.taken() >= 1 + self.max_queue
 
     def leave(self):
         """An admitted request that will not be queued (its prompt was refused)."""
@@ -211,6 +232,8 @@ class Engine:
 
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
+        self.tools = tool_support(self.tokenizer)
+        self.chars_per_token = longest_token(self.tokenizer) * COMPOSED_CHARACTERS
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
@@ -311,22 +334,30 @@ class Engine:
         return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
                                seed=req.seed, policy=self.policy, prefill_step_size=self.prefill_step,
                                prompt_progress_callback=job.check_cancelled, prompt_cache=self.prompt_cache,
-                               boundaries=job.boundaries, **req.sampling.keywords())
+                               boundaries=job.boundaries, cache_scope=job.cache_scope, **req.sampling.keywords())
 
     def _ended_early(self):
         pass  # one process: closing the generator was all
 
     def prompt_ids(self, req: GenerationRequest) -> list:
         """The prompt's token ids: chat messages (and tools) through the tokenizer's chat template, text as it
-        is. Touches no MLX array: it runs on a worker thread, off the event loop and beside the engine."""
+        is; tools in the generic form (tools.py) where the template renders none. Touches no MLX array: it
+        runs on a worker thread, off the event loop and beside the engine."""
         tok = self.tokenizer
         if req.kind == "chat":
             if getattr(tok, "chat_template", None) is None:
                 raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
             turn = (dict(add_generation_prompt=False, continue_final_message=True) if req.continue_final
                     else dict(add_generation_prompt=True))
+            messages, options = req.prompt, {}
+            if req.tools and self.tools.renders_tools:
+                options["tools"] = req.tools
+            elif req.tools:
+                messages = generic_tools_messages(messages, req.tools)
+            if req.thinking is not None:  # a template without a thinking switch ignores it
+                options["enable_thinking"] = req.thinking
             try:
-                return list(tok.apply_chat_template(req.prompt, **turn, **({"tools": req.tools} if req.tools else {})))
+                return list(tok.apply_chat_template(messages, **turn, **options))
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}"[:500], param="messages") from None
         if isinstance(req.prompt, str):
@@ -354,6 +385,24 @@ class Engine:
             marks.append(next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))))
         return marks
 
+    def refuse_surely_too_long(self, req: GenerationRequest):
+        """Refuse, before it is tokenized, a prompt whose length alone puts it over the context: token ids by
+        their count; text (a completion's prompt, the chat messages' but the assistant's, which a template
+        may leave out) by its characters over the most that one token can stand for. Tokenizing 4 MB of
+        text takes seconds of a tokenizer thread that other requests wait for."""
+        context = context_length(self.target)
+        if context is None:
+            return
+        if req.kind == "text" and not isinstance(req.prompt, str):
+            if len(req.prompt) >= context:
+                raise PromptTooLong(len(req.prompt), context, "prompt")
+            return
+        texts = [req.prompt] if req.kind == "text" else [m["content"] for m in req.prompt if m["role"] != "assistant"]
+        characters = sum(len(t) for t in texts if isinstance(t, str))
+        at_least = -(-characters // self.chars_per_token)
+        if at_least >= context:
+            raise PromptSurelyTooLong(at_least, characters, context, "messages" if req.kind == "chat" else "prompt")
+
     def fit(self, req: GenerationRequest, prompt_tokens: int, limit: int):
         """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits."""
         context = context_length(self.target)
@@ -362,10 +411,15 @@ class Engine:
         req.max_tokens = min(req.max_tokens, limit, (context - prompt_tokens) if context else limit)
 
 
+def longest_token(tokenizer) -> int:
+    """The most characters one token of the vocabulary is written with (a byte-level vocabulary writes a byte
+    as a character, so this bounds the bytes of text a token stands for, and so its characters)."""
+    return max(len(piece) for piece in tokenizer.vocab)
+
+
 async def replies(job: Job, ping_seconds: Optional[float]):
-    """The job's reply as it comes: ("text", str) and ("call", ToolCall) pieces, ("ping", None) when nothing
-    came for ping_seconds, then ("done", Outcome) or ("error", APIError)."""
-    parser = job.parser
+    """The job's reply as it comes: ("reasoning", str), ("text", str) and ("call", ToolCall) pieces, ("ping",
+    None) when nothing came for ping_seconds, then ("done", Outcome) or ("error", APIError)."""
     while True:
         try:
             kind, payload = await asyncio.wait_for(job.events.get(), timeout=ping_seconds)
@@ -373,14 +427,23 @@ async def replies(job: Job, ping_seconds: Optional[float]):
             yield "ping", None
             continue
         if kind == "text":
-            for piece in (parser.feed(payload) if parser else [("text", payload)]):
+            for piece in _answer(job, job.thinking.feed(payload) if job.thinking else [("text", payload)]):
                 yield piece
             continue
-        if kind == "done" and parser:
-            for piece in parser.finish():
+        if kind == "done":
+            for piece in _answer(job, job.thinking.finish() if job.thinking else [], final=True):
                 yield piece
         yield kind, payload
         return
+
+
+def _answer(job: Job, pieces: list, final: bool = False) -> list:
+    """Reasoning as it is; the answer's text through the request's tool-call parser, if it has one (final:
+    the reply ended, and the parser gives what it held)."""
+    out = []
+    for kind, text in pieces:
+        out += job.parser.feed(text) if kind == "text" and job.parser else [(kind, text)]
+    return out + (job.parser.finish() if final and job.parser else [])
 
 
 def bind(host: str, port: int):

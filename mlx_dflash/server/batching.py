@@ -70,8 +70,12 @@ class BatchEngine(Engine):
         super().__init__(load, max_queue, prefill_step, prompt_cache)
 
     def _full(self) -> bool:
-        """Room while the batch has room; past it, --max-queue may wait."""
-        return len(self.active) >= self.max_batch and self.waiting >= self.max_queue
+        """No room for one more request: the batch's rows and --max-queue more are taken. Every admitted
+        request counts, those still being tokenized included (a burst arrives before any joins the batch)."""
+        return self.taken() >= self.max_batch + self.max_queue
+
+    def taken(self) -> int:
+        return self.waiting + len(self.active)
 
     def abort_running(self, reason: str):
         """End every request in the batch at the next step, each with a 503 error."""
@@ -132,7 +136,8 @@ class BatchEngine(Engine):
             with self._lock, job.lock:
                 self.waiting -= 1
                 skip = job.cancelled.is_set()  # its client left while it waited
-                job.started = not skip
+                if not skip:  # counted as taken (_full) from the moment it is no longer waiting
+                    progress[job] = JobProgress(job)
             if skip:
                 self.cancelled += 1
                 job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
@@ -141,10 +146,11 @@ class BatchEngine(Engine):
             try:
                 max_tokens = check_context(self.target, len(job.prompt_ids), req.max_tokens)
             except DFlashError as e:
+                del progress[job]
                 job.emit("error", APIError(400, str(e)))
                 continue
-            progress[job] = JobProgress(job)
-            self.scheduler.submit(Request(job, job.prompt_ids, max_tokens, req.sampling, req.seed, tuple(job.boundaries)))
+            self.scheduler.submit(Request(job, job.prompt_ids, max_tokens, req.sampling, req.seed,
+                                          tuple(job.boundaries), job.cache_scope))
         return True
 
     def _dispatch(self, job: Job, kind: str, value, progress: dict):
@@ -152,12 +158,12 @@ class BatchEngine(Engine):
         if p is None:
             return
         if kind == "admitted":
+            cached, started = value
             stats = GenerationStats(prompt_tokens=len(job.prompt_ids), block_size=self.policy.block_size,
-                                    max_width=self.policy.max_width, notes=list(self.policy.notes), cached_tokens=value)
+                                    max_width=self.policy.max_width, notes=list(self.policy.notes), cached_tokens=cached)
             if self.prompt_cache is not None:
-                stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(value)
-            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, time.perf_counter(),
-                                      self.prompt_cache))
+                stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(cached)
+            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache))
         elif kind == "round" and p.finish is None:
             if p.take(value):
                 self.scheduler.cancel(job)  # it is over: its row leaves at the next step

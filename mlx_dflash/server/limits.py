@@ -9,14 +9,21 @@
 - Bodies: at most `--max-body` bytes (413), arriving within `--body-timeout` seconds (408); both answers
   close the connection. A body up to 4 times the limit is read to its end (and dropped) before its 413,
   so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
-  client that leaves mid-upload is one log line (status 499), not a traceback.
+  client that leaves mid-upload is one log line (status 499), not a traceback. One client address has
+  at most `--max-uploads-per-client` bodies in flight (`Uploads`), so that half-sent bodies from one
+  address cannot hold every connection.
 - JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
-  JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep.
+  JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep, every string (keys
+  too) text: JSON's `\\ud800` escape without its pair is no character, and would fail later, where the
+  string is encoded (the tokenizer, an error message naming it).
 """
 
 import json
 import logging
 import math
+import re
+import time
+from typing import Optional
 
 import anyio
 import anyio.to_thread
@@ -28,6 +35,9 @@ MAX_DEPTH = 64
 FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's own
 DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
 LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
+STALLED_SECONDS = 1.0  # a body that got nothing for this long gives way to a new one from its address
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's way into JSON (raw, it is not UTF-8)
+SURROGATE = re.compile("[\ud800-\udfff]")  # left after parsing only without its pair
 
 
 def _finite(text: str) -> float:
@@ -52,6 +62,24 @@ def _depth(value) -> int:
     return deepest
 
 
+def _lone_surrogate_at(value) -> Optional[str]:
+    """The field (a path such as messages[0].content) whose string holds a lone surrogate, or None."""
+    todo = [(value, "", None)]
+    while todo:
+        v, parent, key = todo.pop()
+        at = parent if key is None else f"{parent}[{key}]" if isinstance(key, int) else \
+            f"{parent}.{key}" if parent else key
+        if isinstance(v, str) and SURROGATE.search(v):
+            return at or "the body"
+        if isinstance(v, dict):
+            if any(SURROGATE.search(k) for k in v):
+                return f"a key in {at or 'the body'}"
+            todo += [(x, at, k) for k, x in v.items() if isinstance(x, (str, list, dict))]
+        elif isinstance(v, list):
+            todo += [(x, at, i) for i, x in enumerate(v) if isinstance(x, (str, list, dict))]
+    return None
+
+
 def parse_json(body: bytes):
     try:
         value = json.loads(body, parse_float=_finite, parse_constant=_non_json_constant)
@@ -61,13 +89,56 @@ def parse_json(body: bytes):
         raise APIError(400, f"the request body is not valid JSON ({e})"[:300]) from None
     if _depth(value) > MAX_DEPTH:
         raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+    if SURROGATE_ESCAPE.search(body) and (at := _lone_surrogate_at(value)) is not None:
+        raise APIError(400, f"'{at[:200]}' is not valid UTF-8 text: it holds a lone surrogate (a \\ud800-\\udfff "
+                       "escape without its pair)", param=at[:200])
     return value
 
 
-async def read_json(request, max_bytes: int, timeout: float):
-    """The request's JSON body, read within the size and time limits. A body over the size limit (up to
-    DRAIN_FACTOR times it) is read to its end and dropped before the 413: a client that sends its whole
-    body before it reads the answer then gets the answer, not a broken pipe."""
+class Uploads:
+    """Request bodies in flight (head read, body not yet), per client address: at most `per_client` at once.
+
+    What is bounded is bodies, not connections: every client on this machine comes from 127.0.0.1, and
+    a bound on its connections would bound all of them together, kept-alive and streaming ones included,
+    while a whole request's body arrives in milliseconds; a half-sent body is how one client holds a
+    connection until --body-timeout. Past the bound, a new body takes the place of the one that has
+    received nothing for longest, once that is STALLED_SECONDS (the stalled one is answered 408), and is
+    refused (429) otherwise: valid requests go on while one address stalls bodies, and its stalled bodies
+    hold at most `per_client` connections. Only the event loop touches it."""
+
+    def __init__(self, per_client: int):
+        self.per_client = per_client
+        self.stalled: dict = {}  # address -> {cancel scope: when its body last received}, longest first
+
+    def start(self, address: str, scope) -> None:
+        bodies = self.stalled.setdefault(address, {})
+        if len(bodies) >= self.per_client:
+            longest, since = next(iter(bodies.items()))
+            if time.monotonic() - since < STALLED_SECONDS:
+                raise APIError(429, f"this client address is sending {len(bodies)} request bodies already "
+                               f"(--max-uploads-per-client {self.per_client}); retry when one has arrived",
+                               code="too_many_uploads", headers={"Connection": "close", "Retry-After": "1"})
+            del bodies[longest]
+            longest.cancel()  # its read ends with a 408
+        bodies[scope] = time.monotonic()
+
+    def received(self, address: str, scope) -> None:
+        bodies = self.stalled[address]
+        bodies.pop(scope, None)
+        bodies[scope] = time.monotonic()
+
+    def end(self, address: str, scope) -> None:
+        bodies = self.stalled.get(address, {})
+        bodies.pop(scope, None)
+        if not bodies:
+            self.stalled.pop(address, None)
+
+
+async def read_json(request, max_bytes: int, timeout: float, uploads: Optional[Uploads] = None):
+    """The request's JSON body, read within the size and time limits (and the uploads' bound per client
+    address). A body over the size limit (up to DRAIN_FACTOR times it) is read to its end and dropped
+    before the 413: a client that sends its whole body before it reads the answer then gets the answer,
+    not a broken pipe."""
     from starlette.requests import ClientDisconnect
 
     close = {"Connection": "close"}  # the unread rest of a body would otherwise be the next request
@@ -76,21 +147,31 @@ async def read_json(request, max_bytes: int, timeout: float):
     if length.isdigit() and int(length) > DRAIN_FACTOR * max_bytes:
         raise too_large
     chunks, size = [], 0
+    address = request.client.host if request.client else ""
+    scope = anyio.CancelScope(deadline=anyio.current_time() + timeout)
+    if uploads is not None:
+        uploads.start(address, scope)
     try:
-        with anyio.fail_after(timeout):
+        with scope:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size <= max_bytes:
                     chunks.append(chunk)
                 elif size > DRAIN_FACTOR * max_bytes:
                     break
-    except TimeoutError:
-        raise (too_large if size > max_bytes else APIError(
-            408, f"the request body did not arrive within {timeout:g} s (--body-timeout)", headers=close)) from None
+                if uploads is not None:
+                    uploads.received(address, scope)
     except ClientDisconnect:
         raise APIError(499, "the client disconnected during the upload") from None
+    finally:
+        if uploads is not None:
+            uploads.end(address, scope)
     if size > max_bytes:
         raise too_large
+    if scope.cancelled_caught:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)"
+                       if anyio.current_time() >= scope.deadline else "the request body stalled and gave its place "
+                       f"to another from this address (--max-uploads-per-client {uploads.per_client})", headers=close)
     return await anyio.to_thread.run_sync(parse_json, b"".join(chunks))  # 4 MB of JSON: not on the event loop
 
 

@@ -328,10 +328,11 @@ def _finished(store: ResponseStore, req: ResponsesRequest, output: list, outcome
 
 
 def response_body(req: ResponsesRequest, text: str, outcome: Outcome, calls: list = (), *,
-                  store: ResponseStore) -> dict:
-    """The whole (non-streamed) response: the text as one message, then the calls."""
+                  store: ResponseStore, reasoning: str = "") -> dict:
+    """The whole (non-streamed) response: the reasoning as one item, the text as one message, then the calls."""
+    thought = [_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, "completed")] if reasoning else []
     message = [_message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not calls else []
-    return _finished(store, req, message + [_call_item(req, c, "completed") for c in calls], outcome)
+    return _finished(store, req, thought + message + [_call_item(req, c, "completed") for c in calls], outcome)
 
 
 class _Events:

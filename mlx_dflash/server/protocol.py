@@ -19,6 +19,7 @@ from ..sampling import SamplingParams
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only costs a scan per token
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # Known fields that change the output in ways this server cannot: the values that ask for nothing.
 NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
            "logprobs": (False, 0), "top_logprobs": (0,), "n": (1,), "best_of": (1,), "echo": (False,),
@@ -238,14 +239,32 @@ def parse_tools(tools, tool_choice, parallel=True) -> tuple:
         raise APIError(400, f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (tool.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                            "\"description\": ..., \"parameters\": {...}}}}", param=f"tools[{i}]")
     if tool_choice not in (None, "auto"):
         raise APIError(400, f"'tool_choice' {json.dumps(tool_choice)[:100]} is not supported: this server cannot "
                        "force a tool call; send \"auto\" (the model chooses) or \"none\"", param="tool_choice")
     return tools, parallel
+
+
+def thinking_field(body: dict) -> Optional[bool]:
+    """enable_thinking from `chat_template_kwargs` (the only key honoured), else `reasoning_effort` ("none" or
+    "minimal": off, as the Responses API reads it; another effort: the template's default, None)."""
+    kwargs = checked(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    for key in kwargs:
+        if key != "enable_thinking":
+            raise APIError(400, f"'chat_template_kwargs.{key}' is not supported by this server (only "
+                           "enable_thinking is)", param=f"chat_template_kwargs.{key}")
+    if kwargs.get("enable_thinking") is not None:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise APIError(400, "'chat_template_kwargs.enable_thinking' must be true or false",
+                           param="chat_template_kwargs.enable_thinking")
+        return kwargs["enable_thinking"]
+    effort = checked(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS,
+                     " or ".join(f'"{e}"' for e in REASONING_EFFORTS))
+    return False if effort in ("none", "minimal") else None
 
 
 def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest:
@@ -261,12 +280,13 @@ def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest
     chat = [_message(m, i) for i, m in enumerate(messages)]
     parallel = checked(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True)
     tools, parallel = parse_tools(body.get("tools"), body.get("tool_choice"), parallel)
-    return GenerationRequest(kind="chat", prompt=chat, tools=tools, parallel_tool_calls=parallel, **common)
+    return GenerationRequest(kind="chat", prompt=chat, tools=tools, parallel_tool_calls=parallel,
+                             thinking=thinking_field(body), **common)
 
 
 def parse_completion(body, defaults: Defaults, served_model: str) -> GenerationRequest:
     common = _common(body, defaults, served_model)
-    for name in ("tools", "tool_choice", "response_format"):
+    for name in ("tools", "tool_choice", "response_format", "chat_template_kwargs", "reasoning_effort"):
         if body.get(name) is not None:
             raise APIError(400, f"'{name}' is for /v1/chat/completions, not /v1/completions", param=name)
     prompt = body.get("prompt")
@@ -372,20 +392,23 @@ def tool_call_json(call, index: Optional[int] = None) -> dict:
 
 
 def _choice(req: GenerationRequest, text: Optional[str], finish: Optional[str], delta: bool,
-            first: bool = False, calls: tuple = ()) -> dict:
+            first: bool = False, calls: tuple = (), reasoning: str = "") -> dict:
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}
     if req.kind == "text":
         choice["text"] = text or ""
-    elif delta:
-        choice["delta"] = {} if text is None else {"content": text}
+        return choice
+    if delta:
+        choice["delta"] = message = {} if text is None else {"content": text}
         if first:
-            choice["delta"]["role"] = "assistant"
+            message["role"] = "assistant"
         if calls:
-            choice["delta"]["tool_calls"] = list(calls)
+            message["tool_calls"] = list(calls)
     else:
-        choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+        choice["message"] = message = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
-            choice["message"]["tool_calls"] = [tool_call_json(c) for c in calls]
+            message["tool_calls"] = [tool_call_json(c) for c in calls]
+    if reasoning:
+        message["reasoning_content"] = reasoning  # the field DeepSeek's API and vLLM name a model's reasoning
     return choice
 
 
@@ -395,17 +418,17 @@ def _envelope(req: GenerationRequest, chunk: bool) -> dict:
             "created": req.created, "model": req.model}
 
 
-def completion_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = ()) -> dict:
+def completion_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = (), reasoning: str = "") -> dict:
     """The whole (non-streaming) response."""
-    choice = _choice(req, text, finish_reason(outcome, calls), False, calls=calls)
+    choice = _choice(req, text, finish_reason(outcome, calls), False, calls=calls, reasoning=reasoning)
     return {**_envelope(req, False), "choices": [choice], "usage": outcome.usage(), "dflash": outcome.speculative()}
 
 
 def chunk_body(req: GenerationRequest, text: Optional[str], finish: Optional[str] = None, first: bool = False,
-               calls: tuple = ()) -> dict:
+               calls: tuple = (), reasoning: str = "") -> dict:
     """One streamed chunk; text None with a finish_reason is the closing chunk; the first names the role;
-    `calls` are streamed tool calls (tool_call_json with their index)."""
-    body = {**_envelope(req, True), "choices": [_choice(req, text, finish, True, first, calls)]}
+    `calls` are streamed tool calls (tool_call_json with their index), `reasoning` a thinking model's."""
+    body = {**_envelope(req, True), "choices": [_choice(req, text, finish, True, first, calls, reasoning)]}
     if req.include_usage:
         body["usage"] = None  # OpenAI: null on every chunk but the last
     return body
@@ -430,6 +453,8 @@ async def openai_stream(req: GenerationRequest, prompt_tokens: int, replies):
     async for kind, payload in replies:
         if kind == "text":
             yield sse(chunk_body(req, payload))
+        elif kind == "reasoning":
+            yield sse(chunk_body(req, None, reasoning=payload))
         elif kind == "call":
             yield sse(chunk_body(req, None, calls=(tool_call_json(payload, calls),)))
             calls += 1
@@ -438,7 +463,7 @@ async def openai_stream(req: GenerationRequest, prompt_tokens: int, replies):
         elif kind == "error":
             yield sse(payload.body())
             break
-        else:
+        elif kind == "done":
             yield sse(chunk_body(req, None, finish_reason(payload, [None] * calls)))
             if req.include_usage:
                 yield sse(usage_chunk_body(req, payload))

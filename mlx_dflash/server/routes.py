@@ -1,12 +1,15 @@
 """The HTTP side of `mlx-dflash serve`: the routes, their errors, the middlewares, and the uvicorn server.
 
-Each generation route reads and checks its body (limits.py, then the API's parser), takes a place in the
-engine's queue, tokenizes the prompt on a worker thread (never on the event loop: a 4 MB prompt takes
-seconds), refuses a prompt over the context and cuts max_tokens, all before the engine sees it; then
-answers as a stream or a whole response in the API's format. The same reply events feed every API.
+Each generation route reads and checks its body (limits.py, then the API's parser), refuses a prompt whose
+text alone is over the context, takes a place in the engine's queue, tokenizes the prompt on one of a few
+worker threads (never on the event loop: a 4 MB prompt takes seconds; the tokenizers release the GIL, so a
+short prompt is tokenized beside long ones), refuses a prompt over the context and cuts max_tokens, all
+before the engine sees it; then answers as a stream or a whole response in the API's format. The same
+reply events feed every API.
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import sys
@@ -16,13 +19,15 @@ from functools import partial
 
 from . import anthropic, openai_responses
 from .app import Engine, Job, ServerConfig, replies
-from .limits import limited_protocol, open_files_for, read_json
+from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
-from .tools import ReplyParser, tool_support
+from .thinking import reasoning_splitter
+from .tools import ReplyParser
 
 log = logging.getLogger("mlx_dflash.server")
+TOKENIZER_THREADS = 4  # prompts tokenized at once
 
 
 async def _cancel_on_disconnect(receive, job: Job):
@@ -44,17 +49,25 @@ def make_app(engine: Engine, config: ServerConfig):
     model_card = {"id": name, "object": "model", "created": started, "owned_by": "mlx-dflash",
                   "type": "model", "display_name": name,  # the fields Anthropic's clients read
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
-    tools = tool_support(engine.tokenizer)
-    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="mlx-dflash-tokenizer")  # one at a time
-    kept = openai_responses.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
+    tools = engine.tools
+    if not tools.renders_tools and config.generic_tools:
+        log.info("this model's chat template does not render tools: requests with tools get them in the system "
+                 "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
+    uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4))
+    tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
+    # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
+    # that with several keys a client reads only the responses made with its own key.
+    kept = collections.defaultdict(openai_responses.ResponseStore)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        tokenizer_thread.shutdown(wait=False)
+        tokenizer_threads.shutdown(wait=False)
 
     async def health(request):
         body = {"status": "ok", "model": name, "waiting": engine.waiting}
+        if not request.scope.get("dflash.authorized", True):  # the counters tell what others' requests did
+            return JSONResponse(body)
         if engine.prompt_cache is not None:
             body["prompt_cache"] = engine.prompt_cache.stats()
         if hasattr(engine, "batch_report"):
@@ -72,15 +85,17 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def tokenized(request, parse, admit: bool) -> tuple:
         """(request, prompt ids): the body read and parsed, then (admitted to the queue) tokenized off the loop."""
-        req = parse(await read_json(request, config.max_body_bytes, config.body_timeout), config.defaults, name)
+        req = parse(await read_json(request, config.max_body_bytes, config.body_timeout, uploads), config.defaults,
+                    name)
         request.scope.setdefault("dflash.log", {})["id"] = req.id
-        if req.tools and not tools.renders_tools:
-            raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools",
-                           param="tools")
+        if req.tools and not tools.renders_tools and not config.generic_tools:
+            raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools "
+                           "(the server runs with --no-generic-tools)", param="tools")
         if admit:
+            engine.refuse_surely_too_long(req)
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.prompt_ids, req)
+            ids = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.prompt_ids, req)
             if admit:
                 engine.fit(req, len(ids), config.max_tokens_limit)
         except BaseException:
@@ -91,10 +106,11 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def generate(request, parse, stream, body):
         req, ids = await tokenized(request, parse, admit=True)
-        boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, engine.message_boundaries,
+        boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.message_boundaries,
                                                                        req, ids)
         job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
-                  boundaries)
+                  boundaries, reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None,
+                  request.scope.get("dflash.cache_scope", ""))
         engine.enqueue(job)
         info = request.scope["dflash.log"]
         if req.stream:
@@ -102,11 +118,13 @@ def make_app(engine: Engine, config: ServerConfig):
             return StreamingResponse(_stream(job, info, chunks), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
-        text, calls = [], []
+        text, calls, reasoning = [], [], []
         try:
             async for kind, payload in replies(job, None):
                 if kind == "text":
                     text.append(payload)
+                elif kind == "reasoning":
+                    reasoning.append(payload)
                 elif kind == "call":
                     calls.append(payload)
                 elif kind == "error":
@@ -116,7 +134,7 @@ def make_app(engine: Engine, config: ServerConfig):
         info["outcome"] = job.outcome
         if job.outcome.finish_reason == "cancelled":
             return JSONResponse({}, status_code=499)  # nobody reads it; the log shows the cancel
-        return JSONResponse(body(req, "".join(text), job.outcome, calls))
+        return JSONResponse(body(req, "".join(text), job.outcome, calls, reasoning="".join(reasoning)))
 
     async def _stream(job, info, chunks):
         try:
@@ -138,13 +156,17 @@ def make_app(engine: Engine, config: ServerConfig):
     async def messages(request):
         return await generate(request, anthropic.parse_messages, anthropic.message_stream, anthropic.message_body)
 
+    def kept_for(request) -> openai_responses.ResponseStore:
+        return kept[request.scope.get("dflash.cache_scope", "")]
+
     async def responses(request):
-        return await generate(request, partial(openai_responses.parse_responses, store=kept),
-                              partial(openai_responses.response_stream, store=kept),
-                              partial(openai_responses.response_body, store=kept))
+        store = kept_for(request)
+        return await generate(request, partial(openai_responses.parse_responses, store=store),
+                              partial(openai_responses.response_stream, store=store),
+                              partial(openai_responses.response_body, store=store))
 
     async def kept_response(request):
-        return JSONResponse(kept.response(request.path_params["response_id"]))
+        return JSONResponse(kept_for(request).response(request.path_params["response_id"]))
 
     async def count_tokens(request):
         _, ids = await tokenized(request, partial(anthropic.parse_messages, count_only=True), admit=False)
@@ -177,7 +199,7 @@ def make_app(engine: Engine, config: ServerConfig):
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
-    guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_key)
+    guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_keys)
     return RequestLog(with_cors(guarded, config.allowed_origins))
 
 
@@ -212,7 +234,7 @@ def run_server(engine: Engine, config: ServerConfig, sock):
     server = uvicorn_server(engine, config)
     host, port = sock.getsockname()[:2]
     log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
-             + (" (API key required)" if config.api_key else ""))
+             + (" (API key required)" if config.api_keys else ""))
     engine.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
     # this one ignores it, so that the engine still closes (a sharded one tells the other ranks to stop).

@@ -6,14 +6,18 @@
   `--allowed-hosts` lists them.
 - Origin: browsers name the page that sends a request. Requests from pages are refused (403) unless
   `--allowed-origins` lists the page's origin; those get CORS headers (Starlette's CORSMiddleware).
-- API key: with `--api-key`, every path but /health needs `Authorization: Bearer KEY` (the scheme in any
-  case, RFC 7235) or `x-api-key: KEY` (as Anthropic's clients send it); a 401 names the scheme in
-  `WWW-Authenticate`. Keys are compared in constant time.
+- API keys: with `--api-key` (one or more), every path but /health needs `Authorization: Bearer KEY` (the
+  scheme in any case, RFC 7235) or `x-api-key: KEY` (as Anthropic's clients send it); a 401 names the
+  scheme in `WWW-Authenticate`. Keys are compared in constant time. The request's scope says whether it
+  sent a valid key ("dflash.authorized": /health shows its counters only then) and, with several keys,
+  which ("dflash.cache_scope", a hash of it: the prefix cache serves a request only what requests with
+  the same key left there, so that a client cannot learn from cache hits what another sent).
 - Content type: request bodies must be `application/json` (415): a cross-site form or `text/plain` POST,
   which a browser sends without asking the server first, never reaches the model.
 Errors are in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages).
 """
 
+import hashlib
 import hmac
 import ipaddress
 from typing import Optional
@@ -47,18 +51,24 @@ def allowed_hosts(bound: str, extra: tuple) -> Optional[set]:
     return LOOPBACK_NAMES | ({bound.lower()} if not is_loopback(bound) else set()) | {h.lower() for h in extra}
 
 
-def check_api_key(key: Optional[str]) -> None:
-    """Refuse a key no client can send before anything loads (a DFlashError, one line)."""
+def api_keys(given: tuple) -> tuple:
+    """The keys from --api-key's values (repeated, or comma-separated), each checked: a key no client can
+    send is refused before anything loads (a DFlashError, one line)."""
     from ..errors import DFlashError
 
-    if key is None:
-        return
-    if not key:
-        raise DFlashError("--api-key is empty (or MLX_DFLASH_API_KEY is): give a key, or leave it out to serve "
-                          "without one")
-    if not (key.isascii() and key.isprintable()) or " " in key:
+    keys = tuple(k for value in given for k in value.split(","))
+    if any(not k for k in keys):
+        raise DFlashError("--api-key is empty (or MLX_DFLASH_API_KEY is, or holds an empty key between commas): "
+                          "give a key, or leave it out to serve without one")
+    if not all(k.isascii() and k.isprintable() and " " not in k for k in keys):
         raise DFlashError("--api-key must be printable ASCII without spaces (letters, digits, punctuation): HTTP "
                           "clients cannot all send other characters in a header")
+    return tuple(dict.fromkeys(keys))
+
+
+def cache_scope(key: bytes) -> str:
+    """The prefix cache's name for one key's entries (a hash: the key itself is not kept, nor written)."""
+    return hashlib.sha256(b"mlx-dflash prompt cache " + key).hexdigest()[:16]
 
 
 def _host_name(header: str) -> str:
@@ -71,9 +81,9 @@ def _host_name(header: str) -> str:
 class Guard:
     """ASGI middleware: the Host, Origin, API-key and content-type checks above, in that order."""
 
-    def __init__(self, app, hosts: Optional[set], origins: set, api_key: Optional[str]):
+    def __init__(self, app, hosts: Optional[set], origins: set, keys: tuple = ()):
         self.app, self.hosts, self.origins = app, hosts, origins
-        self.key = api_key.encode() if api_key else None
+        self.keys = [k.encode() for k in keys]
 
     def refusal(self, scope) -> Optional[APIError]:
         headers = {}
@@ -87,7 +97,10 @@ class Guard:
         if origin is not None and "*" not in self.origins and origin not in self.origins:
             return APIError(403, f"requests from web pages at {origin[:100]} are not allowed: start the server with "
                             "--allowed-origins ORIGIN to allow them", code="origin_not_allowed")
-        if self.key is not None and scope["path"] != "/health" and not self.key_matches(headers):
+        key = self.key_sent(headers)
+        scope["dflash.authorized"] = key is not None or not self.keys
+        scope["dflash.cache_scope"] = cache_scope(key) if key is not None and len(self.keys) > 1 else ""
+        if self.keys and scope["path"] != "/health" and key is None:
             return APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
                             "<key>')", code="invalid_api_key",
                             headers={"WWW-Authenticate": 'Bearer realm="mlx-dflash"'})
@@ -98,11 +111,14 @@ class Guard:
                                 f"(got {kind[:60] or 'none'})", code="unsupported_media_type")
         return None
 
-    def key_matches(self, headers: dict) -> bool:
+    def key_sent(self, headers: dict) -> Optional[bytes]:
+        """The valid key the request sent, or None (every key compared, each in constant time)."""
         scheme, _, given = headers.get(b"authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer":
             given = headers.get(b"x-api-key", "")
-        return hmac.compare_digest(given.strip().encode("latin-1"), self.key)
+        given = given.strip().encode("latin-1")
+        matches = [key for key in self.keys if hmac.compare_digest(given, key)]
+        return matches[0] if matches else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (e := self.refusal(scope)) is not None:

@@ -8,6 +8,11 @@ tools, Qwen2.5-Coder-0.5B answers with a bare `{"name": ..., "arguments": {...}}
 A reply that is nothing but such JSON, calling tools of the request, is a tool call too (as Ollama and
 LM Studio read it); any other reply stays text. So that such a reply is not streamed as text first, text
 that could still become one (it starts with `{`, `[` or a code fence) is held back until it is decided.
+
+A chat template that does not render tools gets them in one generic form, the Hermes/Qwen one
+(`generic_tools_messages`): the tools as JSON function schemas in the system prompt with the instruction to
+answer a call as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, earlier calls and results as
+text in that form; the reply is read with mlx-lm's `json_tools` parser.
 """
 
 import json
@@ -18,10 +23,26 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mlx_lm.generate import TextStateMachine
+from mlx_lm.tool_parsers import json_tools
 
 log = logging.getLogger("mlx_dflash.server")
 DUMMY_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe", "parameters": {
     "type": "object", "properties": {}}}}
+# Qwen2.5's words for tools in a system prompt (Hermes' format), which json_tools reads the answers of.
+GENERIC_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
 _FENCE = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -34,7 +55,8 @@ class ToolCall:
 
 @dataclass
 class ToolSupport:
-    """What the tokenizer offers: whether its chat template renders tools, and its tool-call syntax."""
+    """What the tokenizer offers: whether its chat template renders tools, and its tool-call syntax (for a
+    template that does not render tools, the generic form's)."""
 
     renders_tools: bool
     start: Optional[str] = None  # the parser's markers and function (text, tools) -> call dict(s)
@@ -43,7 +65,8 @@ class ToolSupport:
 
 
 def tool_support(tokenizer) -> ToolSupport:
-    """Read once per server: a template renders tools if a request with a tool renders differently."""
+    """Read once per server: a template renders tools if a request with a tool renders differently; one that
+    does not gets them in the generic form, read with mlx-lm's json_tools parser."""
     renders = False
     if getattr(tokenizer, "chat_template", None) is not None:
         messages = [{"role": "user", "content": "x"}]
@@ -53,9 +76,42 @@ def tool_support(tokenizer) -> ToolSupport:
                                                             add_generation_prompt=True)
         except Exception:  # a template that refuses the probe: it does not take tools
             renders = False
+    if not renders:
+        return ToolSupport(False, json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call)
     if not getattr(tokenizer, "has_tool_calling", False):
-        return ToolSupport(renders)
+        return ToolSupport(True)
     return ToolSupport(renders, tokenizer.tool_call_start, tokenizer.tool_call_end or None, tokenizer.tool_parser)
+
+
+def generic_tools_messages(messages: list, tools: list) -> list:
+    """Chat messages for a template that does not render tools: the tools in the system prompt (merged into
+    the first system message, or one added), each assistant tool call as `<tool_call>` JSON in its message,
+    and tool results as `<tool_response>` text in a user turn (with the results and any user message right
+    after them, so user and assistant turns still alternate)."""
+    prompt = GENERIC_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+    else:
+        messages = [{"role": "system", "content": prompt}, *messages]
+    out, joinable = [], False  # joinable: the last turn is a user turn that tool results opened
+    for m in messages:
+        result = m["role"] == "tool"
+        if result:
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [_tagged(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            m = {"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + calls)}
+        if joinable and m["role"] == "user":
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + m["content"]}
+        else:
+            out.append(m)
+            joinable = result
+    return out
+
+
+def _tagged(name: str, arguments: dict) -> str:
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{json_tools.tool_call_start}\n{call}\n{json_tools.tool_call_end}"
 
 
 def _as_call(value, names: set) -> Optional[ToolCall]:

@@ -1,0 +1,62 @@
+"""The server's numbers are measured, not made up: prefill speed within what the request's wall time allows,
+time saved by the prefix cache, tau of an answer with no verify round; for the engine that runs one request
+at a time and the batching one alike."""
+
+import time
+
+import pytest
+
+from serving import MODEL, raw, running
+from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.server.app import Engine
+from mlx_dflash.server.batching import BatchEngine
+from mlx_dflash.server.logs import log_line
+from mlx_dflash.server.protocol import Outcome
+from mlx_dflash.responses import GenerationStats
+
+PROMPT = "Tell me everything you know about lighthouses, their keepers and the sea. " * 12
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_chat_pair):
+    target, tokenizer, drafter = tiny_chat_pair
+    return target, drafter, tokenizer
+
+
+def served(pair, engine_class):
+    target, drafter, _ = pair
+    cache = dict(prompt_cache=dict(max_entries=4))
+    if engine_class is Engine:
+        return running(pair, engine_options=cache)
+    return running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, 4, 4),
+                   engine_options=dict(max_batch=4, **cache))
+
+
+def ask(url, content):
+    tic = time.perf_counter()
+    status, _, body = raw(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                                         "messages": [{"role": "user", "content": content}]})
+    assert status == 200, body
+    return body, time.perf_counter() - tic
+
+
+@pytest.mark.parametrize("engine_class", [Engine, BatchEngine], ids=["one-at-a-time", "batched"])
+def test_prefill_speed_and_time_saved_are_measured(pair, engine_class):
+    with served(pair, engine_class) as (url, _):
+        ask(url, "warm up")  # the first request pays for compiling and the width probe
+        body, wall = ask(url, PROMPT)
+        prompt_tokens, stats = body["usage"]["prompt_tokens"], body["dflash"]
+        # One token generated: the prefill is most of the request's wall time (a twentieth at the least).
+        assert prompt_tokens / wall <= stats["prefill_tokens_per_s"] <= 20 * prompt_tokens / wall, (stats, wall)
+        again, _ = ask(url, PROMPT)  # its prompt, all but the last token, comes from the prefix cache
+        cached = again["dflash"]["cached_tokens"]
+        assert cached >= prompt_tokens - 1
+        # About what reading them again would cost (the cache's rate is an average over recent prefills).
+        saved = cached / stats["prefill_tokens_per_s"]
+        assert saved / 10 <= again["dflash"]["prefill_seconds_saved"] <= 10 * saved, (again["dflash"], saved)
+
+
+def test_the_log_says_no_tau_without_a_verify_round():
+    scope = {"method": "POST", "path": "/v1/chat/completions"}
+    one_token = Outcome("stop", 10, 1, GenerationStats(prompt_tokens=10, generated_tokens=1), 0.0, 0.5)
+    assert "tau=- " in log_line(scope, 200, {"outcome": one_token}, 0.5)
