@@ -2,17 +2,22 @@
 
 On the tiny random pair of test_serve.py: text equal to the decoder's for the same chat (system prompt and
 content blocks included), Anthropic's streaming event sequence with its pings, count_tokens, stop
-sequences, and Anthropic-shaped errors, "prompt is too long" worded as Anthropic words it.
+sequences, and Anthropic-shaped errors, "prompt is too long" worded as Anthropic words it. Then what Claude
+Code sends: system messages inside `messages`, its billing-header system block, the usage of the prefix
+cache, server tools, `HEAD /`, and its first request as it sends it.
 """
 
+import logging
 import threading
 
 import anthropic
 import pytest
 
-from serve_helpers import pair_with_context
-from serving import MODEL, running, sse_events
+from serve_helpers import ScriptedEngine, pair_with_context, templated_tokenizer, tools_tokenizer
+from serving import MODEL, raw, running, sse_events
+from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.generate import generate
+from mlx_dflash.server.anthropic import system_turns
 
 SYSTEM = "You answer briefly."
 QUESTION = "Tell me about the sea."
@@ -155,3 +160,172 @@ def test_errors_are_anthropic_shaped(pair, served):
         assert m.usage.output_tokens == 2
     models = c.models.list()  # the same /v1/models serves Anthropic's shape too
     assert [m.id for m in models.data] == [MODEL]
+
+
+# What Claude Code sends.
+
+AGENTS = "Available agent types for the Agent tool: general-purpose."
+# A chat template that takes a system message first only (as Mistral's and Gemma's do).
+SYSTEM_FIRST_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'system' and not loop.first %}{{ raise_exception('system messages come first') }}{% endif %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def billing(checksum):
+    return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.19.e4f; cc_entrypoint=sdk-cli; "
+                                    f"cch={checksum};"}
+
+
+def test_system_messages_inside_messages_are_system_turns(pair, served):
+    url, _ = served
+    c = messages_client(url)
+    _, _, tokenizer = pair
+    assert system_turns(tokenizer)  # SmolLM2's template renders a system turn anywhere
+    messages = [{"role": "user", "content": QUESTION}, {"role": "system", "content": AGENTS}]
+    chat = [{"role": "system", "content": SYSTEM}] + messages
+    m = c.messages.create(model=MODEL, max_tokens=8, system=SYSTEM, messages=messages)
+    assert m.content[0].text == decoded(pair, chat, 8)
+    counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)
+    assert counted.input_tokens == m.usage.input_tokens == len(tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True))
+
+
+def test_system_messages_join_the_system_prompt_where_the_template_takes_one_first(pair, tmp_path):
+    target, drafter, _ = pair
+    tokenizer = templated_tokenizer(ensure_smollm2("float32"), tmp_path, SYSTEM_FIRST_TEMPLATE)
+    assert not system_turns(tokenizer)
+    messages = [{"role": "user", "content": QUESTION}, {"role": "system", "content": [{"type": "text", "text": AGENTS}]}]
+    merged = [{"role": "system", "content": f"{SYSTEM}\n\n{AGENTS}"}, {"role": "user", "content": QUESTION}]
+    with running((target, drafter, tokenizer), engine_class=ScriptedEngine) as (url, engine):
+        engine.scripts.append("Waves.")
+        c = messages_client(url)
+        m = c.messages.create(model=MODEL, max_tokens=8, system=[billing("1a2b3"), {"type": "text", "text": SYSTEM}],
+                              messages=messages)
+        assert m.content[0].text == "Waves."
+        assert engine.prompts[-1] == tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+        counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages).input_tokens
+        assert counted == len(tokenizer.apply_chat_template(merged, add_generation_prompt=True))
+
+
+def test_the_billing_header_stays_out_of_the_prompt_and_usage_counts_the_prefix_cache(pair, served):
+    def ask(c, checksum, messages=({"role": "user", "content": QUESTION},), stream=False):
+        system = [billing(checksum), {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+        if not stream:
+            return c.messages.create(model=MODEL, max_tokens=8, system=system, messages=list(messages))
+        with c.messages.stream(model=MODEL, max_tokens=8, system=system, messages=list(messages)) as s:
+            events = list(s)
+            return s.get_final_message(), events[0].message.usage
+
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    prompt = len(pair[2].apply_chat_template(chat, add_generation_prompt=True))
+    c = messages_client(served[0])  # no prefix cache: the whole prompt is input
+    assert c.messages.count_tokens(model=MODEL, system=[billing("ffff1")], messages=chat[1:]).input_tokens == \
+        c.messages.count_tokens(model=MODEL, messages=chat[1:]).input_tokens  # the header block is not in it
+    for m in [ask(c, "0c1d2"), ask(c, "0c1d2", stream=True)[0]]:
+        assert (m.usage.input_tokens, m.usage.cache_creation_input_tokens, m.usage.cache_read_input_tokens) == \
+            (prompt, 0, 0)
+        assert m.content[0].text == decoded(pair, chat, 8)
+
+    with running(pair, engine_options=dict(prompt_cache=dict(max_entries=4))) as (url, _):
+        c = messages_client(url)
+        first = ask(c, "0c1d2")
+        assert (first.usage.input_tokens, first.usage.cache_creation_input_tokens,
+                first.usage.cache_read_input_tokens) == (0, prompt, 0)
+        again = ask(c, "9e8f7")  # Claude Code's next request: only the checksum differs
+        assert again.content[0].text == first.content[0].text
+        assert (again.usage.input_tokens, again.usage.cache_creation_input_tokens,
+                again.usage.cache_read_input_tokens) == (0, 1, prompt - 1)  # a verbatim resend reads one token
+        turn = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.content[0].text},
+                {"role": "user", "content": "More?"}]
+        final, start = ask(c, "5a5a5", turn, stream=True)
+        total = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=turn).input_tokens
+        assert (start.input_tokens, start.cache_creation_input_tokens, start.cache_read_input_tokens) == (0, total, 0)
+        usage = final.usage
+        assert usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens == total
+        assert usage.cache_read_input_tokens >= prompt - 1 and usage.input_tokens == 0
+
+
+def test_server_tools_are_left_out_and_media_are_refused(pair, served, caplog):
+    url, _ = served
+    c = messages_client(url)
+    ask = [{"role": "user", "content": QUESTION}]
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
+    m = c.messages.create(model=MODEL, max_tokens=6, messages=ask, tools=[
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+        {"type": "bash_20250124", "name": "bash"}, {"type": "some_future_tool", "name": "x"}])
+    assert m.content[0].text == decoded(pair, ask, 6)  # as without tools (SmolLM2's template renders none)
+    (line,) = [r.getMessage() for r in caplog.records if "tools left out" in r.getMessage()]
+    assert m.id in line and "web_search (web_search_20250305)" in line and "bash (bash_20250124)" in line
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}
+    for content, at in [([{"type": "text", "text": "Look:"}, image], "messages[0].content[1]"),
+                        ([{"type": "tool_result", "tool_use_id": "t", "content": [document]}],
+                         "messages[0].content[0].content[0]")]:
+        status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": content}]})
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["message"].startswith(at + ": ") and "this model reads text only" in answer["error"]["message"]
+
+
+def test_root_answers_head_and_get(served):
+    url, _ = served
+    assert raw(url, "/", method="HEAD", parse=False)[:1] == (200,)
+    status, _, body = raw(url, "/")
+    assert status == 200 and body["model"] == MODEL and "/v1/messages" in body["endpoints"]
+
+
+CLAUDE_CODE_BETAS = ("claude-code-20250219,interleaved-thinking-2025-05-14,thinking-token-count-2026-05-13,"
+                     "context-management-2025-06-27,prompt-caching-scope-2026-01-05,"
+                     "mid-conversation-system-2026-04-07,effort-2025-11-24")
+
+
+def claude_code_request(checksum: str) -> dict:
+    """Claude Code 2.1's first request (`claude -p "..." --tools "Agent,Read"`), shortened."""
+    ephemeral = {"type": "ephemeral"}
+    schema = {"type": "object", "properties": {"prompt": {"type": "string"}}, "required": ["prompt"],
+              "additionalProperties": False, "$schema": "http://json-schema.org/draft-07/schema#"}
+    return {
+        "model": MODEL, "max_tokens": 32000, "stream": True,
+        "system": [billing(checksum),
+                   {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+                    "cache_control": ephemeral},
+                   {"type": "text", "text": "You are an interactive agent that helps users with software "
+                    "engineering tasks.", "cache_control": ephemeral}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Reply with one word: hello",
+                                                   "cache_control": ephemeral}]},
+                     {"role": "system", "content": AGENTS}],
+        "tools": [{"name": "Agent", "description": "Launch a new agent.", "input_schema": schema},
+                  {"name": "Read", "description": "Reads a file.", "input_schema": {
+                      **schema, "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}}],
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "metadata": {"user_id": "user_0123_account__session_4567"},
+    }
+
+
+def test_claude_codes_first_request_gets_a_whole_event_stream(pair, tmp_path):
+    target, drafter, _ = pair
+    tokenizer = tools_tokenizer(ensure_smollm2("float32"), tmp_path)  # a template that renders tools
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": CLAUDE_CODE_BETAS, "x-api-key": "dummy",
+               "user-agent": "claude-cli/2.1.19 (external, sdk-cli)"}
+    with running((target, drafter, tokenizer), max_tokens_limit=16) as (url, _):
+        assert raw(url, "/", method="HEAD", headers=headers, parse=False)[0] == 200
+        events = sse_events(url, "/v1/messages?beta=true", claude_code_request("a1b2c"), headers)
+        for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+            body = {**claude_code_request("d3e4f"), "stream": False, "max_tokens": 2, "thinking": thinking}
+            assert raw(url, "/v1/messages?beta=true", body, headers=headers)[0] == 200
+    names = [n for n, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    blocks = [n for n in names if n.startswith("content_block")]
+    assert blocks and blocks[0] == "content_block_start" and blocks[-1] == "content_block_stop"
+    assert blocks.count("content_block_start") == blocks.count("content_block_stop")
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] in ("max_tokens", "end_turn", "tool_use")
+    assert delta["usage"]["input_tokens"] == events[0][1]["message"]["usage"]["input_tokens"] > 0

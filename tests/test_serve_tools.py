@@ -3,10 +3,12 @@
 Default tier: a tiny random target with SmolLM2's tokenizer and a Qwen2.5-style tools template
 (serve_helpers.py), whose replies are forced, so that each form a model writes a call in (its family's
 `<tool_call>` tags, bare JSON, fenced JSON) is checked through both APIs, streamed and not, and the tool
-results sent back are seen rendered in the next prompt; and SmolLM2's own template, which renders no tools,
-with the tools in the generic form (forced replies, and the real decoder's greedy text). Slow tier: the
-real Qwen2.5-Coder-0.5B-Instruct with a random DFlash drafter made for it, a full round trip, its answers
-equal to mlx-lm's greedy ones; the real SmolLM2 default pair answering a request with tools.
+results sent back are seen rendered in the next prompt; SmolLM2's own template, which renders no tools,
+with the tools in the generic form (forced replies, and the real decoder's greedy text); forced calls
+(`tool_choice` any / required / a named tool) through both, their output the decoder's for the prompt and
+the opening the server wrote. Slow tier: the real Qwen2.5-Coder-0.5B-Instruct with a random DFlash drafter
+made for it, a full round trip, its answers equal to mlx-lm's greedy ones, and a forced call; the real
+SmolLM2 default pair answering a request with tools.
 """
 
 import json
@@ -16,11 +18,15 @@ import anthropic
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from serve_helpers import ScriptedEngine, tools_tokenizer
+from serve_helpers import TOOLS_TEMPLATE, ScriptedEngine, templated_tokenizer, tools_tokenizer
 from serving import MODEL, client, raw, running
+from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.generate import generate
-from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, generic_tools_messages,
-                                     json_calls, tool_support)
+from mlx_dflash.server.app import Engine
+from mlx_dflash.server.batching import BatchEngine
+from mlx_dflash.server.protocol import APIError
+from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, forced_prefix,
+                                     generic_tools_messages, json_calls, tool_support)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -31,6 +37,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
                      "input_schema": WEATHER["function"]["parameters"]}
+ANTHROPIC_CLOCK = {"name": "get_time", "description": "The time now.", "input_schema": CLOCK["function"]["parameters"]}
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +195,110 @@ def test_anthropic_tool_round_trip_streamed_and_not(scripted):
     assert final.content[0].input == {"city": "Paris"} and "text" not in events
 
 
+# Forced calls: the reply starts with the opening of a call, which the model completes.
+
+OPENING = '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":'
+
+
+def test_forced_prefixes():
+    assert forced_prefix(JSON_SUPPORT, "") == "<tool_call>"  # a parser whose syntax is not known here: any tool
+    with pytest.raises(APIError, match="named tool"):
+        forced_prefix(JSON_SUPPORT, "get_weather")
+    with pytest.raises(APIError, match="no tool-call syntax"):
+        forced_prefix(ToolSupport(True), "")
+    json_support = ToolSupport(True, "<tool_call>", "</tool_call>", json_tools.parse_tool_call)
+    assert forced_prefix(json_support, 'say "hi"') == '<tool_call>\n{"name": "say \\"hi\\"", "arguments":'
+    parser = ReplyParser(json_support, [WEATHER], forced=forced_prefix(json_support, "get_weather"))
+    assert parser.feed(' {"city": "Paris"}}\n</tool_call>')[0][1].arguments == {"city": "Paris"}
+
+
+def test_forced_calls_through_both_apis(scripted):
+    url, engine = scripted
+    c, ac = client(url), anthropic_client(url)
+    named = ' {"city": "Paris"}}\n</tool_call>'  # the model's part: after the opening the server wrote
+    engine.scripts += [named, named]
+    m = ac.messages.create(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER, ANTHROPIC_CLOCK], messages=ASK,
+                           tool_choice={"type": "tool", "name": "get_weather"})
+    assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [
+        ("tool_use", "get_weather", {"city": "Paris"})]
+    assert engine.prompts[-1].endswith(OPENING)
+    with ac.messages.stream(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER], messages=ASK,
+                            tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.input) for b in final.content] == [("tool_use", {"city": "Paris"})]
+
+    engine.scripts += ['get_time", "arguments": {}}\n</tool_call>'] * 2  # any tool: the model names it
+    m = ac.messages.create(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER, ANTHROPIC_CLOCK], messages=ASK,
+                           tool_choice={"type": "any"})
+    assert [(b.type, b.name) for b in m.content] == [("tool_use", "get_time")]
+    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "get_time"
+
+    engine.scripts += [named, named]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert engine.prompts[-1].endswith(OPENING) and r.choices[0].message.content is None
+    chunks = list(c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                            stream=True))
+    (delta,) = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+    assert delta.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    engine.scripts.append("fine")  # tool_choice none: no tools in the prompt, text back
+    m = ac.messages.create(model=MODEL, max_tokens=8, tools=[ANTHROPIC_WEATHER], messages=ASK,
+                           tool_choice={"type": "none"})
+    assert m.content[0].text == "fine" and '"get_weather"' not in engine.prompts[-1]
+
+
+@pytest.mark.parametrize("engine_class", [Engine, BatchEngine])
+def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_pair, engine_class):
+    """On the tiny random target the completion is no valid call: it comes back as text, the opening the
+    server wrote included, equal to the decoder's output for the prompt and the opening."""
+    target, drafter, tokenizer = tools_pair
+    opening = forced_prefix(tool_support(tokenizer), "get_weather")
+    batch = dict(engine_options=dict(max_batch=2), policy=build_batch_policy(target, drafter, 2, 4))
+    width = 4 if engine_class is BatchEngine else None
+
+    def decoded(tools):
+        ids = tokenizer.apply_chat_template(ASK, tools=tools, add_generation_prompt=True) + tokenizer.encode(
+            opening, add_special_tokens=False)
+        return opening + generate(target, drafter, tokenizer, ids, max_tokens=12, width=width)
+
+    function = {"name": "get_weather", "parameters": ANTHROPIC_WEATHER["input_schema"],
+                "description": ANTHROPIC_WEATHER["description"]}  # the Anthropic tool, in the order it is rendered
+    with running(tools_pair, engine_class=engine_class, **(batch if width else {})) as (url, _):
+        m = anthropic_client(url).messages.create(model=MODEL, max_tokens=12, tools=[ANTHROPIC_WEATHER],
+                                                  messages=ASK, tool_choice={"type": "tool", "name": "get_weather"})
+        r = client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=12,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert m.content[0].text == decoded([{"type": "function", "function": function}])
+    assert r.choices[0].message.content == decoded([WEATHER])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 12
+
+
+def test_a_call_cannot_be_forced_without_a_tool_call_syntax(tiny_chat_pair, tmp_path):
+    from mlx_dflash.downloads import ensure_smollm2
+
+    target, _, drafter = tiny_chat_pair
+    template = TOOLS_TEMPLATE.replace("tool_call", "invoke")  # renders tools; mlx-lm infers no parser for it
+    tokenizer = templated_tokenizer(ensure_smollm2("float32"), tmp_path, template)
+    assert tool_support(tokenizer) == ToolSupport(True)
+    with running((target, drafter, tokenizer), engine_class=ScriptedEngine) as (url, engine):
+        status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": ASK,
+                                                      "tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "any"}})
+        assert status == 400 and "cannot be forced" in answer["error"]["message"], answer
+        status, _, answer = raw(url, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": [WEATHER],
+                                                              "tool_choice": "required"})
+        assert (status, answer["error"]["param"]) == (400, "tool_choice") and engine.prompts == []
+
+
 def test_tools_the_server_cannot_honour_are_a_400_naming_the_field(scripted, tiny_chat_pair):
     url, _ = scripted
     good = {"model": MODEL, "messages": ASK, "tools": [WEATHER]}
-    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
-                         ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    for extra, param in [({"tool_choice": "whichever"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"tools": [{"type": "function"}]}, "tools[0]"), ({"tools": "x"}, "tools"),
                          ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {
@@ -203,12 +309,19 @@ def test_tools_the_server_cannot_honour_are_a_400_naming_the_field(scripted, tin
         status, _, answer = raw(url, "/v1/chat/completions", {**good, **extra})
         assert (status, answer["error"]["param"]) == (400, param), answer
     assert raw(url, "/v1/completions", {"model": MODEL, "prompt": "x", "tools": [WEATHER]})[0] == 400
+    prefill = ASK + [{"role": "assistant", "content": "It is"}]
+    for choice, tools, messages in [({"type": "tool", "name": "get_time"}, [ANTHROPIC_WEATHER], ASK),
+                                    ({"type": "tool"}, [ANTHROPIC_WEATHER], ASK),
+                                    ({"type": "required"}, [ANTHROPIC_WEATHER], ASK), ({"type": "any"}, None, ASK),
+                                    ({"type": "any"}, [ANTHROPIC_WEATHER], prefill)]:
+        status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": messages,
+                                                      "tool_choice": choice, "tools": tools})
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+        assert "tool_choice" in answer["error"]["message"]
     status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": ASK,
-                                                  "tool_choice": {"type": "any"}, "tools": [ANTHROPIC_WEATHER]})
-    assert status == 400 and answer["error"]["type"] == "invalid_request_error" and "tool_choice" in answer["error"]["message"]
-    status, _, answer = raw(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": ASK,
+                                                  "tool_choice": {"type": "any"},
                                                   "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
-    assert status == 400 and "tools[0]" in answer["error"]["message"]
+    assert status == 400 and "input_schema" in answer["error"]["message"]  # the server tool is left out
     neutral = {**good, "frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"},
                "tool_choice": "auto", "parallel_tool_calls": True, "logit_bias": {}, "user": "u1"}
     _, engine = scripted
@@ -384,3 +497,31 @@ def test_qwen_coder_tool_round_trip_equals_mlx_lm_greedy(qwen_pair):
                                                                tools=[ANTHROPIC_WEATHER], messages=ASK)
         assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
         assert (m.content[0].name, m.content[0].input) == ("get_weather", {"city": "Paris"})
+
+
+@pytest.mark.slow
+def test_qwen_coder_forced_call_is_mlx_lm_greedy_after_the_opening(qwen_pair):
+    """Asked about the weather with tool_choice naming the clock, Qwen2.5-Coder-0.5B completes the opening
+    the server wrote into a call to the clock; its arguments are mlx-lm's greedy continuation of the prompt
+    and the opening."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    target, _, tokenizer = qwen_pair
+    opening = forced_prefix(tool_support(tokenizer), "get_time")
+    ids = tokenizer.apply_chat_template(ASK, tools=[WEATHER, CLOCK], add_generation_prompt=True)
+    ids += tokenizer.encode(opening, add_special_tokens=False)
+    tokens = []
+    for token, _ in generate_step(mx.array(ids), target.model, max_tokens=48):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        tokens.append(int(token))
+    reply = opening + tokenizer.decode(tokens)  # the whole call, as the parser reads it
+    want = json_tools.parse_tool_call(reply.removeprefix("<tool_call>").split("</tool_call>")[0])
+    with running(qwen_pair) as (url, _):
+        r = client(url, timeout=900).chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], max_tokens=48,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", want["arguments"])
+    assert r.choices[0].finish_reason == "tool_calls"

@@ -9,9 +9,16 @@ Anthropic's: content blocks (a thinking model's reasoning a `thinking` block, wi
 `_stop` per block, `ping`s, `message_delta`, `message_stop`).
 Errors are Anthropic-shaped (`{"type": "error", "error": {"type", "message"}}`); a prompt over the
 context is "prompt is too long: N tokens > M maximum", as Anthropic words it (agents compact on it).
+
+What Claude Code sends is taken as it comes: system messages inside `messages` (system turns where the
+chat template renders them there, else joined to the system prompt), its billing-header system block left
+out of the prompt (its checksum changes per request), tools with a `type` (server tools) left out, and its
+`thinking`, `context_management`, `output_config.effort` and `metadata` accepted. Usage counts the
+prefix cache as Anthropic counts its own (`cache_read_input_tokens`, `cache_creation_input_tokens`).
 """
 
 import json
+import logging
 import uuid
 
 from .protocol import (APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, check_model, checked,
@@ -22,6 +29,9 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_f
                503: "overloaded_error"}
 PATHS = "/v1/messages"  # every path under it answers in this shape
 THINKING = {"enabled": True, "disabled": False, "adaptive": None}  # `thinking.type` as enable_thinking
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block, with a per-request checksum
+TEXT_ONLY = ("image", "document")  # content a text model cannot read
+log = logging.getLogger("mlx_dflash.server")
 
 
 def error_body(e: APIError) -> dict:
@@ -33,11 +43,43 @@ def error_body(e: APIError) -> dict:
                                        "message": message}}
 
 
+def _refuse_media(block, at: str):
+    if isinstance(block, dict) and block.get("type") in TEXT_ONLY:
+        raise APIError(400, f"{at}: {json.dumps(block['type'])} blocks cannot be read: this model reads text only",
+                       param=at)
+
+
 def _text(content, where: str) -> str:
     """A system prompt or tool result: a string, or text blocks (joined by blank lines)."""
     if isinstance(content, list):
+        for j, block in enumerate(content):
+            _refuse_media(block, f"{where}[{j}]")
         return "\n\n".join(message_text([block], f"{where}[{j}]") for j, block in enumerate(content))
     return message_text(content, where)
+
+
+def _system(content, where: str) -> str:
+    """A system prompt's text, without Claude Code's billing-header block: its checksum changes on every
+    request, so in the prompt it would make each turn miss the prefix cache."""
+    if isinstance(content, list):
+        content = [b for b in content if not (isinstance(b, dict) and b.get("type") == "text"
+                                              and str(b.get("text", "")).startswith(BILLING_HEADER))]
+    return _text(content, where)
+
+
+def system_turns(tokenizer) -> bool:
+    """Whether the chat template renders system messages where they stand in a conversation (after user and
+    assistant turns, and last, where Claude Code sends one): read once per server by a probe, as
+    tools.tool_support reads tool support. A template that refuses the probe, or drops or moves its system
+    messages, does not; the server then merges them into the system prompt, in order."""
+    probe = [{"role": role, "content": f"probe-{i}-{role}"}
+             for i, role in enumerate(("user", "system", "assistant", "user", "system"))]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:  # the template's own checks (roles must alternate, system first) raise its own types
+        return False
+    at = [text.find(m["content"]) for m in probe]
+    return min(at) >= 0 and at == sorted(at)
 
 
 def _blocks(role: str, content, i: int) -> list:
@@ -51,6 +93,7 @@ def _blocks(role: str, content, i: int) -> list:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}[{j}]"
+        _refuse_media(block, at)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
@@ -72,34 +115,50 @@ def _blocks(role: str, content, i: int) -> list:
     return [{**message, "tool_calls": calls} if calls else message]
 
 
-def _tools(body: dict) -> tuple:
-    """(OpenAI-style function tools or None, parallel calls allowed) from Anthropic's tools and tool_choice."""
+def _tools(body: dict, request_id: str) -> tuple:
+    """(OpenAI-style function tools or None, parallel calls allowed, GenerationRequest.force_tool) from
+    Anthropic's tools and tool_choice. Tools with a `type` (server tools such as web_search_..., Anthropic's
+    bash_... and text_editor_..., which have no schema) are left out, with a log line."""
     choice = checked(body, "tool_choice", lambda v: isinstance(v, dict) and isinstance(v.get("type"), str),
                     'an object such as {"type": "auto"}', {"type": "auto"})
     parallel = not choice.get("disable_parallel_tool_use", False)
-    tools = body.get("tools")
-    if choice["type"] not in ("auto", "none"):
-        raise APIError(400, f"tool_choice {json.dumps(choice)[:100]} is not supported: this server cannot force a "
-                       "tool call; send {\"type\": \"auto\"} (the model chooses) or {\"type\": \"none\"}",
-                       param="tool_choice")
-    if not tools or choice["type"] == "none":
-        return None, parallel
+    kind, tools = choice["type"], body.get("tools")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise APIError(400, f"tool_choice.type must be \"auto\", \"any\", \"tool\" or \"none\", got "
+                       f"{json.dumps(kind)[:100]}", param="tool_choice.type")
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise APIError(400, 'tool_choice {"type": "tool"} needs the tool\'s "name"', param="tool_choice.name")
+    if kind == "none" or (not tools and kind == "auto"):
+        return None, parallel, None
+    if not tools:
+        raise APIError(400, f'tool_choice {{"type": "{kind}"}} needs \'tools\'', param="tool_choice")
     if not isinstance(tools, list):
         raise APIError(400, "'tools' must be a list of {\"name\", \"description\", \"input_schema\"}", param="tools")
-    out = []
+    out, ignored = [], []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise APIError(400, f"tools[{i}]: {json.dumps(kind)} tools run on Anthropic's servers and are not "
-                           "available here; send tools your client runs ({\"name\", \"input_schema\"})",
-                           param=f"tools[{i}]")
+        if not isinstance(tool, dict):
+            raise APIError(400, f"tools[{i}] must be an object {{\"name\", \"input_schema\"}}", param=f"tools[{i}]")
+        if tool.get("type", "custom") != "custom":
+            ignored.append(f"{tool.get('name')} ({tool.get('type')})")
+            continue
         if not (isinstance(tool.get("name"), str) and tool["name"] and isinstance(tool.get("input_schema"), dict)):
             raise APIError(400, f"tools[{i}] must have a 'name' and an 'input_schema' object", param=f"tools[{i}]")
         function = {"name": tool["name"], "parameters": tool["input_schema"]}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
-    return out, parallel
+    if ignored:
+        log.info(f"{request_id}: tools left out (this server runs only tools with an input_schema): "
+                 + ", ".join(ignored)[:300])
+    if kind == "auto":
+        return out or None, parallel, None
+    if kind == "any" and not out:
+        raise APIError(400, 'tool_choice {"type": "any"} needs a tool in \'tools\' with an input_schema',
+                       param="tool_choice")
+    if kind == "tool" and choice["name"] not in {t["function"]["name"] for t in out}:
+        raise APIError(400, f"tool_choice names the tool {json.dumps(choice['name'])[:100]}, which is not among "
+                       "'tools' with an input_schema", param="tool_choice.name")
+    return out, parallel, choice["name"] if kind == "tool" else ""
 
 
 def _thinking(body: dict):
@@ -110,8 +169,10 @@ def _thinking(body: dict):
     return None if thinking is None else THINKING[thinking["type"]]
 
 
-def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool = False) -> GenerationRequest:
-    """A Messages API body (count_only: a count_tokens body, which has no max_tokens) as a chat request."""
+def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool = False,
+                   system_turns: bool = True) -> GenerationRequest:
+    """A Messages API body (count_only: a count_tokens body, which has no max_tokens) as a chat request.
+    system_turns: system messages inside `messages` stay where they are (else they join the system prompt)."""
     model = check_model(body, served_model)
     if not count_only and body.get("max_tokens") is None:
         raise APIError(400, "max_tokens: Field required", param="max_tokens")
@@ -123,23 +184,36 @@ def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
         raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages")
+    request_id = f"msg_{uuid.uuid4().hex[:24]}"
+    system = [_system(body["system"], "system")] if body.get("system") else []
     chat = []
-    if body.get("system"):
-        chat.append({"role": "system", "content": _text(body["system"], "system")})
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant")):
-            raise APIError(400, f"messages[{i}].role must be \"user\" or \"assistant\"", param=f"messages[{i}].role")
-        chat += _blocks(m["role"], m.get("content"), i)
+        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")):
+            raise APIError(400, f"messages[{i}].role must be \"user\", \"assistant\" or \"system\"",
+                           param=f"messages[{i}].role")
+        if m["role"] != "system":
+            chat += _blocks(m["role"], m.get("content"), i)
+        elif system_turns:
+            chat.append({"role": "system", "content": _system(m.get("content"), f"messages[{i}].content")})
+        else:
+            system.append(_system(m.get("content"), f"messages[{i}].content"))
+    if all(m["role"] == "system" for m in chat):
+        raise APIError(400, "'messages' must hold a user or assistant message, not only system messages",
+                       param="messages")
+    system = "\n\n".join(t for t in system if t)
+    chat = ([{"role": "system", "content": system}] if system else []) + chat
     last = chat[-1]
     continue_final = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"])
-    tools, parallel = _tools(body)
+    tools, parallel, force_tool = _tools(body, request_id)
+    if force_tool is not None and continue_final:
+        raise APIError(400, "a forced tool call (tool_choice any or tool) cannot continue a final assistant "
+                       "message: end the conversation with a user turn", param="tool_choice")
     stream = checked(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     return GenerationRequest(kind="chat", model=model, prompt=chat, max_tokens=max_tokens,
                              sampling=sampling_fields(body, defaults, max_temperature=1.0),
                              stop=stop_strings(body.get("stop_sequences"), "stop_sequences"), stream=stream,
                              tools=tools, parallel_tool_calls=parallel, thinking=_thinking(body),
-                             continue_final=continue_final,
-                             id=f"msg_{uuid.uuid4().hex[:24]}")
+                             force_tool=force_tool, continue_final=continue_final, id=request_id)
 
 
 # Reply pieces streamed as the deltas of one block: (the block as it starts, its delta's type, the delta's field).
@@ -159,23 +233,37 @@ def _tool_use(call) -> dict:
     return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": call.arguments}
 
 
-def _usage(prompt_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
+def _usage(prompt_tokens: int, cached: int, output_tokens: int, caching: bool) -> dict:
+    """Usage as Anthropic counts it, input_tokens + cache_read_input_tokens + cache_creation_input_tokens being
+    the prompt: what the prefix cache held (`cached`) is read, and with a prefix cache every other prompt
+    token is written to it (each request keeps the state it ended with); without one, they are all
+    input_tokens."""
+    created = prompt_tokens - cached if caching else 0
+    return {"input_tokens": prompt_tokens - cached - created, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": cached}
 
 
-def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = (), reasoning: str = "") -> dict:
-    """The whole (non-streamed) message."""
+def _outcome_usage(outcome: Outcome, caching: bool) -> dict:
+    cached = outcome.stats.cached_tokens if outcome.stats is not None else 0
+    return _usage(outcome.prompt_tokens, cached, outcome.completion_tokens, caching)
+
+
+def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: list = (), reasoning: str = "",
+                 caching: bool = False) -> dict:
+    """The whole (non-streamed) message; caching: the server keeps a prefix cache."""
     content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []) + (
         [{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
     return {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": content,
             "stop_reason": stop_reason(outcome, len(calls)), "stop_sequence": outcome.stop_sequence,
-            "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens), "dflash": outcome.speculative()}
+            "usage": _outcome_usage(outcome, caching), "dflash": outcome.speculative()}
 
 
-async def message_stream(req: GenerationRequest, prompt_tokens: int, replies):
-    """The SSE body of a streamed message, from app.py's reply events."""
+async def message_stream(req: GenerationRequest, prompt_tokens: int, replies, caching: bool = False):
+    """The SSE body of a streamed message, from app.py's reply events. message_start's usage counts none of
+    the prompt as read from the prefix cache (that is known once the request runs), message_delta's is the
+    usage; input_tokens is the same in both (Claude Code keeps message_start's when message_delta's is 0)."""
     start = {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}
+             "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0, 0, caching)}
     yield sse({"type": "message_start", "message": start}, "message_start")
     yield sse({"type": "ping"}, "ping")
     index, open_kind, calls = 0, None, 0  # open_kind: the streamed block that is open ("text", "reasoning")
@@ -218,6 +306,6 @@ async def message_stream(req: GenerationRequest, prompt_tokens: int, replies):
             if open_kind is not None:
                 yield block_stop()
             delta = {"stop_reason": stop_reason(payload, calls), "stop_sequence": payload.stop_sequence}
-            yield sse({"type": "message_delta", "delta": delta, "usage": {"output_tokens": payload.completion_tokens},
+            yield sse({"type": "message_delta", "delta": delta, "usage": _outcome_usage(payload, caching),
                        "dflash": payload.speculative()}, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")

@@ -33,7 +33,7 @@ from ..prompt_cache import PromptCache, pair_identity
 from ..responses import GenerationStats
 from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
 from .security import allowed_hosts
-from .tools import ReplyParser, generic_tools_messages, tool_support
+from .tools import ReplyParser, forced_prefix, generic_tools_messages, tool_support
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
@@ -340,9 +340,10 @@ class Engine:
         pass  # one process: closing the generator was all
 
     def prompt_ids(self, req: GenerationRequest) -> list:
-        """The prompt's token ids: chat messages (and tools) through the tokenizer's chat template, text as it
-        is; tools in the generic form (tools.py) where the template renders none. Touches no MLX array: it
-        runs on a worker thread, off the event loop and beside the engine."""
+        """The prompt's token ids: chat messages (and tools; in the generic form of tools.py where the template
+        renders none) through the tokenizer's chat template, then a forced tool call's opening
+        (tools.forced_prefix); text as it is. Touches no MLX array: it runs on a worker thread, off the event
+        loop and beside the engine."""
         tok = self.tokenizer
         if req.kind == "chat":
             if getattr(tok, "chat_template", None) is None:
@@ -357,9 +358,12 @@ class Engine:
             if req.thinking is not None:  # a template without a thinking switch ignores it
                 options["enable_thinking"] = req.thinking
             try:
-                return list(tok.apply_chat_template(messages, **turn, **options))
+                ids = list(tok.apply_chat_template(messages, **turn, **options))
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}"[:500], param="messages") from None
+            if req.force_tool is None:
+                return ids
+            return ids + tok.encode(forced_prefix(self.tools, req.force_tool), add_special_tokens=False)
         if isinstance(req.prompt, str):
             ids = encode_prompt(tok, req.prompt)
         else:

@@ -243,9 +243,6 @@ def parse_tools(tools, tool_choice, parallel=True) -> tuple:
                 and isinstance(fn.get("name"), str) and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                            "\"description\": ..., \"parameters\": {...}}}}", param=f"tools[{i}]")
-    if tool_choice not in (None, "auto"):
-        raise APIError(400, f"'tool_choice' {json.dumps(tool_choice)[:100]} is not supported: this server cannot "
-                       "force a tool call; send \"auto\" (the model chooses) or \"none\"", param="tool_choice")
     return tools, parallel
 
 
@@ -267,6 +264,24 @@ def thinking_field(body: dict) -> Optional[bool]:
     return False if effort in ("none", "minimal") else None
 
 
+def forced_tool(tool_choice, tools) -> Optional[str]:
+    """GenerationRequest.force_tool from OpenAI's tool_choice: None ("auto", "none" or left out), "" for
+    "required" (some call), or the name of {"type": "function", "function": {"name": ...}}."""
+    if tool_choice in (None, "auto", "none") or not tools:
+        return None
+    if tool_choice == "required":
+        return ""
+    named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+    fn = tool_choice.get("function") if named else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+        raise APIError(400, f"'tool_choice' must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}}, got {json.dumps(tool_choice)[:100]}", param="tool_choice")
+    if fn["name"] not in {t["function"]["name"] for t in tools}:
+        raise APIError(400, f"'tool_choice' names the function {json.dumps(fn['name'])[:100]}, which is not in "
+                       "'tools'", param="tool_choice")
+    return fn["name"]
+
+
 def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest:
     common = _common(body, defaults, served_model)
     if checked(body, "response_format", lambda v: isinstance(v, dict), "an object", {}).get("type", "text") != "text":
@@ -281,7 +296,8 @@ def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest
     parallel = checked(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True)
     tools, parallel = parse_tools(body.get("tools"), body.get("tool_choice"), parallel)
     return GenerationRequest(kind="chat", prompt=chat, tools=tools, parallel_tool_calls=parallel,
-                             thinking=thinking_field(body), **common)
+                             thinking=thinking_field(body), force_tool=forced_tool(body.get("tool_choice"), tools),
+                             **common)
 
 
 def parse_completion(body, defaults: Defaults, served_model: str) -> GenerationRequest:

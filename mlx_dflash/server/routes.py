@@ -24,7 +24,7 @@ from .logs import RequestLog, configure
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
 from .thinking import reasoning_splitter
-from .tools import ReplyParser
+from .tools import ReplyParser, forced_prefix
 
 log = logging.getLogger("mlx_dflash.server")
 TOKENIZER_THREADS = 4  # prompts tokenized at once
@@ -50,6 +50,8 @@ def make_app(engine: Engine, config: ServerConfig):
                   "type": "model", "display_name": name,  # the fields Anthropic's clients read
                   "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
     tools = engine.tools
+    system_turns = anthropic.system_turns(engine.tokenizer)  # else system messages join the system prompt
+    caching = engine.prompt_cache is not None
     if not tools.renders_tools and config.generic_tools:
         log.info("this model's chat template does not render tools: requests with tools get them in the system "
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
@@ -74,6 +76,15 @@ def make_app(engine: Engine, config: ServerConfig):
             body["batch"] = engine.batch_report()
         return JSONResponse(body)
 
+    async def root(request):  # Claude Code's first request is HEAD /
+        return JSONResponse({"model": name, "endpoints": [
+            "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+            "/v1/models", "/health"]})
+
+    def forced(req) -> str:
+        """The text a forced tool call makes the reply start with ("": none is forced)."""
+        return "" if req.force_tool is None else forced_prefix(tools, req.force_tool)
+
     async def models(request):
         return JSONResponse({"object": "list", "data": [model_card], "has_more": False, "first_id": name,
                              "last_id": name})
@@ -91,6 +102,7 @@ def make_app(engine: Engine, config: ServerConfig):
         if req.tools and not tools.renders_tools and not config.generic_tools:
             raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools "
                            "(the server runs with --no-generic-tools)", param="tools")
+        forced(req)  # a call that cannot be forced is refused before the queue
         if admit:
             engine.refuse_surely_too_long(req)
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
@@ -108,7 +120,7 @@ def make_app(engine: Engine, config: ServerConfig):
         req, ids = await tokenized(request, parse, admit=True)
         boundaries = await asyncio.get_running_loop().run_in_executor(tokenizer_threads, engine.message_boundaries,
                                                                        req, ids)
-        job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls) if req.tools else None,
+        job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls, forced(req)) if req.tools else None,
                   boundaries, reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None,
                   request.scope.get("dflash.cache_scope", ""))
         engine.enqueue(job)
@@ -154,7 +166,9 @@ def make_app(engine: Engine, config: ServerConfig):
         return await generate(request, parse_completion, openai_stream, completion_body)
 
     async def messages(request):
-        return await generate(request, anthropic.parse_messages, anthropic.message_stream, anthropic.message_body)
+        return await generate(request, partial(anthropic.parse_messages, system_turns=system_turns),
+                              partial(anthropic.message_stream, caching=caching),
+                              partial(anthropic.message_body, caching=caching))
 
     def kept_for(request) -> openai_responses.ResponseStore:
         return kept[request.scope.get("dflash.cache_scope", "")]
@@ -169,10 +183,12 @@ def make_app(engine: Engine, config: ServerConfig):
         return JSONResponse(kept_for(request).response(request.path_params["response_id"]))
 
     async def count_tokens(request):
-        _, ids = await tokenized(request, partial(anthropic.parse_messages, count_only=True), admit=False)
+        parse = partial(anthropic.parse_messages, count_only=True, system_turns=system_turns)
+        _, ids = await tokenized(request, parse, admit=False)
         return JSONResponse({"input_tokens": len(ids)})
 
     routes = [
+        Route("/", root),
         Route("/health", health),
         Route("/v1/models", models),
         Route("/v1/models/{model_id:path}", model),

@@ -13,6 +13,10 @@ A chat template that does not render tools gets them in one generic form, the He
 (`generic_tools_messages`): the tools as JSON function schemas in the system prompt with the instruction to
 answer a call as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, earlier calls and results as
 text in that form; the reply is read with mlx-lm's `json_tools` parser.
+
+A forced call (`tool_choice` "required" / "any" or a named tool) makes the reply start with the opening of
+a call in the family's syntax (`forced_prefix`): its ids follow the generation prompt, and the parser reads
+that text first, so the reply parses as the call the model goes on to write.
 """
 
 import json
@@ -24,6 +28,8 @@ from typing import Optional
 
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools
+
+from .protocol import APIError
 
 log = logging.getLogger("mlx_dflash.server")
 DUMMY_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe", "parameters": {
@@ -43,6 +49,17 @@ XML tags:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
+# How a call opens after the start marker, per mlx-lm parser module: (for the named tool, for any tool). Each
+# ends where the family's own text goes on with a fresh token (`"arguments":`, not `"arguments": `: the
+# space belongs to the next token), so the model continues as it would have written the call itself.
+CALL_OPENINGS = {
+    "json_tools": (lambda name: '\n{"name": ' + json.dumps(name) + ', "arguments":', '\n{"name": "'),
+    "qwen3_coder": (lambda name: f"\n<function={name}>\n", "\n<function="),
+    "mistral": (lambda name: f"{name}[ARGS]", ""),
+    "pythonic": (lambda name: f"[{name}(", "["),
+    "gemma4": (lambda name: f"call:{name}{{", "call:"),
+    "function_gemma": (lambda name: f"call:{name}{{", "call:"),
+}
 _FENCE = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
@@ -114,6 +131,23 @@ def _tagged(name: str, arguments: dict) -> str:
     return f"{json_tools.tool_call_start}\n{call}\n{json_tools.tool_call_end}"
 
 
+def forced_prefix(support: ToolSupport, name: str) -> str:
+    """The text a forced call makes the reply start with: the start marker and, for a family whose call
+    syntax is known here, the opening of a call to `name` ("": to a tool the model picks)."""
+    if not support.start:
+        raise APIError(400, "a tool call cannot be forced on this model: its chat template has no tool-call syntax "
+                       "that mlx-lm reads; let the model choose (tool_choice auto)", param="tool_choice")
+    family = getattr(support.parse, "__module__", "").rpartition(".")[2]
+    if family not in CALL_OPENINGS:
+        if name:
+            raise APIError(400, f"a call to a named tool cannot be forced with this model's tool-call syntax "
+                           f"({family or 'unknown'}): ask for any tool (OpenAI \"required\", Anthropic "
+                           "{\"type\": \"any\"})", param="tool_choice")
+        return support.start
+    named, any_tool = CALL_OPENINGS[family]
+    return support.start + (named(name) if name else any_tool)
+
+
 def _as_call(value, names: set) -> Optional[ToolCall]:
     """A JSON value as a call to one of `names`: {"name", "arguments"|"parameters"}, maybe under "function"."""
     if not isinstance(value, dict):
@@ -179,9 +213,10 @@ def _not_calls_already(text: str, names: set) -> bool:
 
 class ReplyParser:
     """Splits a streamed reply into text and tool calls. feed() and finish() return what may go out now:
-    a list of ("text", str) and ("call", ToolCall)."""
+    a list of ("text", str) and ("call", ToolCall). forced: the text the reply was made to start with
+    (forced_prefix), read first."""
 
-    def __init__(self, support: ToolSupport, tools: list, parallel: bool = True):
+    def __init__(self, support: ToolSupport, tools: list, parallel: bool = True, forced: str = ""):
         self.support, self.tools, self.parallel = support, tools, parallel
         self.names = {t["function"]["name"] for t in tools}
         self.state = None  # mlx-lm's text state machine over the parser's markers, if it has them
@@ -191,6 +226,8 @@ class ReplyParser:
         self.in_tool, self.tool_text = False, ""  # between the markers
         self.holding, self.held = True, ""  # the reply's first text, while it may be JSON calls
         self.calls = 0
+        if forced:
+            self.feed(forced)  # an open call: nothing goes out until the model has written the rest
 
     def feed(self, text: str) -> list:
         if self.state is None:
