@@ -198,12 +198,14 @@ class Request:
 
 @dataclass
 class Prefill:
-    """A request being read into its own single-row state, a chunk per step."""
+    """A request being read into its own single-row state, a chunk at each of its turns."""
 
     request: Request
     state: DecodeState
     checkpoints: dict
     marks: list  # prompt positions to checkpoint at (a hybrid target with a prefix cache), in order
+    cached: int  # prompt tokens the prefix cache gave it
+    started: Optional[float] = None  # perf_counter() at its first turn
 
 
 class Scheduler:
@@ -211,10 +213,15 @@ class Scheduler:
     rows decoding), join the batch once all but their last token is read (the round that step reads that
     token and picks their first), and leave it at once when done.
 
+    Several prompts are read at once, as many as the batch has rows free for, in turn: each step reads one
+    chunk of the next in line, which then goes to the back; a prompt just admitted goes ahead of those that
+    have had a turn. A short prompt arriving during a long one's read waits for the chunk being read, not for
+    the whole read.
+
     step() returns events (handle, kind, value): ("admitted", (cached prompt tokens, perf_counter() when
-    its prefill started)) when a request's prefill starts, ("round", Round) for each of its rounds (the first: its first token alone, drafted 0),
-    ("done", None) when it has left the batch. A request ends at a stop token, at max_tokens, or by
-    cancel()."""
+    its prefill started)) at a request's first turn to be read, ("round", Round) for each of its rounds (the
+    first: its first token alone, drafted 0), ("done", None) when it has left the batch. A request ends at a
+    stop token, at max_tokens, or by cancel()."""
 
     def __init__(self, target, drafter, policy, max_batch: int, stop_ids=(), prompt_cache=None,
                  prefill_step: int = 512):
@@ -223,7 +230,7 @@ class Scheduler:
         self.max_batch, self.stop_ids, self.prompt_cache = max_batch, set(stop_ids), prompt_cache
         self.prefill_step = prefill_step
         self.waiting: deque = deque()
-        self.reading: Optional[Prefill] = None
+        self.reading: deque = deque()  # Prefills, the next to read first
         self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), for its state when it leaves
         self.ending: set = set()
         self.stats = BatchStats()
@@ -232,7 +239,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def cancel(self, handle):
-        """End a request: a waiting one is dropped, the one being read stops, a row leaves at the next step."""
+        """End a request: a waiting one is dropped, one being read stops, a row leaves at the next step."""
         self.ending.add(handle)
 
     @property
@@ -241,10 +248,12 @@ class Scheduler:
 
     def step(self) -> list:
         events = self._retire()
-        if self.reading is None and self.waiting and len(self.batch) < self.max_batch:
-            events += self._start(self.waiting.popleft())
-        if self.reading is not None:
-            self._read_chunk()
+        # each prompt being read holds its own cache and, once read, a row: as many as there are rows free
+        while self.waiting and len(self.batch) + len(self.reading) < self.max_batch:
+            fresh = sum(p.started is None for p in self.reading)  # those not read yet are at the front
+            self.reading.insert(fresh, self._start(self.waiting.popleft()))
+        if self.reading:
+            events += self._read_turn()
         if self.batch.rows:
             rows = len(self.batch)
             rounds = self.batch.round()
@@ -257,7 +266,8 @@ class Scheduler:
         return events
 
     def _retire(self) -> list:
-        """Rows that are done leave the batch (their states to the prefix cache); cancelled waiters go."""
+        """Rows that are done leave the batch (their states to the prefix cache); cancelled waiters and
+        prompts being read go."""
         done = {r.handle for r in self.batch.rows if r.remaining <= 0 or r.handle in self.ending}
         events = []
         for handle, state in self.batch.leave(done) if done else []:
@@ -268,13 +278,13 @@ class Scheduler:
         for request in [r for r in self.waiting if r.handle in self.ending]:
             self.waiting.remove(request)
             events.append((request.handle, "done", None))
-        if self.reading is not None and self.reading.request.handle in self.ending:
-            events.append((self.reading.request.handle, "done", None))
-            self.reading = None
+        for p in [p for p in self.reading if p.request.handle in self.ending]:
+            self.reading.remove(p)
+            events.append((p.request.handle, "done", None))
         self.ending -= done | {e[0] for e in events}
         return events
 
-    def _start(self, request: Request) -> list:
+    def _start(self, request: Request) -> Prefill:
         state, checkpoints = None, {}
         if self.prompt_cache is not None:
             state, checkpoints = self.prompt_cache.fetch(request.ids, request.cache_scope)
@@ -282,13 +292,17 @@ class Scheduler:
         marks = []
         if self.prompt_cache is not None and not self.target.trimmable:
             marks = [m for m in rungs(len(request.ids), request.boundaries) if m > len(state.tokens)]
-        self.reading = Prefill(request, state, checkpoints, marks)
-        # the time goes with it: the step reads its first chunk (maybe its first token) before returning
-        return [(request.handle, "admitted", (len(state.tokens), time.perf_counter()))]
+        return Prefill(request, state, checkpoints, marks, len(state.tokens))
 
-    def _read_chunk(self):
-        """One chunk of the prompt being read; once all but its last token is read, it joins the batch."""
-        p = self.reading
+    def _read_turn(self) -> list:
+        """One chunk of the next prompt in line, which goes to the back; once all but its last token is
+        read, it joins the batch. Its first turn admits it."""
+        p = self.reading.popleft()
+        events = []
+        if p.started is None:
+            # the time goes with it: this step reads its first chunk (maybe its first token) before returning
+            p.started = time.perf_counter()
+            events.append((p.request.handle, "admitted", (p.cached, p.started)))
         ids, state, done = p.request.ids, p.state, len(p.state.tokens)
         end = min([done + self.prefill_step, len(ids) - 1] + [m for m in p.marks if m > done])
         if end > done:
@@ -296,14 +310,15 @@ class Scheduler:
             if end in p.marks:
                 p.checkpoints[end] = checkpoint(state.cache)
         if end < len(ids) - 1:
-            return
+            self.reading.append(p)
+            return events
         request = p.request
-        self.reading = None
         self.checkpoints[request.handle] = (request.cache_scope, p.checkpoints)
         # seeded: the first token is drawn with a key of the seed's, every later draw from the row's own stream
         first_key = None if request.seed is None else mx.random.split(mx.random.key(request.seed))[0]
         self.batch.join(request.handle, state, ids[-1], request.sampling, request.max_tokens,
                         None if request.seed is None else request.seed + 1, first_key)
+        return events
 
 
 def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,

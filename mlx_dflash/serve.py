@@ -1,4 +1,5 @@
-"""`mlx-dflash serve`: the command that starts the OpenAI-compatible server (`server/`) over one pair."""
+"""`mlx-dflash serve`: the command that starts the OpenAI- and Anthropic-compatible server (`server/`) over one
+pair."""
 
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ from .policy import build_policy, check_width_options
               help="Comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
                    "server (CORS); others are refused.")
 @click.option("--max-queue", default=16, show_default=True, type=int,
-              help="Requests that may wait behind the running one; more get 503 with Retry-After.")
+              help="Requests that may wait beyond the batch's --max-batch rows (with --max-batch 1: behind the running "
+                   "one); more get 503 with Retry-After.")
 @click.option("--max-connections", default=128, show_default=True, type=int,
               help="Open connections at most; one more is answered 503 and closed.")
 @click.option("--max-uploads-per-client", default=None, type=int,
@@ -45,12 +47,14 @@ from .policy import build_policy, check_width_options
               help="The most tokens one request may generate: larger max_tokens are cut to it (and to what the "
                    "context leaves).")
 @click.option("--prefill-step-size", default=512, show_default=True, type=int,
-              help="Prompt tokens per prefill chunk; a client that leaves stops its prefill within a chunk.")
+              help="Prompt tokens per prefill chunk (batched: one chunk between rounds); a client that leaves "
+                   "stops its prefill within a chunk.")
 @click.option("--shutdown-grace", default=10.0, show_default=True, type=float,
-              help="On Ctrl-C or SIGTERM: seconds the running request may go on before it ends with an error.")
+              help="On Ctrl-C or SIGTERM: seconds the running requests (every row of the batch) may go on before they "
+                   "end with an error.")
 @click.option("--max-batch", default=None, type=int,
-              help="Requests decoded together (continuous batching; 1: one at a time). Default: 8 with Metal, 4 on "
-                   "the CPU.")
+              help="Requests decoded together (continuous batching; 1: one at a time, as with --shard and "
+                   "--kv-bits). Default: 8 with Metal, 4 on the CPU.")
 @click.option("--no-generic-tools", is_flag=True,
               help="Refuse tools (400) where the target's chat template does not render them, instead of putting "
                    "them in the system prompt in the generic <tool_call> JSON form.")
@@ -70,9 +74,10 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
          force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes,
          prompt_cache_dir, kv_bits, kv_group_size, quantized_kv_start, shard, rank_timeout, no_generic_tools):
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
-    /v1/messages).
+    /v1/responses, /v1/messages).
 
-    --max-tokens and the sampling flags are the defaults of requests that leave those fields out.
+    --max-tokens and the sampling flags are the defaults of requests that leave those fields out. Batched
+    (--max-batch above 1), the verify width defaults to --width auto (D-cut, for the whole batch).
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .distributed import Ranks, launched_group, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir

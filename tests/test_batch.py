@@ -123,6 +123,56 @@ def test_a_request_joins_and_gets_its_first_token_in_the_step_that_reads_its_pro
     assert all(f == {"forward": 1, "read": 0, "prefill": 0} for f in forwards[1:3])  # rounds only
 
 
+def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_read_ends(pairs):
+    """Prompts are read in turn, a chunk per step: a short one submitted during a long one's read is read
+    next and gets its first token while the long one is still being read, and both answers are the
+    single-request ones."""
+    target, drafter, tokenizer = pairs["dense"]
+    long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
+    short = prompts(tokenizer, 1)[0]
+    want = [generate(target, drafter, tokenizer, p, max_tokens=8, width=4).tokens for p in (long, short)]
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, 4), 2, tokenizer.eos_token_ids,
+                          prefill_step=8)
+    scheduler.submit(Request("long", long, 8))
+    out, admitted, firsts, step = {"long": [], "short": []}, {}, {}, 0
+    while scheduler.busy:
+        if step == 1:
+            scheduler.submit(Request("short", short, 8))
+        for h, kind, value in scheduler.step():
+            if kind == "admitted":
+                admitted[h] = step
+            elif kind == "round":
+                firsts.setdefault(h, step)
+                out[h] += value.tokens
+        step += 1
+    chunks = -(-(len(long) - 1) // 8)
+    assert chunks > 2 * -(-(len(short) - 1) // 8) + 4  # the long read is many chunks, the short one's few
+    assert admitted == {"long": 0, "short": 1}  # a prompt just admitted is read next, ahead of the long one
+    assert firsts["short"] < firsts["long"] and firsts["long"] > chunks  # the long read took turns with it
+    assert [out["long"], out["short"]] == want
+
+
+def test_a_prompt_cancelled_during_its_read_leaves_and_frees_its_place(pairs):
+    target, drafter, tokenizer = pairs["dense"]
+    long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
+    short = prompts(tokenizer, 1)[0]
+    want = generate(target, drafter, tokenizer, short, max_tokens=6, width=4).tokens
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 1, 4), 1, tokenizer.eos_token_ids,
+                          prefill_step=8)
+    scheduler.submit(Request("long", long, 8))
+    scheduler.submit(Request("short", short, 6))  # waits: the one row is the long prompt's
+    events = scheduler.step() + scheduler.step()
+    assert [e[:2] for e in events] == [("long", "admitted")] and len(scheduler.waiting) == 1
+    scheduler.cancel("long")
+    events = scheduler.step()
+    # the cancelled read leaves at once and the waiting prompt takes its place in the same step
+    assert events[0] == ("long", "done", None) and events[1][:2] == ("short", "admitted")
+    out = []
+    while scheduler.busy:
+        out += [v.tokens for h, kind, v in scheduler.step() if kind == "round"]
+    assert sum(out, []) == want and not scheduler.reading
+
+
 @pytest.mark.parametrize("name", ["dense", "hybrid"])
 def test_requests_the_prefix_cache_holds_but_their_last_token_join_with_no_read(pairs, name, monkeypatch):
     """Asked again, each prompt is restored from the prefix cache but its last token and joins at once (no

@@ -132,7 +132,7 @@ BAD_INPUT = [
     ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {**GOOD, "messages": [{"content": "hi"}]}, 400, "messages[0]"),
     ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content"),
+     "messages[0].content[0]"),
     ("/v1/chat/completions", {**GOOD, "model": "gpt-4o"}, 404, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),

@@ -1,7 +1,10 @@
 """`serve --max-batch`: concurrent clients decoded together answer as one request at a time does, a client
 that leaves frees its row at once, and /health reports the batch."""
 
+import logging
+import re
 import threading
+import time
 
 import pytest
 
@@ -11,6 +14,7 @@ from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.generate import generate
 from mlx_dflash.server.batching import BatchEngine
 
+CHUNK_SECONDS = 0.25  # a prompt chunk's read, slowed to this in the fairness test
 QUESTIONS = [f"Question {i}: tell me about topic {i}." for i in range(6)]
 
 
@@ -64,3 +68,46 @@ def test_a_client_that_leaves_frees_its_row_and_the_others_go_on(pair):
                                                 messages=[{"role": "user", "content": QUESTIONS[1]}])
         assert r.choices[0].message.content == want
     assert engine.cancelled == 1 and engine.completed == 1
+
+
+def test_short_requests_during_a_long_read_are_read_in_turn_and_queued_counts_the_wait(pair, monkeypatch, caplog):
+    """Prompts are read in turn: two short requests sent during a long prompt's read are answered before that
+    read ends, and the log's queued counts each one's wait to its first chunk, the second's behind the first's."""
+    target, drafter, tokenizer = pair
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
+    reading, gate, read = threading.Event(), threading.Event(), target.read
+
+    def slow_read(*args, **kw):  # the long prompt's first chunk waits for the gate; each takes CHUNK_SECONDS
+        reading.set()
+        assert gate.wait(timeout=20)
+        time.sleep(CHUNK_SECONDS)
+        return read(*args, **kw)
+
+    monkeypatch.setattr(target, "read", slow_read)
+    long_prompt, shorts = " ".join(QUESTIONS * 2), [QUESTIONS[1], QUESTIONS[1] + " Briefly, please."]
+    # the long read is many chunks: more than the short ones' reads and rounds together
+    assert -(-len(chat_ids(tokenizer, long_prompt)) // 16) >= 11
+    ask = lambda content: client(url).chat.completions.create(  # noqa: E731
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}])
+    with running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, 3, 4),
+                 engine_options=dict(max_batch=3, prefill_step=16)) as (url, engine):
+        long = threading.Thread(target=ask, args=(long_prompt,))
+        long.start()
+        assert reading.wait(timeout=20)  # the long prompt's first chunk is being read
+        threads = [threading.Thread(target=ask, args=(s,)) for s in shorts]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 20
+        while engine.waiting < 2:  # both arrived, waiting for the chunk being read
+            assert time.time() < deadline
+            time.sleep(0.01)
+        gate.set()
+        for t in threads:
+            t.join(timeout=60)
+        answered_first = long.is_alive()
+        long.join(timeout=60)
+    assert answered_first  # both short requests were answered while the long prompt was still being read
+    queued = {int(m["prompt"]): float(m["queued"]) for r in caplog.records
+              if (m := re.search(r"prompt=(?P<prompt>\d+) .* queued=(?P<queued>[\d.]+)s", r.getMessage()))}
+    first, second = sorted(queued[len(chat_ids(tokenizer, s))] for s in shorts)
+    assert second - first > CHUNK_SECONDS * 0.75  # the second waited for the first's first chunk

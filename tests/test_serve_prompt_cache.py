@@ -1,6 +1,7 @@
 """The server's prefix cache as clients see it: a conversation's later turns report their cached prompt
 tokens (OpenAI's usage.prompt_tokens_details.cached_tokens) and answer as a server without the cache does;
-/health reports the cache; concurrent clients leave it consistent; with several API keys, each key's
+/health reports the cache; a hybrid target's tool conversation (tools in its template or in the generic form)
+is kept at its message ends; concurrent clients leave it consistent; with several API keys, each key's
 clients see only their own entries, and /health's counters only with a key."""
 
 import json
@@ -9,14 +10,29 @@ import urllib.request
 
 import pytest
 
+from serve_helpers import tools_tokenizer
 from serving import MODEL, client, raw, running
 from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.server.batching import BatchEngine
 from tiny_families import tiny_chat_target
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
+from mlx_dflash.server.tools import generic_tools_messages
 
 SYSTEM = "You answer in short sentences. " * 8
 QUESTIONS = ["What is the sea?", "Why is it salty?", "How deep is it?"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def agent(city, sent=True):
+    """An agent's conversation: a question, the model's call for the weather in `city`, the tool's result. sent:
+    the call's arguments a JSON string (as clients send them), else an object (as templates take them)."""
+    arguments = json.dumps({"city": city}) if sent else {"city": city}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": f"Sunny in {city}."}]
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +67,18 @@ def health(url):
         return json.loads(r.read())
 
 
+@pytest.fixture(scope="module")
+def hybrid(pair):
+    """(target, drafter): a tiny hybrid GatedDeltaNet qwen3_5 target over SmolLM2's vocabulary."""
+    target = tiny_chat_target("qwen3_5", pair[0].vocab_size, seed=3)
+    config = drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2)
+    return target, init_drafter(config, seed=0).bind(target)
+
+
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_later_turns_are_cached_and_answer_as_a_server_without_the_cache(pair, kind):
+def test_later_turns_are_cached_and_answer_as_a_server_without_the_cache(pair, hybrid, kind):
     if kind == "hybrid":
-        target = tiny_chat_target("qwen3_5", pair[0].vocab_size, seed=3)
-        config = drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2)
-        pair = (target, init_drafter(config, seed=0).bind(target), pair[2])
+        pair = (*hybrid, pair[2])
     with running(pair) as (url, _):
         cold = converse(client(url))
     with running(pair, engine_options=dict(prompt_cache=dict(max_entries=8))) as (url, engine):
@@ -67,6 +89,36 @@ def test_later_turns_are_cached_and_answer_as_a_server_without_the_cache(pair, k
     assert warm[0][1] == 0 and all(cached > 50 for _, cached in warm[1:])  # the system prompt and more
     assert all(s[1] >= w[1] for s, w in zip(streamed, warm))
     assert 0 < stats["entries"] <= 8 and stats["bytes"] > 0 and stats["hits"] >= 2 * len(QUESTIONS) - 1
+
+
+@pytest.mark.parametrize("form", ["template", "generic"])
+def test_a_hybrid_targets_tool_conversation_is_kept_at_its_message_ends(pair, hybrid, tmp_path_factory, form):
+    """A hybrid target's state is kept only at marked positions: a tool request's marks are its messages' ends
+    as the prompt renders them (tools and all), so an agent turn that goes another way after the user's
+    message reads the system prompt, its tools and that message from the cache."""
+    from mlx_dflash.downloads import ensure_smollm2
+
+    tokenizer = (tools_tokenizer(ensure_smollm2("float32"), tmp_path_factory.mktemp("tools-tokenizer"))
+                 if form == "template" else pair[2])
+
+    def rendered(messages, generation_prompt):
+        options = dict(tools=[WEATHER]) if form == "template" else {}
+        messages = messages if form == "template" else generic_tools_messages(messages, [WEATHER])
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, **options)
+
+    with running((*hybrid, tokenizer)) as (url, _):
+        cold = chat(client(url), agent("Lyon"), tools=[WEATHER]).choices[0].message
+    with running((*hybrid, tokenizer), engine_options=dict(prompt_cache=dict(max_entries=8))) as (url, engine):
+        chat(client(url), agent("Paris"), tools=[WEATHER])
+        (entry,) = engine.prompt_cache._entries.values()
+        warm = chat(client(url), agent("Lyon"), tools=[WEATHER])  # the same question, another call
+    # the marks, then one token before the prompt's end and the state's end (test_prompt_cache.py)
+    marks, messages = sorted(entry.checkpoints)[:-2], agent("Paris", sent=False)
+    assert len(marks) == len(messages) - 1
+    for n, mark in enumerate(marks, start=1):  # past message n's end, within what opens the next one
+        assert len(rendered(messages[:n], False)) <= mark <= len(rendered(messages[:n], True)), (n, marks)
+    assert warm.usage.prompt_tokens_details.cached_tokens == len(rendered(messages[:2], True))
+    assert warm.choices[0].message == cold
 
 
 def test_concurrent_clients_leave_the_cache_consistent(pair):

@@ -161,6 +161,27 @@ def test_function_tool_round_trip_streamed_and_not(scripted):
     assert added["id"] == final["output"][1]["id"] and added["arguments"] == ""
 
 
+def test_forced_calls_are_function_call_items_streamed_and_not(scripted):
+    """tool_choice "required" and a named function: the reply starts with the opening the server wrote (after
+    the generation prompt) and comes back as a function_call item."""
+    url, engine = scripted
+    c = client(url)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = ' {"city": "Paris"}}\n</tool_call>'  # the model's part, after the opening
+    engine.scripts += [named, named, 'get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
+    choice = {"type": "function", "name": "get_weather"}
+    r = c.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=choice)
+    (call,) = r.output
+    assert (call.type, call.name, json.loads(call.arguments), r.status) == (
+        "function_call", "get_weather", {"city": "Paris"}, "completed")
+    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":')
+    final = streamed(url, {"model": MODEL, "input": ask, "tools": [WEATHER], "tool_choice": choice})[-1][1]
+    assert [(i["type"], i["name"]) for i in final["response"]["output"]] == [("function_call", "get_weather")]
+    r = c.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required")
+    assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
+    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+
+
 def test_freeform_tool_is_a_function_of_one_input_and_answers_custom_tool_calls(scripted):
     url, engine = scripted
     c = client(url)
@@ -298,6 +319,7 @@ BAD = [({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}
        ({"input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role"),
        ({"input": []}, 400, "input"),
        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
+       ({"reasoning": {"effort": "max"}}, 400, "reasoning.effort"),
        ({"tool_choice": "required"}, 400, "tool_choice"),
        ({"tools": [{"type": "function"}]}, 400, "tools[0]"),
        ({"max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -386,3 +408,29 @@ def test_reasoning_errors_and_unknown_reply_kinds_render_as_valid_events():
     assert got[-1]["response"]["error"] == {"code": "server_error", "message": "the server is stopping"}
     assert [e["type"] for e in events([("done", Outcome("stop", 3, 1))])][-2:] == [
         "response.output_item.done", "response.completed"]  # nothing said: an empty message
+
+
+def test_reasoning_alone_is_one_reasoning_item_streamed_or_not():
+    """A reply cut while reasoning: the reasoning item and no message, in the stream and the whole response."""
+    import asyncio
+
+    from mlx_dflash.server.openai_responses import response_body, response_stream
+    from mlx_dflash.server.protocol import Outcome
+
+    req = parse_responses({"model": MODEL, "input": "x"}, Defaults(), MODEL, ResponseStore())
+    whole = response_body(req, "", Outcome("length", 3, 4), store=ResponseStore(), reasoning="Let me")
+
+    async def final():
+        async def replies():
+            yield "reasoning", "Let me"
+            yield "done", Outcome("length", 3, 4)
+
+        chunks = [c async for c in response_stream(req, 3, replies(), store=ResponseStore())]
+        return json.loads(chunks[-1].split("data: ", 1)[1])["response"]
+
+    streamed_body = asyncio.run(final())
+    for body in (whole, streamed_body):
+        assert [i["type"] for i in body["output"]] == ["reasoning"] and body["status"] == "incomplete"
+        assert Response.model_validate(body).output_text == ""
+    empty = response_body(req, "", Outcome("stop", 3, 1), store=ResponseStore())
+    assert [i["type"] for i in empty["output"]] == ["message"]

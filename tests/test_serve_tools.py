@@ -24,7 +24,8 @@ from mlx_dflash.dcut import build_batch_policy
 from mlx_dflash.generate import generate
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
-from mlx_dflash.server.protocol import APIError
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.server.protocol import APIError, GenerationRequest
 from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, forced_prefix,
                                      generic_tools_messages, json_calls, tool_support)
 
@@ -252,6 +253,15 @@ def test_forced_calls_through_both_apis(scripted):
     assert m.content[0].text == "fine" and '"get_weather"' not in engine.prompts[-1]
 
 
+def test_count_tokens_leaves_out_a_forced_calls_opening(scripted):
+    """The opening is the reply's start, written by the server: a forced call counts as the same prompt."""
+    ac = anthropic_client(scripted[0])
+    choices = ({"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"})
+    counts = [ac.messages.count_tokens(model=MODEL, messages=ASK, tools=[ANTHROPIC_WEATHER], tool_choice=choice)
+              .input_tokens for choice in choices]
+    assert counts[0] == counts[1] == counts[2], counts
+
+
 @pytest.mark.parametrize("engine_class", [Engine, BatchEngine])
 def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_pair, engine_class):
     """On the tiny random target the completion is no valid call: it comes back as text, the opening the
@@ -262,8 +272,8 @@ def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_
     width = 4 if engine_class is BatchEngine else None
 
     def decoded(tools):
-        ids = tokenizer.apply_chat_template(ASK, tools=tools, add_generation_prompt=True) + tokenizer.encode(
-            opening, add_special_tokens=False)
+        text = tokenizer.apply_chat_template(ASK, tools=tools, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text + opening, add_special_tokens=False)
         return opening + generate(target, drafter, tokenizer, ids, max_tokens=12, width=width)
 
     function = {"name": "get_weather", "parameters": ANTHROPIC_WEATHER["input_schema"],
@@ -276,6 +286,46 @@ def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_
     assert m.content[0].text == decoded([{"type": "function", "function": function}])
     assert r.choices[0].message.content == decoded([WEATHER])
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 12
+
+
+class WordStartTokenizer:
+    """A tokenizer over another that starts every encoding with a word-start token, as a SentencePiece one
+    does (its "▁"), its chat template tokenizing as transformers' does: the text, no special tokens added."""
+
+    WORD_START = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chat_template = tokenizer, tokenizer.chat_template
+
+    def encode(self, text, add_special_tokens=True):
+        return [self.WORD_START] + self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=True, **options):
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def forced_prompt_ids(tokenizer, support, force_tool):
+    """Engine.prompt_ids for ASK with the weather tool, a call forced (force_tool), on `tokenizer`."""
+    req = GenerationRequest(kind="chat", model=MODEL, prompt=ASK, max_tokens=8, sampling=SamplingParams(),
+                            tools=[WEATHER], force_tool=force_tool)
+    engine = Engine.__new__(Engine)  # its tokenizing alone: no model, no engine thread
+    engine.tokenizer, engine.tools = tokenizer, support
+    return engine.prompt_ids(req)
+
+
+def test_a_forced_opening_is_tokenized_with_the_prompt_text(tools_pair):
+    """The opening is encoded together with the rendered prompt, not on its own (which would add a word-start
+    token before it); without a forced call the ids are the template's, which are its text's."""
+    tokenizer = tools_pair[2]
+    support = tool_support(tokenizer)
+    for tok in (tokenizer, WordStartTokenizer(tokenizer)):
+        text = tok.apply_chat_template(ASK, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+        for name in ("get_weather", ""):
+            want = tok.encode(text + forced_prefix(support, name), add_special_tokens=False)
+            assert forced_prompt_ids(tok, support, name) == want
+        assert forced_prompt_ids(tok, support, None) == tok.encode(text, add_special_tokens=False)
+    assert forced_prompt_ids(WordStartTokenizer(tokenizer), support, "").count(WordStartTokenizer.WORD_START) == 1
 
 
 def test_a_call_cannot_be_forced_without_a_tool_call_syntax(tiny_chat_pair, tmp_path):
@@ -509,8 +559,10 @@ def test_qwen_coder_forced_call_is_mlx_lm_greedy_after_the_opening(qwen_pair):
 
     target, _, tokenizer = qwen_pair
     opening = forced_prefix(tool_support(tokenizer), "get_time")
-    ids = tokenizer.apply_chat_template(ASK, tools=[WEATHER, CLOCK], add_generation_prompt=True)
-    ids += tokenizer.encode(opening, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(ASK, tools=[WEATHER, CLOCK], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.encode(text, add_special_tokens=False) == tokenizer.apply_chat_template(
+        ASK, tools=[WEATHER, CLOCK], add_generation_prompt=True)  # the text's ids are the template's
+    ids = tokenizer.encode(text + opening, add_special_tokens=False)
     tokens = []
     for token, _ in generate_step(mx.array(ids), target.model, max_tokens=48):
         if int(token) in tokenizer.eos_token_ids:

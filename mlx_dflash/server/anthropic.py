@@ -21,8 +21,10 @@ import json
 import logging
 import uuid
 
-from .protocol import (APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, check_model, checked,
-                       max_tokens_field, message_text, sampling_fields, sse, stop_strings)
+from .fields import (APIError, Defaults, check_model, checked, max_tokens_field, sampling_fields, stop_strings,
+                     text_content)
+from .protocol import GenerationRequest, Outcome, PromptTooLong, sse
+from .tools import forced_tool
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -49,22 +51,13 @@ def _refuse_media(block, at: str):
                        param=at)
 
 
-def _text(content, where: str) -> str:
-    """A system prompt or tool result: a string, or text blocks (joined by blank lines)."""
-    if isinstance(content, list):
-        for j, block in enumerate(content):
-            _refuse_media(block, f"{where}[{j}]")
-        return "\n\n".join(message_text([block], f"{where}[{j}]") for j, block in enumerate(content))
-    return message_text(content, where)
-
-
 def _system(content, where: str) -> str:
     """A system prompt's text, without Claude Code's billing-header block: its checksum changes on every
     request, so in the prompt it would make each turn miss the prefix cache."""
     if isinstance(content, list):
         content = [b for b in content if not (isinstance(b, dict) and b.get("type") == "text"
                                               and str(b.get("text", "")).startswith(BILLING_HEADER))]
-    return _text(content, where)
+    return text_content(content, where, sep="\n\n")
 
 
 def system_turns(tokenizer) -> bool:
@@ -101,7 +94,7 @@ def _blocks(role: str, content, i: int) -> list:
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"], "arguments": arguments}})
         elif kind == "tool_result" and role == "user":
-            result = _text(block.get("content", ""), f"{at}.content")
+            result = text_content(block.get("content", ""), f"{at}.content", sep="\n\n")
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                             "content": "Error: " + result if block.get("is_error") else result})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -152,13 +145,9 @@ def _tools(body: dict, request_id: str) -> tuple:
                  + ", ".join(ignored)[:300])
     if kind == "auto":
         return out or None, parallel, None
-    if kind == "any" and not out:
-        raise APIError(400, 'tool_choice {"type": "any"} needs a tool in \'tools\' with an input_schema',
-                       param="tool_choice")
-    if kind == "tool" and choice["name"] not in {t["function"]["name"] for t in out}:
-        raise APIError(400, f"tool_choice names the tool {json.dumps(choice['name'])[:100]}, which is not among "
-                       "'tools' with an input_schema", param="tool_choice.name")
-    return out, parallel, choice["name"] if kind == "tool" else ""
+    if kind == "tool":
+        return out, parallel, forced_tool(choice["name"], out, "tool_choice.name")
+    return out, parallel, forced_tool("", out)
 
 
 def _thinking(body: dict):
@@ -171,7 +160,8 @@ def _thinking(body: dict):
 
 def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool = False,
                    system_turns: bool = True) -> GenerationRequest:
-    """A Messages API body (count_only: a count_tokens body, which has no max_tokens) as a chat request.
+    """A Messages API body (count_only: a count_tokens body, which has no max_tokens, and whose count leaves out
+    a forced call's opening, written by the server as the reply's start) as a chat request.
     system_turns: system messages inside `messages` stay where they are (else they join the system prompt)."""
     model = check_model(body, served_model)
     if not count_only and body.get("max_tokens") is None:
@@ -213,7 +203,8 @@ def parse_messages(body, defaults: Defaults, served_model: str, count_only: bool
                              sampling=sampling_fields(body, defaults, max_temperature=1.0),
                              stop=stop_strings(body.get("stop_sequences"), "stop_sequences"), stream=stream,
                              tools=tools, parallel_tool_calls=parallel, thinking=_thinking(body),
-                             force_tool=force_tool, continue_final=continue_final, id=request_id)
+                             force_tool=None if count_only else force_tool,
+                             continue_final=continue_final, id=request_id)
 
 
 # Reply pieces streamed as the deltas of one block: (the block as it starts, its delta's type, the delta's field).
@@ -236,7 +227,8 @@ def _tool_use(call) -> dict:
 def _usage(prompt_tokens: int, cached: int, output_tokens: int, caching: bool) -> dict:
     """Usage as Anthropic counts it, input_tokens + cache_read_input_tokens + cache_creation_input_tokens being
     the prompt: what the prefix cache held (`cached`) is read, and with a prefix cache every other prompt
-    token is written to it (each request keeps the state it ended with); without one, they are all
+    token is counted as written, as each request offers the cache the state it ended with (whether the cache
+    kept it, prompt_cache.insert's answer, does not reach the Outcome); without one, they are all
     input_tokens."""
     created = prompt_tokens - cached if caching else 0
     return {"input_tokens": prompt_tokens - cached - created, "output_tokens": output_tokens,

@@ -339,10 +339,22 @@ class Engine:
     def _ended_early(self):
         pass  # one process: closing the generator was all
 
+    def chat_input(self, req: GenerationRequest) -> tuple:
+        """A chat request's messages and chat template options: its tools as the template takes them, or in the
+        generic form of tools.py where it renders none; enable_thinking where the request sets it."""
+        messages, options = req.prompt, {}
+        if req.tools and self.tools.renders_tools:
+            options["tools"] = req.tools
+        elif req.tools:
+            messages = generic_tools_messages(messages, req.tools)
+        if req.thinking is not None:  # a template without a thinking switch ignores it
+            options["enable_thinking"] = req.thinking
+        return messages, options
+
     def prompt_ids(self, req: GenerationRequest) -> list:
         """The prompt's token ids: chat messages (and tools; in the generic form of tools.py where the template
-        renders none) through the tokenizer's chat template, then a forced tool call's opening
-        (tools.forced_prefix); text as it is. Touches no MLX array: it runs on a worker thread, off the event
+        renders none) through the tokenizer's chat template, a forced tool call's opening (tools.forced_prefix)
+        after its text; text as it is. Touches no MLX array: it runs on a worker thread, off the event
         loop and beside the engine."""
         tok = self.tokenizer
         if req.kind == "chat":
@@ -350,20 +362,17 @@ class Engine:
                 raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
             turn = (dict(add_generation_prompt=False, continue_final_message=True) if req.continue_final
                     else dict(add_generation_prompt=True))
-            messages, options = req.prompt, {}
-            if req.tools and self.tools.renders_tools:
-                options["tools"] = req.tools
-            elif req.tools:
-                messages = generic_tools_messages(messages, req.tools)
-            if req.thinking is not None:  # a template without a thinking switch ignores it
-                options["enable_thinking"] = req.thinking
+            messages, options = self.chat_input(req)
+            forced = req.force_tool is not None
             try:
-                ids = list(tok.apply_chat_template(messages, **turn, **options))
+                rendered = tok.apply_chat_template(messages, **turn, **options, tokenize=not forced)
             except Exception as e:  # the template's own checks (roles, order) raise its own types
                 raise APIError(400, f"the chat template refused these messages: {e}"[:500], param="messages") from None
-            if req.force_tool is None:
-                return ids
-            return ids + tok.encode(forced_prefix(self.tools, req.force_tool), add_special_tokens=False)
+            if not forced:
+                return list(rendered)
+            # The opening is encoded with the prompt's text, as the template's own tokenizing encodes it (no
+            # special tokens added): alone, a SentencePiece tokenizer would start it with a "▁" token.
+            return list(tok.encode(rendered + forced_prefix(self.tools, req.force_tool), add_special_tokens=False))
         if isinstance(req.prompt, str):
             ids = encode_prompt(tok, req.prompt)
         else:
@@ -380,10 +389,11 @@ class Engine:
         only at chosen positions (a trimmable state serves every prefix: nothing to mark)."""
         if req.kind != "chat" or self.prompt_cache is None or self.prompt_cache.trimmable:
             return []
+        messages, options = self.chat_input(req)  # as the prompt was rendered: tools and all
         marks = []
-        for n in range(max(1, len(req.prompt) - MARKED_MESSAGES), len(req.prompt)):
+        for n in range(max(1, len(messages) - MARKED_MESSAGES), len(messages)):
             try:
-                head = encode_prompt(self.tokenizer, req.prompt[:n], chat_template=True)
+                head = list(self.tokenizer.apply_chat_template(messages[:n], add_generation_prompt=True, **options))
             except Exception:  # a template that refuses a partial conversation: no mark there
                 continue
             marks.append(next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))))

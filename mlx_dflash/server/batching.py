@@ -1,8 +1,8 @@
 """`serve --max-batch N`: the engine that decodes up to N requests together (batch_decoder.Scheduler).
 
 The engine thread takes requests off the queue while the batch has room (the rest wait in the queue,
-bounded by --max-queue as before), steps the scheduler (a prefill chunk of the next request, then one
-round for every row), and hands each row's round to its request: text out once a round, stop strings cut
+bounded by --max-queue as before), steps the scheduler (a prefill chunk of the next prompt in line, then
+one round for every row), and hands each row's round to its request: text out once a round, stop strings cut
 exactly, a request whose client left, or whose stop string matched, leaving the batch at once. Statistics
 per request are the single-request ones; /health adds the batch's (rows per round, widths chosen).
 """
@@ -30,10 +30,11 @@ class JobProgress:
         self.job, self.stops = job, StopMatcher(job.request.stop)
         job.started = True
         self.stream, self.tokens, self.finish = None, 0, None
-        self.started = time.perf_counter()
+        self.started = time.perf_counter()  # until its prompt's first chunk is read
 
-    def admitted(self, stream: ResponseStream):
-        self.stream = stream
+    def admitted(self, stream: ResponseStream, started: float):
+        """Its first chunk is being read: the time before, behind other prompts' reads too, was queued."""
+        self.stream, self.started = stream, started
 
     def take(self, rnd) -> bool:
         """A round of this request's tokens; True once it is over (a stop token or string, max_tokens)."""
@@ -163,7 +164,8 @@ class BatchEngine(Engine):
                                     max_width=self.policy.max_width, notes=list(self.policy.notes), cached_tokens=cached)
             if self.prompt_cache is not None:
                 stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(cached)
-            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache))
+            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache),
+                       started)
         elif kind == "round" and p.finish is None:
             if p.take(value):
                 self.scheduler.cancel(job)  # it is over: its row leaves at the next step

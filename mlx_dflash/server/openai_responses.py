@@ -20,17 +20,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .protocol import (MAX_TOOLS, APIError, Defaults, GenerationRequest, Outcome, check_model, checked,
-                       max_tokens_field, sampling_fields, sse, tool_call_json)
+from .fields import (MAX_TOOLS, APIError, Defaults, check_model, checked, effort_thinking, max_tokens_field,
+                     refuse_unhonoured, sampling_fields, text_content, tool_arguments)
+from .protocol import GenerationRequest, Outcome, sse, tool_call_json
+from .tools import forced_tool
 
 log = logging.getLogger("mlx_dflash.server")
 KEPT_RESPONSES = 64  # responses kept for previous_response_id and GET /v1/responses/{id}
-TEXT_PARTS = ("input_text", "output_text", "text")
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 # Known fields this server cannot honour: the values that ask for nothing, and what to do instead.
-REFUSED = {"background": ((False,), "this server answers while the client waits"),
-           "conversation": ((), "send the whole conversation in 'input'"),
-           "prompt": ((), "send the prompt's text in 'instructions' and 'input'"),
-           "top_logprobs": ((0,), "leave it out")}
+NEUTRAL = {"background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,)}
+HINTS = {"background": "this server answers while the client waits",
+         "conversation": "send the whole conversation in 'input'",
+         "prompt": "send the prompt's text in 'instructions' and 'input'"}
 
 
 @dataclass
@@ -73,24 +75,7 @@ class ResponseStore:
 
 def _text_parts(content, where: str) -> str:
     """A message's content, or a tool's output: a string, or text parts (joined by blank lines)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of input_text parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        elif isinstance(kind, str) and kind.startswith("input_"):
-            raise APIError(400, f"{where}[{j}]: this model reads text only ('{kind}' parts are not supported)",
-                           param=f"{where}[{j}]")
-        else:
-            raise APIError(400, f"{where}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}})",
-                           param=f"{where}[{j}]")
-    return "\n\n".join(texts)
+    return text_content(content, where, TEXT_PARTS, "\n\n")
 
 
 def _string(item: dict, name: str, where: str) -> str:
@@ -105,12 +90,7 @@ def _call(item: dict, where: str) -> dict:
     if item["type"] == "custom_tool_call":
         arguments = {"input": _string(item, "input", where)}
     else:
-        try:
-            arguments = json.loads(_string(item, "arguments", where) or "{}")
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise APIError(400, f"{where}.arguments must be a JSON object (as a string)", param=f"{where}.arguments")
+        arguments = tool_arguments(_string(item, "arguments", where), f"{where}.arguments")
     return {"id": str(item.get("call_id") or ""), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -196,29 +176,21 @@ def parse_tools(tools) -> tuple:
     return out or None, frozenset(custom)
 
 
-def forced_tool(choice, tools: Optional[list]) -> Optional[str]:
+def _forced(choice, tools: Optional[list]) -> Optional[str]:
     """GenerationRequest.force_tool from tool_choice: None (auto, none), "" (required) or the tool's name."""
     if choice in (None, "auto", "none"):
         return None
-    names = {t["function"]["name"] for t in tools or []}
     if choice == "required":
-        if not names:
-            raise APIError(400, "'tool_choice' \"required\" needs 'tools' this server runs", param="tool_choice")
-        return ""
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        if choice.get("name") not in names:
-            raise APIError(400, f"'tool_choice' names {json.dumps(choice.get('name'))[:100]}, which is not one of "
-                           "the request's tools", param="tool_choice")
-        return choice["name"]
+        return forced_tool("", tools)
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+    if named and isinstance(choice.get("name"), str):
+        return forced_tool(choice["name"], tools)
     raise APIError(400, f"'tool_choice' {json.dumps(choice)[:100]} is not supported here: send \"auto\", \"none\", "
                    "\"required\" or {\"type\": \"function\", \"name\": ...}", param="tool_choice")
 
 
 def _refuse_unhonoured(body: dict):
-    for name, (neutral, hint) in REFUSED.items():
-        if body.get(name) is not None and body[name] not in neutral:
-            raise APIError(400, f"'{name}' is not supported by this server ({hint}), got "
-                           f"{json.dumps(body[name])[:100]}", param=name)
+    refuse_unhonoured(body, NEUTRAL, HINTS)
     text = checked(body, "text", lambda v: isinstance(v, dict), "an object", {})
     form = checked(text, "format", lambda v: isinstance(v, dict), "an object", {"type": "text"})
     if form.get("type") != "text":
@@ -260,8 +232,8 @@ def parse_responses(body, defaults: Defaults, served_model: str, store: Response
     return ResponsesRequest(
         kind="chat", model=model, prompt=chat, max_tokens=max_tokens, sampling=sampling,
         stream=checked(body, "stream", lambda v: isinstance(v, bool), "true or false", False),
-        tools=tools, parallel_tool_calls=parallel, force_tool=forced_tool(choice, tools),
-        thinking=False if reasoning.get("effort") in ("none", "minimal") else None,
+        tools=tools, parallel_tool_calls=parallel, force_tool=_forced(choice, tools),
+        thinking=effort_thinking(reasoning.get("effort"), "reasoning.effort"),
         id=f"resp_{uuid.uuid4().hex}", conversation=conversation, custom_tools=custom, echo=echo, keep=keep)
 
 
@@ -329,9 +301,12 @@ def _finished(store: ResponseStore, req: ResponsesRequest, output: list, outcome
 
 def response_body(req: ResponsesRequest, text: str, outcome: Outcome, calls: list = (), *,
                   store: ResponseStore, reasoning: str = "") -> dict:
-    """The whole (non-streamed) response: the reasoning as one item, the text as one message, then the calls."""
+    """The whole (non-streamed) response: the reasoning as one item, the text as one message, then the calls;
+    reasoning alone is the reasoning item alone (as OpenAI answers a reply cut while reasoning), and a reply
+    with none of them one empty message."""
     thought = [_reasoning_item(f"rs_{uuid.uuid4().hex}", reasoning, "completed")] if reasoning else []
-    message = [_message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not calls else []
+    said = text or calls or reasoning
+    message = [_message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text or not said else []
     return _finished(store, req, thought + message + [_call_item(req, c, "completed") for c in calls], outcome)
 
 

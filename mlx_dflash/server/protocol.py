@@ -5,6 +5,7 @@ Pure functions over JSON-shaped Python values: no model, no web framework. `pars
 HTTP status; Anthropic-shaped on the Messages API, anthropic.py) on the first problem, naming the field
 and what it must be. A field this server knows but cannot honour is refused unless it asks for nothing
 (`presence_penalty: 0`, `response_format: {"type": "text"}`); fields it does not know are ignored.
+The helpers the API modules share for their fields are in fields.py.
 """
 
 import json
@@ -13,13 +14,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import DFlashError
 from ..sampling import SamplingParams
+from .fields import (MAX_TOOLS, APIError, Defaults, check_model, checked, effort_thinking, is_int, max_tokens_field,
+                     refuse_unhonoured, sampling_fields, stop_strings, text_content, tool_arguments)
+from .tools import forced_tool
 
-MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only costs a scan per token
-MAX_TOOLS = 128  # OpenAI's limit
-MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # Known fields that change the output in ways this server cannot: the values that ask for nothing.
 NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
            "logprobs": (False, 0), "top_logprobs": (0,), "n": (1,), "best_of": (1,), "echo": (False,),
@@ -27,25 +26,6 @@ NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_pena
            "modalities": (["text"],)}
 HINTS = {"functions": "send 'tools' instead", "function_call": "send 'tool_choice' instead",
          "n": "this server generates one choice per request", "response_format": "ask for JSON in the prompt"}
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               408: "timeout_error", 413: "invalid_request_error", 500: "server_error", 503: "server_overloaded"}
-
-
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with a status."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    @property
-    def type(self) -> str:
-        return ERROR_TYPES.get(self.status, "invalid_request_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class PromptTooLong(APIError):
@@ -55,14 +35,6 @@ class PromptTooLong(APIError):
         super().__init__(400, f"the prompt is {prompt_tokens} tokens and this model's context is {context} tokens: "
                          f"shorten the {param}", param=param, code="context_length_exceeded")
         self.prompt_tokens, self.context = prompt_tokens, context
-
-
-@dataclass
-class Defaults:
-    """What a request gets for the fields it leaves out (the server's command-line flags)."""
-
-    max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass
@@ -92,96 +64,15 @@ class GenerationRequest:
         self.created = self.created or int(time.time())
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def checked(body: dict, name: str, check, what: str, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)[:200]}", param=name)
-    return value
-
-
-def sampling_fields(body: dict, defaults: Defaults, max_temperature: float = MAX_TEMPERATURE) -> SamplingParams:
-    """temperature, top_p, top_k and min_p (numbers are finite: the body's JSON refuses NaN and Infinity)."""
-    temperature = checked(body, "temperature", lambda v: _is_number(v) and 0 <= v <= max_temperature,
-                         f"a number from 0 to {max_temperature:g}", defaults.sampling.temperature)
-    top_p = checked(body, "top_p", _is_number, "a number", defaults.sampling.top_p)
-    top_k = checked(body, "top_k", _is_int, "an integer (0 disables it)", defaults.sampling.top_k)
-    min_p = checked(body, "min_p", _is_number, "a number (0 disables it)", defaults.sampling.min_p)
-    try:
-        return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p))
-    except DFlashError as e:
-        raise APIError(400, str(e), param=str(e).split()[0]) from None
-
-
-def stop_strings(stop, name: str = "stop") -> list:
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise APIError(400, f"'{name}' must be a non-empty string or a list of non-empty strings", param=name)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(400, f"'{name}' holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", param=name)
-    return stop
-
-
-def max_tokens_field(body: dict, defaults: Defaults, names=("max_completion_tokens", "max_tokens")) -> int:
-    max_tokens = None
-    for name in names:
-        max_tokens = checked(body, name, _is_int, "an integer", max_tokens)
-    max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise APIError(400, f"'{names[-1]}' must be at least 1, got {max_tokens}", param=names[-1])
-    return max_tokens
-
-
-def check_model(body: dict, served_model: str) -> str:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = checked(body, "model", lambda v: isinstance(v, str), "a string", served_model)
-    if model != served_model:
-        raise APIError(404, f"model '{model}' is not served here; this server serves '{served_model}' "
-                       "(GET /v1/models)", param="model", code="model_not_found")
-    return model
-
-
 def _common(body, defaults: Defaults, served_model: str) -> dict:
     model = check_model(body, served_model)
-    for name, neutral in NEUTRAL.items():
-        if body.get(name) is not None and body[name] not in neutral:
-            hint = HINTS.get(name, "leave it out")
-            raise APIError(400, f"'{name}' is not supported by this server ({hint}), got "
-                           f"{json.dumps(body[name])[:100]}", param=name)
-    seed = checked(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
+    refuse_unhonoured(body, NEUTRAL, HINTS)
+    seed = checked(body, "seed", lambda v: is_int(v) and 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
     stream = checked(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     options = checked(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = checked(options, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
     return dict(model=model, max_tokens=max_tokens_field(body, defaults), sampling=sampling_fields(body, defaults),
                 seed=seed, stop=stop_strings(body.get("stop")), stream=stream, include_usage=include_usage)
-
-
-def message_text(content, where: str) -> str:
-    """A message's content as text: a string, or a list of text parts (other part types are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else None
-                raise APIError(400, f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"
-                               + (f", not '{kind}'" if isinstance(kind, str) else ""), param=where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
 
 
 def _tool_calls(calls, where: str) -> list:
@@ -194,15 +85,7 @@ def _tool_calls(calls, where: str) -> list:
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
             raise APIError(400, f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
                            "\"arguments\"}}}}", param=f"{where}[{j}]")
-        arguments = fn.get("arguments") or {}
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = None
-        if not isinstance(arguments, dict):
-            raise APIError(400, f"{where}[{j}].function.arguments must be a JSON object (as a string)",
-                           param=f"{where}[{j}].function.arguments")
+        arguments = tool_arguments(fn.get("arguments"), f"{where}[{j}].function.arguments")
         out.append({"id": call.get("id") or "", "type": "function",
                     "function": {"name": fn["name"], "arguments": arguments}})
     return out
@@ -216,7 +99,7 @@ def _message(m, i: int) -> dict:
     content = m.get("content")
     if content is None and not (role == "assistant"):
         raise APIError(400, f"{where} has no 'content'", param=f"{where}.content")
-    message = {"role": role, "content": message_text(content or "", f"{where}.content")}
+    message = {"role": role, "content": text_content(content or "", f"{where}.content")}
     if role == "assistant" and m.get("tool_calls"):
         message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     if role == "tool":
@@ -259,27 +142,22 @@ def thinking_field(body: dict) -> Optional[bool]:
             raise APIError(400, "'chat_template_kwargs.enable_thinking' must be true or false",
                            param="chat_template_kwargs.enable_thinking")
         return kwargs["enable_thinking"]
-    effort = checked(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS,
-                     " or ".join(f'"{e}"' for e in REASONING_EFFORTS))
-    return False if effort in ("none", "minimal") else None
+    return effort_thinking(body.get("reasoning_effort"), "reasoning_effort")
 
 
-def forced_tool(tool_choice, tools) -> Optional[str]:
+def _forced(tool_choice, tools) -> Optional[str]:
     """GenerationRequest.force_tool from OpenAI's tool_choice: None ("auto", "none" or left out), "" for
     "required" (some call), or the name of {"type": "function", "function": {"name": ...}}."""
     if tool_choice in (None, "auto", "none") or not tools:
         return None
     if tool_choice == "required":
-        return ""
+        return forced_tool("", tools)
     named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
     fn = tool_choice.get("function") if named else None
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
         raise APIError(400, f"'tool_choice' must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
                        f"\"function\": {{\"name\": ...}}}}, got {json.dumps(tool_choice)[:100]}", param="tool_choice")
-    if fn["name"] not in {t["function"]["name"] for t in tools}:
-        raise APIError(400, f"'tool_choice' names the function {json.dumps(fn['name'])[:100]}, which is not in "
-                       "'tools'", param="tool_choice")
-    return fn["name"]
+    return forced_tool(fn["name"], tools)
 
 
 def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest:
@@ -296,7 +174,7 @@ def parse_chat(body, defaults: Defaults, served_model: str) -> GenerationRequest
     parallel = checked(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True)
     tools, parallel = parse_tools(body.get("tools"), body.get("tool_choice"), parallel)
     return GenerationRequest(kind="chat", prompt=chat, tools=tools, parallel_tool_calls=parallel,
-                             thinking=thinking_field(body), force_tool=forced_tool(body.get("tool_choice"), tools),
+                             thinking=thinking_field(body), force_tool=_forced(body.get("tool_choice"), tools),
                              **common)
 
 
@@ -308,7 +186,7 @@ def parse_completion(body, defaults: Defaults, served_model: str) -> GenerationR
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    token_ids = isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt)
+    token_ids = isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not token_ids:
         raise APIError(400, "'prompt' must be a non-empty string, a list of one string, or a list of token ids "
                        "(one prompt per request)", param="prompt")

@@ -29,7 +29,7 @@ from typing import Optional
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools
 
-from .protocol import APIError
+from .fields import APIError
 
 log = logging.getLogger("mlx_dflash.server")
 DUMMY_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe", "parameters": {
@@ -146,6 +146,19 @@ def forced_prefix(support: ToolSupport, name: str) -> str:
         return support.start
     named, any_tool = CALL_OPENINGS[family]
     return support.start + (named(name) if name else any_tool)
+
+
+def forced_tool(name: str, tools: Optional[list], param: str = "tool_choice") -> str:
+    """GenerationRequest.force_tool once an API's tool_choice asked for a call ("": to any tool, else to the
+    tool named): refused where the request has no tool to call, or not that one."""
+    names = {t["function"]["name"] for t in tools or []}
+    if not names:
+        raise APIError(400, f"'{param}' asks for a tool call, but the request has no tools this server runs (function "
+                       "tools, with their parameters or input_schema): send them in 'tools'", param=param)
+    if name and name not in names:
+        raise APIError(400, f"'{param}' names the tool {json.dumps(name)[:100]}, which is not among the request's "
+                       "tools", param=param)
+    return name
 
 
 def _as_call(value, names: set) -> Optional[ToolCall]:
