@@ -476,6 +476,7 @@ def test_real_smollm2_pair_answers_a_request_with_tools(smollm2, random_drafter)
     """The default pair's target: SmolLM2's template renders no tools, so they go in the generic form; what
     it answers is text equal to the decoder's, or calls read from its <tool_call> JSON."""
     target, tokenizer = smollm2
+    random_drafter.bind(target)  # the session's target may listen to another test's drafter's layers
     ids = tokenizer.apply_chat_template(generic_tools_messages(ASK, [WEATHER]), add_generation_prompt=True)
     want = generate(target, random_drafter, tokenizer, ids, max_tokens=48)
     with running((target, random_drafter, tokenizer)) as (url, _):
