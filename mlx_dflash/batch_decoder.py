@@ -6,9 +6,8 @@ per-row lengths; hybrid targets rewind each row's recurrent state). A row joins 
 `DecodeState` holding its prompt but the last token (read in chunks beside the rounds, or restored from the
 prefix cache): that token is its first anchor, and the round's verify forward reads it with the other rows'
 blocks and picks the request's first token, so a request joining costs the batch a row, not a forward of its
-own (on a 2-core CPU, the default target verifying one token a row: 86-106 ms for 4 rows, 89-104 ms for 5,
-62-69 ms for one alone; docs/batching.md). A row leaves as a `DecodeState`, at once, when it finishes or its client goes: nobody waits for the
-batch to drain.
+own (what a verify of one token a row costs: docs/batching.md). A row leaves as a `DecodeState`, at once,
+when it finishes or its client goes: nobody waits for the batch to drain.
 
 Every row verifies the same number of rows, the round's width W (a batch forward pads its rows to the
 longest, and MLX has no ragged batches: per-row RoPE offsets, not per-token positions), less where a row
