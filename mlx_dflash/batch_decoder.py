@@ -75,6 +75,7 @@ class Batch:
         """A request joins as the last row: `state` holds its prompt but the last token, `anchor`, which the
         next round reads and from whose logits it picks the first token (drawn with `first_key`, when given).
         seed: the row's own random stream, for every later draw."""
+        self.policy.prepare_context(len(state.tokens) + 1)  # probes a long prompt may need, once, before it decodes
         add_row(self.cache, state.cache)
         add_row(self.draft_cache, state.draft_cache)
         history = PromptLookup(state.tokens + [anchor])
@@ -97,6 +98,7 @@ class Batch:
         """One round for every row: [(handle, Round)]. A row with nothing left to emit must have left."""
         rows, policy = self.rows, self.policy
         most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
+        policy.at_context(max(len(r.tokens) for r in rows))  # rows are padded to the longest
         width = policy.width(len(rows), max(most))
         tic = time.perf_counter()
         drafts, proposal, confidence, looked_up = None, None, None, None

@@ -18,6 +18,9 @@ keeps the probe's value at the scale its batch size's timed cells showed. Cells 
 with W: a batched matmul's cost follows the kernel's tiling, not the row count (a 2-core x86 CPU under
 OpenBLAS: 4 rows x 3 tokens 135-144 ms, 4 x 4 97 ms), so one round in 10 verifies the least-timed width
 whose expected rate is within 20% of the best, and the chooser learns where such cells are cheap.
+Cells are kept at the probe's short context: a round over longer rows costs cell(B, W) x growth(W) at
+its longest row's context (every row is padded to it), with the one-row growth of
+verify_costs.ContextCosts, and its timing is divided by that growth before it joins its cell.
 
 Drafting must pay too: while the rounds' expected rate stays below plain rounds' (B tokens in cost(B, 1)),
 the drafter is skipped, re-probed after 7, 15, then every 31 rounds. And the drafter reads out only the
@@ -39,7 +42,7 @@ import numpy as np
 from .errors import DFlashError
 from .models.batch_cache import add_row, batched
 from .policy import Calibration
-from .verify_costs import filled_cache, running
+from .verify_costs import PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, running
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -76,6 +79,12 @@ class BatchPolicy:
     def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied):
         """What a round showed (D-cut learns from it; fixed widths ignore it)."""
 
+    def prepare_context(self, context: int):
+        """A row of `context` tokens joins: D-cut measures what costs it lacks for it (between rounds, once)."""
+
+    def at_context(self, context: int):
+        """The next round's longest row attends to `context` tokens (D-cut costs widths by it)."""
+
 
 class DCutPolicy(BatchPolicy):
     SMOOTHING = 0.2
@@ -84,7 +93,7 @@ class DCutPolicy(BatchPolicy):
     EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
     def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True):
+                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
         # what the probe or table says for every batch size up to the largest measured; each learns on its own
         self.guessed = {b: {w: between(costs, b, w) for w in costs[max(costs)]} for b in range(1, max(costs) + 1)}
@@ -98,14 +107,28 @@ class DCutPolicy(BatchPolicy):
         self.chosen = deque(maxlen=self.REACH_ROUNDS)  # the widths drafting rounds chose lately
         self.drafted = 0  # positions the last width() gave the drafter (anchor included)
         self.cuts = 0
+        self.context_costs = context_costs  # None: costs do not change with the context
+        self.growth = {w: 1.0 for w in self.guessed[1]}
 
     @property
     def uses_confidence(self) -> bool:
         return True
 
+    def prepare_context(self, context: int):
+        if self.context_costs is not None:
+            self.context_costs.cover(context)
+
+    def at_context(self, context: int):
+        if self.context_costs is not None:
+            self.growth = self.context_costs.growth(context)
+
     def cost(self, batch: int, width: int) -> float:
-        """Seconds of a verify of `batch` rows x `width` tokens: as timed, or the guess at the scale the timed
-        widths of that batch size showed (a probe timed on a busy machine is dear all over)."""
+        """Seconds of a verify of `batch` rows x `width` tokens at the round's context: as timed, or the guess
+        at the scale the timed widths of that batch size showed (a probe timed on a busy machine is dear all
+        over), times the context's growth."""
+        return self.short_cost(batch, width) * self.growth[width]
+
+    def short_cost(self, batch: int, width: int) -> float:
         if batch not in self.guessed:
             return between(self.guessed, batch, width) * self.scale[max(self.guessed)]
         timed = self.costs[batch].get(width)
@@ -161,9 +184,10 @@ class DCutPolicy(BatchPolicy):
             else:
                 self.chosen.append(width)
         if batch in self.costs:  # each cell on its own: more rows may cost less (module docstring)
-            self.costs[batch][width] = running(self.costs[batch].get(width), verify_seconds, a)
+            short = verify_seconds / self.growth[width]  # what it would have cost at the cells' context
+            self.costs[batch][width] = running(self.costs[batch].get(width), short, a)
             self.timed[batch][width] += 1
-            self.scale[batch] = running(self.scale[batch], verify_seconds / self.guessed[batch][width], a)
+            self.scale[batch] = running(self.scale[batch], short / self.guessed[batch][width], a)
 
 
 def between(costs: dict, batch: int, width: int) -> float:
@@ -228,12 +252,14 @@ def build_batch_policy(target, drafter, max_batch: int, width=None, n_max=None, 
                           prompt_lookup=prompt_lookup)
     if width != "auto":
         return BatchPolicy(single.block_size, single.max_width, single.notes, p_min, n_min, prompt_lookup)
-    source = "the given table"
+    source, measured = "the given table", {}  # a table's clock may not be the probe's: the probe measures growth
     if costs is None:
-        costs, source = probe_batch_costs(target, batch_sizes(max_batch), single.max_width), "a start-up probe"
+        costs = probe_batch_costs(target, batch_sizes(max_batch), single.max_width, PROBE_CONTEXTS[0])
+        source, measured = "a start-up probe", {PROBE_CONTEXTS[0]: costs[1]}
+    context_costs = ContextCosts(measured, single.max_width, context_prober(target, single.max_width),
+                                 target.context_length)
     notes = single.notes + [f"width auto (D-cut over batches up to {max_batch}): verify costs from {source}"]
-    return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup)
-
+    return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup, context_costs)
 
 
 BATCH_SCHEMA = "mlx-dflash/batch-costs/1"

@@ -127,6 +127,7 @@ def speculative_rounds(
             produced += plain
             continue
 
+        policy.at_context(len(state.tokens))  # what the verify attends to: every token before the anchor
         width = policy.width(remaining=max_tokens - produced)
 
         # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; where

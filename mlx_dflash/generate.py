@@ -51,15 +51,10 @@ def encode_prompt(tokenizer, prompt, chat_template: Optional[bool] = False) -> l
     return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
 
 
-def context_length(target: Target) -> Optional[int]:
-    args = target.text_args
-    return getattr(args, "max_position_embeddings", None) or getattr(args, "max_seq_len", None)
-
-
 def check_context(target: Target, prompt_tokens: int, max_tokens: int) -> int:
     """The tokens that may be generated: a prompt that fills the target's context is refused before any
     work; max_tokens past the context is cut to what fits."""
-    limit = context_length(target)
+    limit = target.context_length
     if limit is None:
         return max_tokens
     if prompt_tokens >= limit:
@@ -117,6 +112,7 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
 
+    policy.prepare_context(len(ids))  # a long prompt's verify costs are measured now, not on the prefill's clock
     stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width)
     # The policy's notes and the fallbacks known already, on stderr (rank 0) and in the statistics.
     report = Report(target, policy, stats, quiet=ranks.rank != 0)

@@ -77,10 +77,23 @@ def bar_chart_figure(labels: list, series: dict, title: str = "", reference: flo
 
 def widths_figure(results: dict):
     """Median milliseconds per verify width for the verify and summed-matmul series of a width benchmark,
-    a dotted line where each series' cliff starts."""
+    a dotted line where each series' cliff starts; with two context lengths or more, beside it the best
+    width against the context (widths.best_widths)."""
     plt = _pyplot()
     cols = [s for s in results["series"] if s["kind"] in ("verify", "matmul_total")]
-    fig, ax = plt.subplots(figsize=(9, 5.2))
+    best = {a: row for a, row in (results.get("best_width_by_context") or {}).items() if len(row) > 1}
+    if best:
+        fig, (ax, side) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [9, 5]})
+        for a, row in best.items():
+            side.plot([int(c) for c in row], list(row.values()), marker="o", label=f"each draft kept at {a}")
+        side.set_xscale("log", base=2)
+        side.set_xlabel("context length (tokens in the KV cache)")
+        side.set_ylabel("best verify width (most tokens per verify second)")
+        side.set_title("Best width against context, from the verify costs", fontsize=10)
+        side.grid(alpha=0.3)
+        side.legend(fontsize=8)
+    else:
+        fig, ax = plt.subplots(figsize=(9, 5.2))
     for s in cols:
         ms = [t * 1e3 for t in s["median_seconds"]]
         label = s["name"].replace("matmul total", "quantized matmuls, summed").replace("verify ", "verify forward, ")

@@ -17,8 +17,9 @@ import mlx.nn as nn
 import numpy as np
 
 from .errors import DFlashError
-from .verify_costs import (cost_table_note, interpolate_costs, observe_cost, probe_verify_costs, read_cost_table,
-                           running, table_costs)
+from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
+                           observe_cost, probe_verify_costs, read_cost_table, running, table_context_costs,
+                           table_costs)
 from .lookup import ACCEPTANCE_PRIOR
 
 QUANTIZED_MAX_WIDTH = 5
@@ -62,6 +63,13 @@ class WidthPolicy:
 
     def observe_plain(self, tokens: int, seconds: float):
         """What a run of plain steps cost."""
+
+    def prepare_context(self, context: int):
+        """A prompt of `context` tokens is about to be read: the adaptive policy measures what costs it lacks
+        for it now, before any clock of the generation starts, never between rounds."""
+
+    def at_context(self, context: int):
+        """The next round's verify attends to `context` tokens (the adaptive policy costs widths by it)."""
 
     def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
         """The width after the confidence controls; confidence[k] is the top-1 probability of draft k+1
@@ -177,10 +185,13 @@ class CostAwarePolicy(WidthPolicy):
     the acceptance rate observed so far for drafts whose confidence fell in the same tenth of [0, 1]
     (starting from the raw probability); for a draft prompt lookup proposed, the acceptance rate
     observed so far of looked-up drafts at that position (starting from lookup.py's measured prior).
-    The round costs the drafter's time (a running average) plus verify_seconds[w], from the cost table
-    (`mlx-dflash bench widths`) or a start-up probe, replaced by running averages of the verify times
-    this run observes, kept non-decreasing in w (an observed width's cost caps the narrower widths'
-    and lifts the wider ones').
+    The round costs the drafter's time (a running average) plus verify_seconds[w] x growth[w]:
+    verify_seconds from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced by
+    running averages of the verify times this run observes, kept non-decreasing in w (an observed width's
+    cost caps the narrower widths' and lifts the wider ones'); growth[w], how much dearer a verify of w
+    rows is at the round's context than at the short one the costs are kept at (verify_costs.ContextCosts:
+    a long context makes wide verifies dearer than narrow ones, as every row attends to all of it).
+    Observed times are divided by the growth before they are averaged in.
 
     Drafting itself must pay too: the policy keeps running averages of the tokens per second it expects
     from the rounds it drafts (the rate of the width it chose, from calibrated confidence and measured
@@ -194,7 +205,7 @@ class CostAwarePolicy(WidthPolicy):
     skip, up to MAX_SKIP steps, so a drafter that never pays costs about one round in MAX_SKIP + 1.
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
-    costs do not drift with context length within a run (the running averages follow slow drift).
+    the context changes a verify's cost as the measured growth says (the running averages follow the rest).
     """
 
     SMOOTHING = 0.2  # weight of a new timing in the running averages
@@ -203,9 +214,11 @@ class CostAwarePolicy(WidthPolicy):
     FIRST_SKIP, MAX_SKIP = 7, 31  # plain steps between drafting probes while drafting does not pay
 
     def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True):
+                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
         self.verify_seconds = interpolate_costs(verify_seconds, max(block_size, max_width))
+        self.context_costs = context_costs  # None: costs do not change with the context
+        self.growth = {w: 1.0 for w in self.verify_seconds}
         self.draft_seconds = 0.0
         self.calibration = Calibration(block_size)
         self.drafting_rate = None  # tokens/s expected of rounds that run the drafter
@@ -241,10 +254,22 @@ class CostAwarePolicy(WidthPolicy):
         weight = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
         self.plain_rate = running(self.plain_rate, tokens / seconds, weight)
 
+    def prepare_context(self, context: int):
+        if self.context_costs is None:
+            return
+        measured = self.context_costs.cover(context)
+        if measured:
+            self.notes.append(f"width auto: verify costs measured at {', '.join(map(str, measured))} tokens of "
+                              "context too (a long context makes wide verifies dearer)")
+
+    def at_context(self, context: int):
+        if self.context_costs is not None:
+            self.growth = self.context_costs.growth(context)
+
     def expected_rate(self, confidence: list, width: int, looked_up: int = 0) -> float:
-        """Expected tokens per second of a round verifying `width` rows, at the current costs."""
+        """Expected tokens per second of a round verifying `width` rows, at the current costs and context."""
         expected = self.calibration.expected_tokens(confidence, width, looked_up)
-        return expected / (self.draft_seconds + self.verify_seconds[width])
+        return expected / (self.draft_seconds + self.verify_seconds[width] * self.growth[width])
 
     def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
         width = super().cut(width, confidence, looked_up)  # p_min / n_min first, when given
@@ -258,7 +283,7 @@ class CostAwarePolicy(WidthPolicy):
             self.plain_rate = running(self.plain_rate, (accepted + 1) / (draft_seconds + verify_seconds), a)
         if drafted:
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
-        observe_cost(self.verify_seconds, drafted + 1, verify_seconds, a)
+        observe_cost(self.verify_seconds, drafted + 1, verify_seconds / self.growth[drafted + 1], a)
         self.calibration.record(confidence, drafted, accepted, looked_up)
 
 
@@ -295,12 +320,16 @@ def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_m
     )
     if not auto:
         return policy
-    notes = list(policy.notes)
+    notes, span = list(policy.notes), max(policy.block_size, policy.max_width)
+    prober, limit = context_prober(target, policy.max_width), target.context_length
     if cost_table:
         table = read_cost_table(cost_table)
         costs, source = table_costs(table), f"cost table {cost_table}"
         notes += [note] if (note := cost_table_note(table, cost_table, target)) else []
+        context_costs = table_context_costs(table, span, prober, limit)
     else:
-        costs, source = probe_verify_costs(target, policy.max_width), "a start-up probe"
+        costs, source = probe_verify_costs(target, policy.max_width, PROBE_CONTEXTS[0]), "a start-up probe"
+        context_costs = ContextCosts({PROBE_CONTEXTS[0]: costs}, span, prober, limit)
     notes.append(f"width auto: verify costs from {source}, refined as rounds run")
-    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min, prompt_lookup)
+    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min, prompt_lookup,
+                           context_costs)

@@ -72,6 +72,12 @@ def read_cost_table(path) -> dict:
         raise DFlashError(f"cost table {path}: 'widths' must be distinct integers >= 1, got {widths}")
     if any(type(s) not in (int, float) or not math.isfinite(s) or s <= 0 for s in seconds):
         raise DFlashError(f"cost table {path}: 'verify_seconds' must be positive finite numbers, got {seconds}")
+    rows = data.get("by_cache_length") or {}
+    if not isinstance(rows, dict) or any(not str(c).isdigit() or not isinstance(r, list) or len(r) != len(widths)
+                                         or any(type(x) not in (int, float) or not x > 0 for x in r)
+                                         for c, r in rows.items()):
+        raise DFlashError(f"cost table {path}: 'by_cache_length' must map context lengths to lists of positive "
+                          f"seconds, one per width (as `mlx-dflash bench widths --context` writes it)")
     return data
 
 
@@ -127,6 +133,78 @@ def cost_table_note(table: dict, path, target) -> Optional[str]:
     return f"warning: cost table {path} was measured with {'; '.join(differences)}; {fix}"
 
 
+PROBE_CONTEXTS = (256, 1024, 4096, 16384, 65536)  # context lengths a verify's cost is measured at, as needed
+
+
+class ContextCosts:
+    """How one row's verify cost grows with the context it attends to (every verify reads the whole KV
+    cache): verify seconds per width measured at a few context lengths.
+
+    `growth(context)` is, per width, the cost at `context` over the cost at the shortest length measured:
+    linear in the context between measured lengths, continuing the last two's slope past them (the cache
+    read grows linearly), 1 at or below the shortest. The width policies scale their per-width costs by
+    it, so a cost observed at one context serves at another. With a `prober`, PROBE_CONTEXTS up to the
+    target's `limit` are measured as prompts need them (`cover`, called as a prompt is about to be read):
+    a length once a prompt reaches half of it, and then the shortest too (a start-up probe passes its own, at the shortest, so short contexts cost
+    nothing more). A table that measured two lengths or more (`bench widths --context`) is used as it is."""
+
+    def __init__(self, by_context: dict, max_width: int, prober=None, limit: Optional[int] = None):
+        self.max_width, self.prober = max_width, prober
+        self.by_context = {int(c): interpolate_costs(t, max_width) for c, t in by_context.items()}
+        self.lengths = [c for c in PROBE_CONTEXTS if prober is not None and (limit is None or c <= limit)]
+        self.last = (None, None)  # (context, growth) last asked: rows ask once a round
+
+    def cover(self, context: int) -> list:
+        """Measure the lengths a context this long needs (see the class); returns those it measured."""
+        wanted = [c for c in self.lengths[1:] if context >= c // 2]
+        wanted = [c for c in self.lengths[:1] + wanted if wanted and c not in self.by_context]
+        for length in wanted:
+            try:
+                self.by_context[length] = interpolate_costs(self.prober(length), self.max_width)
+            except DFlashError:  # a cache the probe cannot fill: costs stay as measured
+                self.lengths, wanted = [], []
+                break
+        if wanted:
+            self.last = (None, None)
+        return wanted
+
+    def growth(self, context: int) -> dict:
+        """{width: the cost at `context` over the cost at the shortest length measured}; it measures nothing
+        (`cover` does, before a generation's clock starts), so a context that grows past the lengths measured
+        continues their last slope."""
+        if self.last[0] == context:
+            return self.last[1]
+        lengths = sorted(self.by_context)
+        out = {w: 1.0 for w in range(1, self.max_width + 1)}
+        for w in out if len(lengths) > 1 and context > lengths[0] else ():
+            seconds = [self.by_context[c][w] for c in lengths]
+            if context <= lengths[-1]:
+                at = float(np.interp(context, lengths, seconds))
+            else:
+                slope = (seconds[-1] - seconds[-2]) / (lengths[-1] - lengths[-2])
+                at = seconds[-1] + slope * (context - lengths[-1])
+            out[w] = max(1.0, at / seconds[0])  # a longer context never makes a verify cheaper
+        self.last = (context, out)
+        return out
+
+
+def table_context_costs(table: dict, max_width: int, prober=None, limit: Optional[int] = None) -> ContextCosts:
+    """The context costs of a cost_table.json: its `by_cache_length` rows when it measured two lengths or
+    more; otherwise its one length, and the probe for the others."""
+    rows = table.get("by_cache_length") or {}
+    widths = table["widths"]
+    by_context = {int(c): dict(zip(widths, s)) for c, s in rows.items()}
+    if len(by_context) >= 2:
+        return ContextCosts(by_context, max_width)
+    return ContextCosts({}, max_width, prober, limit)  # one length: the probe's lengths, the shortest included
+
+
+def context_prober(target, max_width: int):
+    """A quick probe of one row's verify seconds per width at a given context length, for `ContextCosts`:
+    5 widths, one warm-up turn and 2 timed ones."""
+    return lambda context: probe_verify_costs(target, max_width, context, widths=(1, 2, 4, 8, 16), repeats=2)
+
+
 def filled_cache(target, length: int, seed: int = 0) -> list:
     """target.make_cache() holding `length` positions of random keys/values (the model's head shapes
     and dtype, found by a one-token probe)."""
@@ -149,7 +227,7 @@ def filled_cache(target, length: int, seed: int = 0) -> list:
     return cache
 
 
-def probe_verify_costs(target, max_width: int, context: int = 256, widths=(1, 2, 3, 4, 6, 8, 12, 16),
+def probe_verify_costs(target, max_width: int, context: int = PROBE_CONTEXTS[0], widths=(1, 2, 3, 4, 6, 8, 12, 16),
                        repeats: int = 3) -> dict:
     """A quick start-up estimate of {width: verify seconds}, for `--width auto` when no cost table was
     measured; the decoder refines it from observed rounds.

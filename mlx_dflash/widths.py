@@ -178,6 +178,7 @@ class WidthsSettings:
     widths: Sequence[int] = WIDTHS
     short_cache: int = 128
     long_cache: int | None = None
+    contexts: Sequence[int] = ()  # cache lengths to measure instead of the short (and long) cache
     repeats: int | None = None
     warmup: int | None = None
     quantize_bits: int | None = None
@@ -203,6 +204,8 @@ class WidthsSettings:
 
     @property
     def caches(self) -> list[int]:
+        if self.contexts:
+            return sorted({int(c) for c in self.contexts})
         return sorted({self.short_cache} | ({self.long_cache} if self.long_cache else set()))
 
 
@@ -244,6 +247,7 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, *
                "machine": machine_info(), "versions": versions(), "settings": record, "cliff_rule": CLIFF_RULE,
                "series": series, "cliff": {x["name"]: x["cliff_width"] for x in series}}
     results["cost_table"] = cost_table(results)
+    results["best_width_by_context"] = best_widths(results["cost_table"])
     results["traffic_model"] = traffic_model(shape_list, s.widths, act)
     written = write_outputs(results, out_dir)
     log(format_table(results))
@@ -340,6 +344,22 @@ def cost_table(results: dict) -> dict:
             "by_cache_length": {str(x["cache_length"]): x["median_seconds"] for x in best if "cache_length" in x}}
 
 
+ACCEPTANCES = (0.5, 0.7, 0.9)  # per-draft acceptance rates the best-width summary is shown for
+
+
+def best_widths(table: dict) -> dict:
+    """{acceptance: {context: width}}: the verify width with the most tokens per second of verify at each
+    measured context, for a drafter whose every draft is kept with that chance once the ones before it
+    were (1 + a + ... + a^(w-1) tokens in cost(w)); drafting time left out. How the cost curve's shape,
+    not the drafter, moves the best width with the context."""
+    widths = table["widths"]
+    out = {}
+    for a in ACCEPTANCES if table.get("by_cache_length") else ():
+        out[str(a)] = {c: widths[max(range(len(widths)), key=lambda i: (1 - a ** widths[i]) / (1 - a) / row[i])]
+                       for c, row in sorted(table["by_cache_length"].items(), key=lambda kv: int(kv[0]))}
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Output: JSON, table, chart (plot.py, with matplotlib).
 
@@ -366,6 +386,8 @@ def format_table(results: dict) -> str:
     if m.get("quantized_matmul_routing"):
         lines.insert(1, f"MLX quantized matmul here: {m['quantized_matmul_routing']}")
     lines += [f"{s['name']}: {s['verdict']}" for s in cols]
+    for a, by_context in results.get("best_width_by_context", {}).items():
+        lines.append(f"best width at acceptance {a}: " + ", ".join(f"{w} at {c} tokens" for c, w in by_context.items()))
     table = results["cost_table"]
     lines.append(f"cost table: {table['dtype']} activations, {weights_text(table['quantization'])}, chip "
                  f"{table['machine']['chip']} (`generate --width auto --cost-table` warns when its target differs)")
@@ -384,6 +406,9 @@ def format_table(results: dict) -> str:
 @click.option("--max-width", default=16, show_default=True, type=int)
 @click.option("--short-cache", default=128, show_default=True, type=int)
 @click.option("--long-cache", default=None, type=int, help="Also measure on a cache this long (default with --full: 4096).")
+@click.option("--context", "contexts", default=None,
+              help="Measure the verify at these context lengths instead, e.g. 256,1024,4096: the cost table then "
+                   "gives --width auto and D-cut a context axis (no probe at start-up or on long prompts).")
 @click.option("--bits", default=None, type=int, help="Quantize a float model in memory to this many bits first "
               "(default: measure the model as stored; --shape matmuls: 4).")
 @click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
@@ -395,13 +420,22 @@ def format_table(results: dict) -> str:
 @click.option("--batch", "batches", default=None,
               help="Also time verifies of several rows at once, e.g. 1,2,4,8 (rows x width, for `serve --max-batch "
                    "--width auto --cost-table`): writes batch_cost_table.json.")
-def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, bits,
+def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, contexts, bits,
          group_size, dtype, clock, batches):
     """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
     from .downloads import default_target
 
     if not model_path and not shapes:
         model_path = default_target()
+    lengths = ()
+    if contexts:
+        try:
+            lengths = sorted({int(c) for c in contexts.split(",")})
+        except ValueError:
+            raise DFlashError(f"--context {contexts!r}: give context lengths as numbers, e.g. 256,1024,4096") from None
+        if lengths[0] < 1 or long_cache:
+            raise DFlashError("--context takes lengths >= 1, and replaces --long-cache (give one of them)")
+        short_cache = lengths[0]  # the batch table's context
     sizes = None
     if batches:
         try:
@@ -412,7 +446,7 @@ def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_ca
             raise DFlashError("--batch times the model as stored: give a model (not --shape), no --bits, and batch "
                               "sizes >= 1")
     run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, full=full, widths=range(1, max_width + 1),
-                     short_cache=short_cache, long_cache=long_cache, repeats=repeats, warmup=warmup,
+                     short_cache=short_cache, long_cache=long_cache, contexts=lengths, repeats=repeats, warmup=warmup,
                      quantize_bits=bits, group_size=int(group_size), dtype=dtype, clock=clock, log=click.echo)
     if sizes:
         from .dcut import batch_cost_table, probe_batch_costs

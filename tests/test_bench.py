@@ -348,3 +348,52 @@ def test_generate_prints_the_cost_table_warning(tiny_pair_dirs, tmp_path):
                                        "--max-tokens", "3", "--width", "auto", "--cost-table", str(table)])
     assert result.exit_code == 0, result.output
     assert f"warning: cost table {table} was measured with 4-bit weights (group 64) (this target: float weights)" in result.stderr
+
+
+def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pair_dirs, tmp_path):
+    """`bench widths --context` measures each length, says where the best width goes, draws it beside the cost
+    curves, and its table costs --width auto by context with no probe."""
+    from click.testing import CliRunner
+
+    from mlx_dflash.cli import main
+    from mlx_dflash.policy import build_policy
+    from mlx_dflash.utils import load
+
+    target_dir, drafter_dir = tiny_pair_dirs
+    result = CliRunner().invoke(main, ["bench", "widths", "--model", str(target_dir), "--max-width", "4", "--context",
+                                       "512,16,128", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    table = json.loads((tmp_path / "cost_table.json").read_text())
+    assert sorted(map(int, table["by_cache_length"])) == [16, 128, 512] and table["cache_length"] == 16
+    best = json.loads((tmp_path / "widths.json").read_text())["best_width_by_context"]
+    assert set(best) == {"0.5", "0.7", "0.9"} and all(sorted(map(int, row)) == [16, 128, 512] for row in best.values())
+    assert "best width at acceptance 0.9:" in result.output
+    check_png(tmp_path / "widths.png")
+    target, drafter, _ = load(str(target_dir), str(drafter_dir))
+    policy = build_policy(target, drafter, "auto", cost_table=tmp_path / "cost_table.json")
+    assert policy.context_costs.prober is None and sorted(policy.context_costs.by_context) == [16, 128, 512]
+    policy.at_context(512)
+    measured = dict(zip(table["widths"], table["by_cache_length"]["512"]))
+    short = dict(zip(table["widths"], table["by_cache_length"]["16"]))
+    assert policy.growth[4] == pytest.approx(max(1.0, measured[4] / short[4]))
+
+
+@pytest.mark.parametrize("flags, message", [(["--context", "256,abc"], "give context lengths as numbers"),
+                                            (["--context", "16,64", "--long-cache", "99"], "replaces --long-cache"),
+                                            (["--context", "0,64"], "lengths >= 1")])
+def test_bench_widths_refuses_a_bad_context_list(flags, message):
+    from click.testing import CliRunner
+
+    from mlx_dflash.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "widths", "--shape", "64x64"] + flags)
+    assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_a_cost_table_with_bad_context_rows_is_refused(tmp_path):
+    from mlx_dflash.verify_costs import read_cost_table
+
+    path = write_table(tmp_path / "t.json", by_cache_length={"256": [0.01, 0.02]})
+    with pytest.raises(DFlashError, match="by_cache_length"):
+        read_cost_table(path)
+    assert read_cost_table(write_table(tmp_path / "u.json", by_cache_length={"256": [0.01, 0.02, 0.03]}))

@@ -10,6 +10,7 @@ are wrapped the same way to reach our multi-row kernel (verify_attention.py). No
 """
 
 from contextlib import contextmanager
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -158,6 +159,12 @@ class Target:
     def text_args(self):
         """The language model's configuration (multimodal wrappers nest it under language_model)."""
         return getattr(getattr(self.model, "language_model", None), "args", None) or self.model.args
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The positions the model was trained for (max_position_embeddings), None when it does not say."""
+        args = self.text_args
+        return getattr(args, "max_position_embeddings", None) or getattr(args, "max_seq_len", None)
 
     @property
     def num_layers(self) -> int:

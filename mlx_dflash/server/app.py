@@ -28,7 +28,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..generate import context_length, encode_prompt, stream_generate
+from ..generate import encode_prompt, stream_generate
 from ..prompt_cache import PromptCache, pair_identity
 from ..responses import GenerationStats
 from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
@@ -405,7 +405,7 @@ class Engine:
         their count; text (a completion's prompt, the chat messages' but the assistant's, which a template
         may leave out) by its characters over the most that one token can stand for. Tokenizing 4 MB of
         text takes seconds of a tokenizer thread that other requests wait for."""
-        context = context_length(self.target)
+        context = self.target.context_length
         if context is None:
             return
         if req.kind == "text" and not isinstance(req.prompt, str):
@@ -420,7 +420,7 @@ class Engine:
 
     def fit(self, req: GenerationRequest, prompt_tokens: int, limit: int):
         """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits."""
-        context = context_length(self.target)
+        context = self.target.context_length
         if context is not None and prompt_tokens >= context:
             raise PromptTooLong(prompt_tokens, context, "messages" if req.kind == "chat" else "prompt")
         req.max_tokens = min(req.max_tokens, limit, (context - prompt_tokens) if context else limit)
