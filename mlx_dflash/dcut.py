@@ -15,9 +15,10 @@ becomes, here, the choice of W from all the rows' scores at once.
 
 Costs start from a probe or a table; every round times its own (B, W) cell, and a cell not timed yet
 keeps the probe's value at the scale its batch size's timed cells showed. Cells are not forced to grow
-with W: a batched matmul's cost follows the kernel's tiling, not the row count (a 2-core x86 CPU under
-OpenBLAS: 4 rows x 3 tokens 135-144 ms, 4 x 4 97 ms), so one round in 10 verifies the least-timed width
-whose expected rate is within 20% of the best, and the chooser learns where such cells are cheap.
+with W: a batched matmul's cost follows the kernel's tiling, not the row count (on a CPU under OpenBLAS
+4 rows x 4 tokens can cost less than 4 x 3: docs/batching.md), so one round in 10 verifies the
+least-timed width whose expected rate is within 20% of the best, and the chooser learns where such cells
+are cheap.
 Cells are kept at the probe's short context: a round over longer rows costs cell(B, W) x growth(W) at
 its longest row's context (every row is padded to it), with the one-row growth of
 verify_costs.ContextCosts, and its timing is divided by that growth before it joins its cell.
@@ -26,7 +27,7 @@ Drafting must pay too: while the rounds' expected rate stays below plain rounds'
 the drafter is skipped, re-probed after 7, 15, then every 31 rounds. And the drafter reads out only the
 positions the chooser has lately wanted (two past the widest width of the last 32 rounds; the whole block
 again once a round wants every position it was given): its forward is the same, but each position read
-out costs logits and a confidence (4 rows on that CPU: 11 ms a round for 2 positions, 16 ms for 16).
+out costs logits and a confidence (docs/batching.md has it measured).
 """
 
 from __future__ import annotations

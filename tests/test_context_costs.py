@@ -84,7 +84,7 @@ def test_a_table_with_several_lengths_is_used_as_it_is_and_one_length_leaves_it_
     assert calls == [256, 1024, 4096]
 
 
-def test_auto_width_verifies_narrower_at_a_long_context_and_keeps_its_costs_at_the_short_one():
+def test_auto_width_verifies_narrower_at_a_long_context():
     policy = CostAwarePolicy(16, 16, MEASURED[256], context_costs=ContextCosts(MEASURED, 16))
     policy.draft_seconds = 0.01
     confidence = [0.8] * 15
