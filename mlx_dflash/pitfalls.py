@@ -4,8 +4,7 @@
   runtime as acceptance falling to 0% (0.44x the target alone). Those chips have no bfloat16 hardware,
   so float16 is the tempting choice there; bfloat16 (emulated, slower per op) or float32 keep the drafts.
 * A quantized or half-precision pair on MLX's CPU backend, which runs them several times slower than
-  float32 where they are meant to be faster (SmolLM2-135M decoding on a 2-vCPU Linux VM, MLX 0.32 with
-  OpenBLAS: float32 about 10 tokens/s, bfloat16 5, float16 2, 4-bit 0.2).
+  float32 where they are meant to be faster (docs/doctor.md has the measured rates).
 * A mask token that is not reserved: the drafter fills its block with the mask token, so a token the
   target reads in ordinary text (or BOS/EOS/PAD, or one the chat template writes) means the drafter was
   made for another tokenizer's layout. Reserved, as `mlx-dflash train` picks it
