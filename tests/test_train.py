@@ -269,7 +269,7 @@ def test_trainer_loss_decreases_on_a_fixed_sequence(tiny_target, tmp_path, capsy
 
     logs = []
     state = train(target, drafter, [(ids, start)], [], tmp_path / "ck",
-                  TrainConfig(steps=30, anchors=64, learning_rate=1e-3, **QUIET), log=logs.append)
+                  TrainConfig(steps=30, anchors=64, learning_rate=1e-3, labels="text", **QUIET), log=logs.append)
     after = exact_loss(drafter, features, blocks)
     assert state["step"] == 30 and any(line.startswith("step 30/30: loss") for line in logs)
     bar = capsys.readouterr().err  # tqdm's progress bar

@@ -17,7 +17,7 @@ from ..errors import DFlashError
 _PROMPT_FIELDS = ("prompt", "question", "instruction", "text")
 
 
-def _prompt_of(record: dict) -> Optional[str]:
+def prompt_of(record: dict) -> Optional[str]:
     for key in _PROMPT_FIELDS:
         if isinstance(record.get(key), str):
             return record[key]
@@ -32,45 +32,50 @@ def _prompt_of(record: dict) -> Optional[str]:
     return None
 
 
+def read_records(path) -> list:
+    """(where, record) for each record of a .jsonl file (one JSON value per line) or of a .json file
+    holding a list (ShareGPT's layout); where names the line or list index, for errors."""
+    path = Path(path)
+    if not path.exists():
+        raise DFlashError(f"{path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"{path} is not valid JSON ({e})") from None
+        return [(f"{path} record {n}", record) for n, record in enumerate(records)]
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError:
+            raise DFlashError(f"{path}:{n} is not valid JSON") from None
+    return records
+
+
 def read_prompts(path) -> list:
     """Prompts from a .jsonl file (one record per line, a known prompt field), a .json file holding a list
     of such records (ShareGPT's layout), or a text file (one prompt per line)."""
     path = Path(path)
     if not path.exists():
         raise DFlashError(f"prompt file {path} does not exist")
-    text = path.read_text()
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        prompts = _json_list_prompts(path, text)
-    elif path.suffix in (".jsonl", ".json"):
-        prompts = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise DFlashError(f"{path}:{n} is not valid JSON") from None
-            prompts.append(_checked_prompt(record, f"{path}:{n}"))
+    if path.suffix in (".jsonl", ".json"):
+        prompts = [_checked_prompt(record, where) for where, record in read_records(path)]
     else:
-        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not prompts:
         raise DFlashError(f"no prompts in {path}")
     return prompts
 
 
 def _checked_prompt(record, where: str) -> str:
-    prompt = _prompt_of(record) if isinstance(record, dict) else None
+    prompt = prompt_of(record) if isinstance(record, dict) else None
     if prompt is None:
         raise DFlashError(f"{where} has no prompt field (one of {', '.join(_PROMPT_FIELDS)}, turns, conversations)")
     return prompt
-
-
-def _json_list_prompts(path: Path, text: str) -> list:
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{path} is not valid JSON ({e})") from None
-    return [_checked_prompt(record, f"{path} record {n}") for n, record in enumerate(records)]
 
 
 def read_samples(path) -> list:

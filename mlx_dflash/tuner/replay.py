@@ -6,6 +6,8 @@ sequence). Used for the trainer's held-out evaluation and by bench/acceptance.py
 prompt lookup (a drafter with no weights) the same way as the yardstick.
 """
 
+from collections import OrderedDict
+
 import mlx.core as mx
 import numpy as np
 
@@ -33,25 +35,55 @@ def block_drafts(drafter: DFlashDraftModel, features, block_ids, anchors):
 
 
 class TargetFeatures:
-    """The frozen target's features of each sequence, computed once and kept: they never change."""
+    """The frozen target's features of each sequence, computed once and kept (they never change), and
+    with `choices` its greedy choice at every position, from the same forward.
 
-    def __init__(self, target):
-        self.target, self._memo = target, {}
+    What is kept is bounded by `keep_bytes`, oldest first: a long run over a large text set would
+    otherwise hold every sequence's features (about 9 KB a token for SmolLM2's four taps).
+    """
+
+    def __init__(self, target, keep_bytes: int = 4 << 30):
+        self.target, self.keep_bytes, self._memo, self._bytes = target, keep_bytes, OrderedDict(), 0
 
     @classmethod
     def of(cls, target_or_features) -> "TargetFeatures":
         return target_or_features if isinstance(target_or_features, cls) else cls(target_or_features)
 
     def __call__(self, ids) -> mx.array:
+        return self._run(ids, with_choices=False)[0]
+
+    def choices(self, ids) -> np.ndarray:
+        """The target's greedy token for each position of ids [T] given the ids before it, as int array [T]
+        (position 0, which has nothing before it, keeps ids[0]): the labels a drafter learns the target's
+        own choices from."""
+        return self._run(ids, with_choices=True)[1]
+
+    def _run(self, ids, with_choices: bool):
         ids = np.asarray(ids, dtype=np.int32)
         key = ids.tobytes()
-        if key not in self._memo:
-            _, features = self.target.forward(mx.array(ids)[None], None)
-            if features is None:
-                raise DFlashError("the target captures no layers yet: bind the drafter to it before computing features")
-            mx.eval(features)  # the head's logits stay lazy and never run
-            self._memo[key] = features
-        return self._memo[key]
+        kept = self._memo.get(key)
+        if kept is not None and (kept[1] is not None or not with_choices):
+            self._memo.move_to_end(key)
+            return kept
+        logits, features = self.target.forward(mx.array(ids)[None], None)
+        if features is None:
+            raise DFlashError("the target captures no layers yet: bind the drafter to it before computing features")
+        choices = None
+        if with_choices:  # else the head's logits stay lazy and never run
+            argmax = mx.argmax(logits[0, :-1], axis=-1)
+            mx.eval(features, argmax)
+            choices = np.concatenate([ids[:1], np.array(argmax).astype(np.int32)])
+        mx.eval(features)
+        return self._keep(key, (features, choices))
+
+    def _keep(self, key, value):
+        if key in self._memo:
+            self._bytes -= self._memo.pop(key)[0].nbytes
+        self._memo[key] = value
+        self._bytes += value[0].nbytes
+        while self._bytes > self.keep_bytes and len(self._memo) > 1:
+            self._bytes -= self._memo.popitem(last=False)[1][0].nbytes
+        return value
 
 
 def replayed_blocks(drafter, features_of, ids, start):

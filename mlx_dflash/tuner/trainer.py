@@ -1,10 +1,11 @@
 """Training a DFlash drafter for a frozen target (DFlash, arXiv 2602.06036, section 4.2 and App. A.1).
 
-For each training sequence (a prompt and the target's own response) the target runs once and its
-chosen layers give the context features. Random anchor positions in the response each start a block
-`[anchor, MASK x (B-1)]`; every block is one batch row that sees the context strictly before its anchor
-and its own block (bidirectionally, or causally in causal layers), never another block. Block row k
-learns the token at anchor + k with cross-entropy weighted exp(-(k-1)/gamma) by default; objectives.py
+For each training sequence (a prompt and the target's own response, or existing text: text.py) the
+target runs once: its chosen layers give the context features and its head its own greedy choice at
+every position. Random anchor positions in the response each start a block `[anchor, MASK x (B-1)]`;
+every block is one batch row that sees the context strictly before its anchor and its own block
+(bidirectionally, or causally in causal layers), never another block. Block row k learns the target's
+choice at anchor + k (or, with `labels="text"`, the text's token there) with cross-entropy weighted exp(-(k-1)/gamma) by default; objectives.py
 has the others. A DFlash 2 drafter also trains its candidate selector (`selector_loss`). Only the drafter
 trains: it borrows the target's embedding and head, which stay outside its parameter tree.
 """
@@ -30,6 +31,11 @@ from .objectives import Objective
 from .replay import TargetFeatures, decoding_acceptance
 
 
+# What a block row learns: the target's own greedy choice at its position given the text before it, or
+# the text's next token. On the target's greedy answers the two agree.
+LABELS = ("target", "text")
+
+
 @dataclass
 class TrainConfig:
     steps: int = 2000
@@ -41,16 +47,20 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: Optional[float] = None  # default: published value for the block size
     objective: str = "decay"  # objectives.OBJECTIVES
+    labels: str = "target"  # LABELS: what each block row learns
     selector_weight: float = 1.0  # DFlash 2: the candidate selector's loss, added to the drafts' loss
     eval_every: int = 200
     checkpoint_every: int = 200
     seed: int = 0
 
 
-def make_blocks(ids: np.ndarray, response_start: int, n_anchors: int, block_size: int, mask_id: int, rng):
+def make_blocks(ids: np.ndarray, response_start: int, n_anchors: int, block_size: int, mask_id: int, rng,
+                label_of: Optional[np.ndarray] = None):
     """Anchors sampled from the response, and each block's ids, labels and label validity.
 
-    Returns block_ids [A, B], anchors [A], labels [A, B-1], valid [A, B-1] (label inside the sequence).
+    label_of[p] is the token position p is trained to draft (default ids[p], the text itself; the
+    target's own choices with `TargetFeatures.choices`). Returns block_ids [A, B], anchors [A], labels
+    [A, B-1], valid [A, B-1] (label inside the sequence).
     """
     last = len(ids) - 2  # an anchor needs at least one token after it
     candidates = np.arange(response_start, last + 1)
@@ -59,7 +69,7 @@ def make_blocks(ids: np.ndarray, response_start: int, n_anchors: int, block_size
     anchors = np.sort(rng.choice(candidates, size=min(n_anchors, len(candidates)), replace=False))
     offsets = anchors[:, None] + np.arange(1, block_size)[None]
     valid = offsets < len(ids)
-    labels = ids[np.minimum(offsets, len(ids) - 1)]
+    labels = (ids if label_of is None else label_of)[np.minimum(offsets, len(ids) - 1)]
     block_ids = np.full((len(anchors), block_size), mask_id, dtype=np.int32)
     block_ids[:, 0] = ids[anchors]
     return mx.array(block_ids), mx.array(anchors), mx.array(labels), mx.array(valid)
@@ -203,6 +213,10 @@ def restore(drafter, optimizer, out_dir: Path, cfg: TrainConfig) -> dict:
     if saved != cfg.objective:
         raise DFlashError(f"the checkpoint in {out_dir} trains with --objective {saved}, not {cfg.objective}: "
                           f"resume it with --objective {saved}, or start a new run")
+    saved = state.get("train_config", {}).get("labels", cfg.labels)
+    if saved != cfg.labels:
+        raise DFlashError(f"the checkpoint in {out_dir} trains with --labels {saved}, not {cfg.labels}: "
+                          f"resume it with --labels {saved}, or start a new run")
     weights = drafter.sanitize(mx.load(str(out_dir / "model.safetensors")), where=str(out_dir))
     weights.pop(DRAFT_VOCAB_KEY, None)  # not a parameter: the drafter loaded from out_dir already has it
     drafter.load_weights(list(weights.items()))
@@ -254,7 +268,9 @@ def train(target, drafter: DFlashDraftModel, sequences: list, held_out: list, ou
         for index in rng.choice(len(sequences), size=min(cfg.sequences, len(sequences)), replace=False):
             ids, start = sequences[index]
             ids = np.array(ids)
-            block_ids, anchors, labels, valid = make_blocks(ids, start, cfg.anchors, B, drafter.mask_token_id, rng)
+            label_of = features_of.choices(ids) if cfg.labels == "target" else None
+            block_ids, anchors, labels, valid = make_blocks(ids, start, cfg.anchors, B, drafter.mask_token_id, rng,
+                                                            label_of)
             block_ids, row_weight = objective.blocks(block_ids, anchors, labels, valid, len(ids), rng)
             pieces.append((features_of(ids), block_ids, anchors, labels, sample_rows(row_weight, rng)))
             total_weight += float(row_weight.sum())
