@@ -30,6 +30,21 @@ def batched(pair, max_batch=4, width=4):
                    engine_options=dict(max_batch=max_batch))
 
 
+def slowed_reads(target, monkeypatch) -> tuple:
+    """(reading, gate): the target's reads wait for `gate` (set `reading` as the first begins), then take
+    CHUNK_SECONDS each."""
+    reading, gate, read = threading.Event(), threading.Event(), target.read
+
+    def slow_read(*args, **kw):
+        reading.set()
+        assert gate.wait(timeout=20)
+        time.sleep(CHUNK_SECONDS)
+        return read(*args, **kw)
+
+    monkeypatch.setattr(target, "read", slow_read)
+    return reading, gate
+
+
 def test_concurrent_clients_get_their_single_request_answers(pair):
     target, drafter, tokenizer = pair
     limits = [12, 5, 9, 14, 3, 8]
@@ -75,15 +90,7 @@ def test_short_requests_during_a_long_read_are_read_in_turn_and_queued_counts_th
     read ends, and the log's queued counts each one's wait to its first chunk, the second's behind the first's."""
     target, drafter, tokenizer = pair
     caplog.set_level(logging.INFO, logger="mlx_dflash.server")
-    reading, gate, read = threading.Event(), threading.Event(), target.read
-
-    def slow_read(*args, **kw):  # the long prompt's first chunk waits for the gate; each takes CHUNK_SECONDS
-        reading.set()
-        assert gate.wait(timeout=20)
-        time.sleep(CHUNK_SECONDS)
-        return read(*args, **kw)
-
-    monkeypatch.setattr(target, "read", slow_read)
+    reading, gate = slowed_reads(target, monkeypatch)
     long_prompt, shorts = " ".join(QUESTIONS * 2), [QUESTIONS[1], QUESTIONS[1] + " Briefly, please."]
     # the long read is many chunks: more than the short ones' reads and rounds together
     assert -(-len(chat_ids(tokenizer, long_prompt)) // 16) >= 11
@@ -111,3 +118,39 @@ def test_short_requests_during_a_long_read_are_read_in_turn_and_queued_counts_th
               if (m := re.search(r"prompt=(?P<prompt>\d+) .* queued=(?P<queued>[\d.]+)s", r.getMessage()))}
     first, second = sorted(queued[len(chat_ids(tokenizer, s))] for s in shorts)
     assert second - first > CHUNK_SECONDS * 0.75  # the second waited for the first's first chunk
+
+
+def test_one_at_a_time_a_short_request_is_served_between_the_chunks_of_a_long_read(pair, monkeypatch, caplog):
+    """`--max-batch 1`: a short request sent during a long prompt's read is answered, with the text it gets
+    alone, before that read ends; the long request's answer is its own too."""
+    target, drafter, tokenizer = pair
+    caplog.set_level(logging.INFO, logger="mlx_dflash.server")
+    long_prompt, short = " ".join(QUESTIONS * 3), QUESTIONS[1]
+    want = {p: str(generate(target, drafter, tokenizer, chat_ids(tokenizer, p), max_tokens=4))
+            for p in (long_prompt, short)}
+    reading, gate = slowed_reads(target, monkeypatch)
+    assert 2 * len(chat_ids(tokenizer, short)) < len(chat_ids(tokenizer, long_prompt)) - 16
+    got, ended = {}, {}
+
+    def ask(content):
+        got[content] = client(url).chat.completions.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}]).choices[0].message.content
+        ended[content] = time.perf_counter()
+
+    with running(pair, engine_options=dict(prefill_step=16)) as (url, engine):
+        threads = {p: threading.Thread(target=ask, args=(p,)) for p in (long_prompt, short)}
+        threads[long_prompt].start()
+        assert reading.wait(timeout=20)  # the long prompt's first chunk is being read
+        threads[short].start()
+        deadline = time.time() + 20
+        while engine.waiting < 1:  # the short one waits behind the read
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert engine.taken() == 2
+        gate.set()
+        for t in threads.values():
+            t.join(timeout=60)
+    assert got == want
+    assert ended[short] < ended[long_prompt]
+    assert any("served between chunks" in r.getMessage() for r in caplog.records)
+    assert engine.completed == 2 and engine.running is None and engine.paused is None

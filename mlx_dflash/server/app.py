@@ -150,6 +150,7 @@ class Engine:
         self.on_failure = None  # called (from the engine thread) when it does
         self.waiting = 0  # admitted, not yet started
         self.running: Optional[Job] = None
+        self.paused: Optional[Job] = None  # a job whose prompt read waits while a short request runs
         self.completed = self.cancelled = 0
         self._durations = deque(maxlen=8)  # recent request seconds, for Retry-After
         self._lock = threading.Lock()
@@ -174,7 +175,7 @@ class Engine:
 
     def taken(self) -> int:
         """Admitted requests not yet over: waiting (those being tokenized included) or running."""
-        return self.waiting + (self.running is not None)
+        return self.waiting + (self.running is not None) + (self.paused is not None)
 
     def _full(self) -> bool:
         """No room for one more request: one runs and --max-queue wait (an idle engine takes one even with
@@ -211,8 +212,8 @@ class Engine:
     def abort_running(self, reason: str):
         """End the running request at its next round, with a 503 error (in a stream: an error event)."""
         with self._lock:
-            job = self.running
-        if job is not None:
+            jobs = [self.running, self.paused]
+        for job in filter(None, jobs):
             job.abort = APIError(503, reason)
             job.cancelled.set()
 
@@ -244,36 +245,73 @@ class Engine:
 
     def _serve(self):
         while (job := self._next_job()) is not None:
-            with self._lock, job.lock:
-                self.waiting -= 1
-                skip = job.cancelled.is_set()  # its client left while it waited
-                job.started = not skip
-                self.running = None if skip else job
-            if skip:
-                self.cancelled += 1
-                job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
-                continue
-            tic = time.perf_counter()
-            try:
-                outcome = self._generate(job)
-                self.completed += outcome.finish_reason != "cancelled"
-                self.cancelled += outcome.finish_reason == "cancelled"
-                job.emit(*(("error", job.abort) if job.abort else ("done", outcome)))
-            except self.fatal_errors as e:
-                job.emit("error", APIError(500, str(e)))
-                self._fail(e)
+            if not self._serve_job(job):
                 return
-            except DFlashError as e:
-                job.emit("error", APIError(400, str(e)))
-            except Exception as e:  # a bug: the log gets the traceback, the client one line
-                log.exception("generation failed")
-                job.emit("error", APIError(500, f"internal error during generation ({type(e).__name__}); "
-                                           "see the server log"))
-            finally:
-                with self._lock:
-                    self.running = None
-                self._durations.append(time.perf_counter() - tic)
-                mx.clear_cache()
+
+    def _serve_job(self, job: Job) -> bool:
+        """Run one job to its end and answer it; False when the engine cannot go on."""
+        with self._lock, job.lock:
+            self.waiting -= 1
+            skip = job.cancelled.is_set()  # its client left while it waited
+            job.started = not skip
+            self.running = None if skip else job
+        if skip:
+            self.cancelled += 1
+            job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
+            return True
+        tic = time.perf_counter()
+        try:
+            outcome = self._generate(job)
+            self.completed += outcome.finish_reason != "cancelled"
+            self.cancelled += outcome.finish_reason == "cancelled"
+            job.emit(*(("error", job.abort) if job.abort else ("done", outcome)))
+        except self.fatal_errors as e:
+            job.emit("error", APIError(500, str(e)))
+            self._fail(e)
+            return False
+        except DFlashError as e:
+            job.emit("error", APIError(400, str(e)))
+        except Exception as e:  # a bug: the log gets the traceback, the client one line
+            log.exception("generation failed")
+            job.emit("error", APIError(500, f"internal error during generation ({type(e).__name__}); "
+                                       "see the server log"))
+        finally:
+            with self._lock:
+                self.running = None
+            self._durations.append(time.perf_counter() - tic)
+            mx.clear_cache()
+        return True
+
+    def _between_chunks(self, job: Job, done: int, total: int):
+        """After each chunk of a prompt's read: stop if its client left (PrefillCancelled), and serve one
+        request waiting behind it whose prompt is under half of what is left to read, so a long read
+        holds a short request up by about one chunk, not by its whole length (shorter work first lowers
+        the mean wait). One per chunk: the long read still advances; never nested."""
+        job.check_cancelled(done, total)
+        left = total - done
+        if self.paused is not None or left < self.prefill_step:
+            return
+        if (short := self._take_waiting(lambda j: 2 * len(j.prompt_ids) < left)) is None:
+            return
+        log.info("a %d-token request served between chunks of a %d-token read (%d read)",
+                 len(short.prompt_ids), total, done)
+        with self._lock:
+            self.running, self.paused = None, job
+        try:
+            self._serve_job(short)
+        finally:
+            with self._lock:
+                self.running, self.paused = job, None
+
+    def _take_waiting(self, wanted) -> Optional[Job]:
+        """The first waiting job that `wanted` accepts, out of the queue (queue.Queue keeps its items in
+        `.queue` under `.mutex`; nothing here uses its task counting)."""
+        with self._jobs.mutex:
+            for i, waiting in enumerate(self._jobs.queue):
+                if waiting is not None and wanted(waiting):
+                    del self._jobs.queue[i]
+                    return waiting
+        return None
 
     def _refuse_waiting(self, reason):
         while True:
@@ -334,7 +372,8 @@ class Engine:
         req = job.request
         return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
                                seed=req.seed, policy=self.policy, prefill_step_size=self.prefill_step,
-                               prompt_progress_callback=job.check_cancelled, prompt_cache=self.prompt_cache,
+                               prompt_progress_callback=lambda done, total: self._between_chunks(job, done, total),
+                               prompt_cache=self.prompt_cache,
                                boundaries=job.boundaries, cache_scope=job.cache_scope, **req.sampling.keywords())
 
     def _ended_early(self):
