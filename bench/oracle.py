@@ -109,6 +109,9 @@ class OracleDrafter(nn.Module):
         self._seen = 0
         return []
 
+    def read_context(self, context, cache: list):
+        self._seen += context.shape[1]
+
     def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
         tic = time.perf_counter()
         if context is not None:

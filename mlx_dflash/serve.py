@@ -68,7 +68,7 @@ from .policy import build_policy, check_width_options
               help="Also keep the states on disk here, so a restart keeps them (one file each, naming its pair).")
 @kv_options
 @shard_options
-def main(model_path, drafter_path, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
+def main(model_path, drafter_path, drafter_window, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
          max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens,
          max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max,
          force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes,
@@ -131,6 +131,8 @@ def main(model_path, drafter_path, host, port, model_name, api_key, allowed_host
         else:
             target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path or shipped_drafter_dir(),
                                                                   shard, "serve")
+        if drafter_window is not None:
+            drafter.set_context_window(drafter_window or None)
         apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
         if max_batch > 1:
             from .dcut import build_batch_policy

@@ -58,6 +58,9 @@ class OracleDrafter:
         self.seen = 0
         return []
 
+    def read_context(self, context, cache: list):
+        self.seen += context.shape[1]
+
     def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
         self.seen += 0 if context is None else context.shape[1]
         start = self.seen - self.prompt_len + 1  # generated index of block position 1 (the anchor is one before)
@@ -80,6 +83,10 @@ class OracleDFlash2(DFlash2DraftModel):
     def hidden(self, block, context, cache, block_start=None):
         self.seen += 0 if context is None else context.shape[1]
         return super().hidden(block, context, cache, block_start)
+
+    def read_context(self, context, cache: list):
+        self.seen += context.shape[1]
+        super().read_context(context, cache)
 
     def logits(self, hidden):
         real = super().logits(hidden)
@@ -108,6 +115,9 @@ class Recorder:
 
     def make_cache(self) -> list:
         return self.drafter.make_cache()
+
+    def read_context(self, context, cache: list):
+        self.drafter.read_context(context, cache)
 
     def draft(self, *args) -> Draft:
         d = self.drafter.draft(*args)

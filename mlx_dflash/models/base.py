@@ -44,6 +44,10 @@ class DraftModel(Protocol):
     def make_cache(self) -> list:
         """A fresh cache for the drafter's own context."""
 
+    def read_context(self, context: mx.array, cache: list):
+        """Take target feature rows into `cache` without drafting (the decoder hands over a prompt's as
+        part of reading it, so that no decoding round pays for them)."""
+
     def draft(self, anchor: int, context: Optional[mx.array], cache: list, block_size: int, width: int,
               sampling) -> Draft:
         """Drafts for block positions 1..width-1 after `anchor`; `context` holds the target feature rows

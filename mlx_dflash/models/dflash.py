@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
         self.is_causal = config.layer_is_causal(layer_idx)
         self.window = config.layer_window(layer_idx)
+        self.context_window: Optional[int] = None  # a run-time choice (DFlashDraftModel.set_context_window)
         bias = config.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
@@ -77,41 +78,51 @@ class Attention(nn.Module):
         q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
         k_blk = self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm)
         v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
-        k_ctx = self._heads(self.k_proj(h_ctx), self.n_kv_heads, self.k_norm)
-        v_ctx = self._heads(self.v_proj(h_ctx), self.n_kv_heads)
 
         # Absolute positions: context rows continue the cache, the block follows the context.
         if block_start is None:
             block_start = cache.offset + S
         q = rope(q, offset=block_start)
         k_blk = rope(k_blk, offset=block_start)
-        k_ctx = rope(k_ctx, offset=cache.offset)
-        k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)  # only context is ever cached
+        k_ctx, v_ctx = self.read_context(h_ctx, rope, cache)
+        ctx_start = 0
+        if self.context_window and not isinstance(block_start, mx.array):  # one block: drop what it cannot see
+            ctx_start = max(0, k_ctx.shape[2] - self.context_window)
+            k_ctx, v_ctx = k_ctx[:, :, ctx_start:], v_ctx[:, :, ctx_start:]
         if k_ctx.shape[0] != B:
             k_ctx = mx.broadcast_to(k_ctx, (B, *k_ctx.shape[1:]))
             v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
         keys = mx.concatenate([k_ctx, k_blk], axis=2)
         values = mx.concatenate([v_ctx, v_blk], axis=2)
 
-        mask = self._mask(L, k_ctx.shape[2], block_start)
+        mask = self._mask(L, k_ctx.shape[2], block_start, ctx_start)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def _mask(self, L: int, ctx_len: int, block_start):
+    def read_context(self, h_ctx, rope, cache: KVCache) -> tuple:
+        """Context rows [1 or B, S, H] into the cache (only context is ever cached); returns every cached
+        context key and value."""
+        k_ctx = rope(self._heads(self.k_proj(h_ctx), self.n_kv_heads, self.k_norm), offset=cache.offset)
+        return cache.update_and_fetch(k_ctx, self._heads(self.v_proj(h_ctx), self.n_kv_heads))
+
+    def _mask(self, L: int, ctx_len: int, block_start, ctx_start: int = 0):
         """Who each block row sees, from absolute positions (the masks of `_attention_mask` in z-lab's
         dflash/model.py, dflash 0.1.0).
 
-        Context (cached from position 0): rows before the block start, within the window if any.
-        Block: every row of its own block, or only earlier ones in causal layers.
+        Context (positions ctx_start..): rows before the block start, within the window if any, and
+        within the last `context_window` positions before the block if that is set. Block: every row of
+        its own block, or only earlier ones in causal layers.
         """
         per_row_start = isinstance(block_start, mx.array)
         if not (self.is_causal or self.window or per_row_start):
             return None  # inference, full attention: everything is visible
         start = block_start.reshape(-1, 1, 1, 1) if per_row_start else mx.array(block_start)
         query = start + mx.arange(L)[:, None]  # [.., L, 1]
-        ctx_pos = mx.arange(ctx_len)[None]
+        ctx_pos = ctx_start + mx.arange(ctx_len)[None]
         blk_pos = start + mx.arange(L)[None]  # [.., 1, L]
         ctx_visible = ctx_pos < start
+        if self.context_window:
+            ctx_visible = ctx_visible & (ctx_pos >= start - self.context_window)
         blk_visible = mx.ones((L, L), dtype=mx.bool_)
         if self.is_causal:
             blk_visible = blk_pos <= query
@@ -227,6 +238,15 @@ class DFlashDraftModel(nn.Module):
             self.set_dtype(mx.float32)
             mx.eval(self.parameters())
 
+    def set_context_window(self, positions: Optional[int]) -> "DFlashDraftModel":
+        """Attend to the last `positions` context rows before each block only (None: to all of them): a
+        bound on the drafter's attention over a long context, which it was not trained with."""
+        if positions is not None and positions < 1:
+            raise DFlashError(f"the drafter's context window must be 1 or more positions, not {positions}")
+        for layer in self.layers:
+            layer.self_attn.context_window = positions
+        return self
+
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
@@ -240,6 +260,13 @@ class DFlashDraftModel(nn.Module):
         for layer, c in zip(self.layers, cache):
             h = layer(h, h_ctx, self._rope, c, block_start)
         return self.norm(h)
+
+    def read_context(self, context: mx.array, cache: list):
+        """Take target feature rows [1, S, F] into the cache without drafting (a prompt's, as it is read)."""
+        h_ctx = self.hidden_norm(self.fc(context))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.read_context(h_ctx, self._rope, c)
+        mx.eval([c.state for c in cache])
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self._transform(self._borrowed.head(hidden))

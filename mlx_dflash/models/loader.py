@@ -50,9 +50,19 @@ def drafter_from_dir(path: Path) -> DFlashDraftModel:
         quantize_like_checkpoint(model, quantization, weights)
     load_strict(model, weights, where=str(path))
     model.set_draft_vocab(draft_vocab, where=str(path))
+    model.set_context_window(context_window_of(config, where=str(config_file)))
     model.eval()
     model.source = path  # the directory it came from (what a kept prefix-cache state names)
     return model
+
+
+def context_window_of(config: DFlashConfig, where: str) -> Optional[int]:
+    """config.json's `context_window` (ours, as `draft_vocab`): the context positions the drafter attends to
+    by default, set for a drafter that drafts better over a recent window than over a long context."""
+    window = config.raw.get("context_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise DFlashError(f"{where}: context_window must be a whole number of positions, 1 or more, not {window!r}")
+    return window
 
 
 def pop_draft_vocab(weights: dict, config: DFlashConfig, where: str) -> Optional[mx.array]:
