@@ -77,8 +77,9 @@ class Batch:
         seed: the row's own random stream, for every later draw."""
         self.policy.prepare_context(len(state.tokens) + 1)  # probes a long prompt may need, once, before it decodes
         context = state.context
-        if context is not None and context.shape[1] > 1:  # the prompt's features join the drafter's cache on
-            self.drafter.read_context(context[:, :-1], state.draft_cache)  # their own, not padded to the batch
+        if self.policy.max_width > 1 and context is not None and context.shape[1] > 1:
+            # its prompt's features join the drafter's cache on their own, not padded to the batch's
+            self.drafter.read_context(context[:, :-1], state.draft_cache)
             context = context[:, -1:]
         add_row(self.cache, state.cache)
         add_row(self.draft_cache, state.draft_cache)

@@ -29,7 +29,8 @@ DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=16, selector_top_k=16)
               help="Existing text to train on (repeatable): a .jsonl/.json of records with a prompt and an answer "
                    "(GSM8K question/answer, HumanEval, ShareGPT conversations), a prompt set's name, a text or "
                    "source file, or a directory of them (plain text, in --text-chunk token chunks).")
-@click.option("--text-chunk", default=512, show_default=True, type=int, help="Tokens per chunk of plain text.")
+@click.option("--text-chunk", default=512, show_default=True, type=click.IntRange(min=2),
+              help="Tokens per chunk of plain text.")
 @click.option("--labels", type=click.Choice(LABELS), default="target", show_default=True,
               help="target: each block row learns the target's own greedy choice at its position (one forward "
                    "over the text gives it); text: the text's next token.")
@@ -169,6 +170,9 @@ def check_sources(prompt_file, data_file, text_sources, eval_prompt_file, eval_d
     """Refuse a combination of data flags that cannot make a run, before any work."""
     if not prompt_file and not text_sources:
         raise DFlashError("nothing to train on: pass --prompts (with --data) for the target's answers, or --text")
+    if data_file and eval_data_file and Path(data_file).resolve() == Path(eval_data_file).resolve():
+        raise DFlashError("--data and --eval-data are one file: answers are matched to prompts by their index, so "
+                          "the held-out answers would be the training ones; give each its own file")
     for prompts, data, pair in ((prompt_file, data_file, "--prompts/--data"),
                                 (eval_prompt_file, eval_data_file, "--eval-prompts/--eval-data")):
         if bool(prompts) != bool(data):

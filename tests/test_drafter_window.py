@@ -145,7 +145,7 @@ def test_generate_takes_the_window_and_refuses_one_under_a_position(monkeypatch,
     assert seen == [256]
     result = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "3", "--drafter-window", "0"])
     assert result.exit_code == 0 and seen == [256, None]  # 0: the whole context
-    CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "3"])
-    assert seen == [256, None]  # without the flag, the drafter keeps its own
+    result = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "3"])
+    assert result.exit_code == 0 and seen == [256, None]  # without the flag, the drafter keeps its own
     result = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--drafter-window", "-1"])
     assert result.exit_code == 2 and "--drafter-window" in result.output and "x>=0" in result.output

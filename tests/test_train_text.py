@@ -37,6 +37,11 @@ def smollm2_tokenizer():
     return load_tokenizer(ensure_smollm2("float32"))  # the tokenizer files only: fast
 
 
+def put(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -76,6 +81,10 @@ def test_plain_text_and_directories_are_chunked(smollm2_tokenizer, tmp_path):
     (lambda p: p / "missing.jsonl", "no such file or directory"),
     (lambda p: write_jsonl(p / "q.jsonl", [{"question": "only a question"}]), "holds no record with both"),
     (lambda p: (p / "empty").mkdir() or p / "empty", "holds no .py/.txt/.md/.rst files"),
+    (lambda p: write_jsonl(p / "c.jsonl", [{"conversations": ["hi", {"from": "human", "value": ["a", "list"]}]}]),
+     "holds no record with both"),
+    (lambda p: put(p / "t.jsonl", b"\xff\xfe{}"), "cannot read .* as UTF-8 text"),
+    (lambda p: put(p / "t.jsonl.gz", b"x"), "not a file kind it reads"),
 ])
 def test_unusable_text_is_refused_naming_it(smollm2_tokenizer, tmp_path, make, words):
     with pytest.raises(DFlashError, match=words):
@@ -148,6 +157,9 @@ def test_resume_keeps_the_labels(tiny_pair, tmp_path):
     (["--prompts", "p.txt"], "--prompts needs --data"),
     (["--data", "d.jsonl", "--text", "t.jsonl"], "--data needs --prompts"),
     (["--text", "t.jsonl", "--eval-prompts", "p.txt"], "--eval-prompts needs --eval-data"),
+    (["--prompts", "p.txt", "--data", "d.jsonl", "--eval-prompts", "q.txt", "--eval-data", "./d.jsonl"],
+     "--data and --eval-data are one file"),
+    (["--text", "t.jsonl", "--text-chunk", "1"], "--text-chunk"),
 ])
 def test_data_flags_that_cannot_make_a_run_are_refused(tmp_path, args, words):
     result = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "ck"), *args])

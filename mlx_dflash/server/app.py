@@ -1,11 +1,12 @@
 """`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server over one target + drafter pair.
 
 A Starlette app on uvicorn. One engine thread owns the models; the `Engine` here runs requests one at a time
-in arrival order (`--max-batch 1`, and sharded targets), the default `BatchEngine` (batching.py) decodes
-several together. A bounded queue feeds it and answers 503 when full. Each request is
-a `Job`: the engine pushes its text to the request's asyncio queue round by round, and checks the job's
-cancel flag after every round and between prefill chunks, so a client that goes away (streamed or not)
-stops its generation within a round, or a chunk of its prompt.
+in arrival order (`--max-batch 1`, and sharded targets), except that a short request may be served whole
+between two chunks of a long prompt's read; the default `BatchEngine` (batching.py) decodes several
+together. A bounded queue feeds it and answers 503 when full. Each request is a `Job`: the engine pushes
+its text to the request's asyncio queue round by round, and checks the job's cancel flag after every round
+and between prefill chunks, so a client that goes away (streamed or not) stops its generation within a
+round, or a chunk of its prompt (or, while a short request is served inside its read, once that one ends).
 
 The routes and the uvicorn server are routes.py; the wire formats protocol.py (OpenAI chat and
 completions), openai_responses.py (Responses) and anthropic.py (Messages); tool calls in replies tools.py;
@@ -115,7 +116,8 @@ class Job:
             raise PrefillCancelled
 
     async def cancel(self):
-        """The client left: stop the generation, and wait (at most a round) until the engine let go of it;
+        """The client left: stop the generation, and wait (at most a round, or a short request served inside
+        its prompt's read) until the engine let go of it;
         one that has not started is settled here (the engine skips it)."""
         with self.lock:
             self.cancelled.set()
@@ -284,14 +286,19 @@ class Engine:
 
     def _between_chunks(self, job: Job, done: int, total: int):
         """After each chunk of a prompt's read: stop if its client left (PrefillCancelled), and serve one
-        request waiting behind it whose prompt is under half of what is left to read, so a long read
-        holds a short request up by about one chunk, not by its whole length (shorter work first lowers
-        the mean wait). One per chunk: the long read still advances; never nested."""
+        request waiting behind it whose work (prompt and max_tokens) is under half of what is left to read,
+        so a long read holds a short request up by about one chunk, not by its whole length (shorter work
+        first lowers the mean wait). One per chunk, so the long read still advances; never nested; never
+        inside a seeded sampled request, whose draws come from the global random state another request
+        would move. The long request's clock (its prefill time) includes the short one's."""
         job.check_cancelled(done, total)
         left = total - done
-        if self.paused is not None or left < self.prefill_step:
+        seeded = job.request.seed is not None and not job.request.sampling.greedy
+        if self.paused is not None or seeded or left < self.prefill_step:
             return
-        if (short := self._take_waiting(lambda j: 2 * len(j.prompt_ids) < left)) is None:
+        short = self._take_waiting(lambda j: not j.cancelled.is_set()
+                                   and 2 * (len(j.prompt_ids) + j.request.max_tokens) < left)
+        if short is None:
             return
         log.info("a %d-token request served between chunks of a %d-token read (%d read)",
                  len(short.prompt_ids), total, done)
@@ -302,6 +309,7 @@ class Engine:
         finally:
             with self._lock:
                 self.running, self.paused = job, None
+        job.check_cancelled(done, total)  # its client may have left meanwhile
 
     def _take_waiting(self, wanted) -> Optional[Job]:
         """The first waiting job that `wanted` accepts, out of the queue (queue.Queue keeps its items in

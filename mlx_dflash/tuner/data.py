@@ -21,14 +21,14 @@ def prompt_of(record: dict) -> Optional[str]:
     for key in _PROMPT_FIELDS:
         if isinstance(record.get(key), str):
             return record[key]
-    if isinstance(record.get("turns"), list) and record["turns"]:  # MT-Bench
+    if isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):  # MT-Bench
         return record["turns"][0]
     conversations = record.get("conversations") or record.get("messages")
     if isinstance(conversations, list):  # ShareGPT / chat: the first human turn
-        for turn in conversations:
-            role = turn.get("from", turn.get("role"))
-            if role in ("human", "user"):
-                return turn.get("value", turn.get("content"))
+        for turn in filter(lambda t: isinstance(t, dict), conversations):
+            if turn.get("from", turn.get("role")) in ("human", "user"):
+                text = turn.get("value", turn.get("content"))
+                return text if isinstance(text, str) else None
     return None
 
 
@@ -38,7 +38,10 @@ def read_records(path) -> list:
     path = Path(path)
     if not path.exists():
         raise DFlashError(f"{path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"cannot read {path} as UTF-8 text ({e})") from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)

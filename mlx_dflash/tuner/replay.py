@@ -38,7 +38,7 @@ class TargetFeatures:
     """The frozen target's features of each sequence, computed once and kept (they never change), and
     with `choices` its greedy choice at every position, from the same forward.
 
-    What is kept is bounded by `keep_bytes`, oldest first: a long run over a large text set would
+    What is kept is bounded by `keep_bytes`, the least recently used dropped first: a long run over a large text set would
     otherwise hold every sequence's features (about 9 KB a token for SmolLM2's four taps).
     """
 
@@ -73,7 +73,8 @@ class TargetFeatures:
             argmax = mx.argmax(logits[0, :-1], axis=-1)
             mx.eval(features, argmax)
             choices = np.concatenate([ids[:1], np.array(argmax).astype(np.int32)])
-        mx.eval(features)
+        else:
+            mx.eval(features)
         return self._keep(key, (features, choices))
 
     def _keep(self, key, value):

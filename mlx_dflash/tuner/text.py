@@ -33,11 +33,12 @@ def _answer_of(record: dict):
     conversations = record.get("conversations") or record.get("messages")
     if isinstance(conversations, list):  # ShareGPT / chat: the first reply after the first human turn
         seen_human = False
-        for turn in conversations:
+        for turn in filter(lambda t: isinstance(t, dict), conversations):
             role = turn.get("from", turn.get("role"))
             seen_human = seen_human or role in ("human", "user")
             if seen_human and role in ("gpt", "assistant"):
-                return turn.get("value", turn.get("content"))
+                reply = turn.get("value", turn.get("content"))
+                return reply if isinstance(reply, str) else None
     return None
 
 
@@ -46,7 +47,7 @@ def record_sequences(tokenizer, records: list, where: str) -> Iterator[tuple]:
     found = 0
     for _, record in records:
         prompt, answer = (prompt_of(record), _answer_of(record)) if isinstance(record, dict) else (None, None)
-        if prompt is None or answer is None:
+        if not isinstance(prompt, str) or answer is None:
             continue
         prompt_ids = encode_prompt(tokenizer, prompt, chat_template=None)
         answer_ids = list(tokenizer.encode(answer, add_special_tokens=False))
@@ -61,7 +62,7 @@ def record_sequences(tokenizer, records: list, where: str) -> Iterator[tuple]:
 def plain_sequences(tokenizer, files: list, chunk_tokens: int) -> Iterator[tuple]:
     """Each file's text, tokenized, in chunks of chunk_tokens (the last one kept if 2+ tokens)."""
     for path in files:
-        ids = list(tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False))
+        ids = list(tokenizer.encode(_read_text(path), add_special_tokens=False))
         for start in range(0, len(ids), chunk_tokens):
             chunk = ids[start : start + chunk_tokens]
             if len(chunk) >= 2:
@@ -85,4 +86,14 @@ def text_sequences(tokenizer, source, chunk_tokens: int = 512) -> list:
         return list(plain_sequences(tokenizer, files, chunk_tokens))
     if path.suffix in (".jsonl", ".json"):
         return list(record_sequences(tokenizer, read_records(path), f"--text {source}"))
+    if path.suffix not in TEXT_SUFFIXES:
+        raise DFlashError(f"--text {source}: not a file kind it reads (.jsonl/.json records, or "
+                          f"{'/'.join(TEXT_SUFFIXES)} text); decompress or convert it first")
     return list(plain_sequences(tokenizer, [path], chunk_tokens))
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"--text: cannot read {path} as UTF-8 text ({e})") from None

@@ -213,7 +213,7 @@ def restore(drafter, optimizer, out_dir: Path, cfg: TrainConfig) -> dict:
     if saved != cfg.objective:
         raise DFlashError(f"the checkpoint in {out_dir} trains with --objective {saved}, not {cfg.objective}: "
                           f"resume it with --objective {saved}, or start a new run")
-    saved = state.get("train_config", {}).get("labels", cfg.labels)
+    saved = state.get("train_config", {}).get("labels", "text")  # checkpoints from before --labels learned the text
     if saved != cfg.labels:
         raise DFlashError(f"the checkpoint in {out_dir} trains with --labels {saved}, not {cfg.labels}: "
                           f"resume it with --labels {saved}, or start a new run")
