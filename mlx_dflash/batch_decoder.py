@@ -76,16 +76,13 @@ class Batch:
         next round reads and from whose logits it picks the first token (drawn with `first_key`, when given).
         seed: the row's own random stream, for every later draw."""
         self.policy.prepare_context(len(state.tokens) + 1)  # probes a long prompt may need, once, before it decodes
-        context = state.context
-        if self.policy.max_width > 1 and context is not None and context.shape[1] > 1:
-            # its prompt's features join the drafter's cache on their own, not padded to the batch's
-            self.drafter.read_context(context[:, :-1], state.draft_cache)
-            context = context[:, -1:]
+        if self.policy.max_width > 1:  # on the row's own cache, not padded to the batch's longest
+            state.hand_context_to(self.drafter)
         add_row(self.cache, state.cache)
         add_row(self.draft_cache, state.draft_cache)
         history = PromptLookup(state.tokens + [anchor])
         key = None if seed is None else mx.random.key(seed)
-        self.rows.append(Row(handle, anchor, list(state.tokens), history, sampling, max_tokens, context, key,
+        self.rows.append(Row(handle, anchor, list(state.tokens), history, sampling, max_tokens, state.context, key,
                              first_key=first_key))
 
     def leave(self, handles: set) -> list:

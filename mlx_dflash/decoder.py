@@ -59,6 +59,14 @@ class DecodeState:
     def fresh(cls, target: Target, drafter: DraftModel) -> "DecodeState":
         return cls(target.make_cache(), drafter.make_cache())
 
+    def hand_context_to(self, drafter: DraftModel):
+        """The drafter's cache takes the unread feature rows now (a prompt's, as part of reading it), so that
+        no round pays for them: at a long context the first draft would cost several target steps. The
+        last row stays for the first draft, which always reads at least one new row."""
+        if self.context is not None and self.context.shape[1] > 1:
+            drafter.read_context(self.context[:, :-1], self.draft_cache)
+            self.context = self.context[:, -1:]
+
     def extend(self, tokens: list, features: Optional[mx.array]):
         """`tokens` entered the target's cache; `features` are their rows (None: not kept)."""
         self.tokens.extend(tokens)
@@ -108,12 +116,8 @@ def speculative_rounds(
     (anchor,) = read(next_token(logits, sampling))
     _, anchor = ranks.settle(0, anchor)  # every rank takes rank 0's first token
     state.extend(prompt[done:].tolist(), ranks.whole_features(features))
-    if policy.max_width > 1 and state.context is not None and state.context.shape[1] > 1:
-        # The prompt's features join the drafter's cache now, as part of reading the prompt, so that no
-        # round pays for them (at a long context the first draft would cost several target steps). The
-        # last row stays for the first draft, which always reads at least one new row.
-        drafter.read_context(state.context[:, :-1], draft_cache)
-        state.context = state.context[:, -1:]
+    if policy.max_width > 1:
+        state.hand_context_to(drafter)
     yield Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
     history.extend([anchor])
     produced = 1

@@ -38,8 +38,9 @@ class TargetFeatures:
     """The frozen target's features of each sequence, computed once and kept (they never change), and
     with `choices` its greedy choice at every position, from the same forward.
 
-    What is kept is bounded by `keep_bytes`, the least recently used dropped first: a long run over a large text set would
-    otherwise hold every sequence's features (about 9 KB a token for SmolLM2's four taps).
+    What is kept is bounded by `keep_bytes`, the least recently used dropped first: a long run over a
+    large text set would otherwise hold every sequence's features (4 taps x 576 float32s a token for
+    SmolLM2).
     """
 
     def __init__(self, target, keep_bytes: int = 4 << 30):
