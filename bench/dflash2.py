@@ -29,7 +29,7 @@ from mlx_dflash.models.config import parse_config  # noqa: E402
 from mlx_dflash.models.dflash import Borrowed
 from mlx_dflash.models.loader import init_drafter  # noqa: E402
 from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
-from mlx_dflash.sampling import SamplingParams  # noqa: E402
+from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dflash2-config.json"
 

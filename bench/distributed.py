@@ -42,8 +42,9 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
-from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
-from mlx_dflash.policy import build_policy  # noqa: E402
+from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
+from mlx_dflash.generate import generate  # noqa: E402
+from mlx_dflash.policies.width import build_policy  # noqa: E402
 from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, ensure_smollm2  # noqa: E402
 
 PROMPTS = [
@@ -140,7 +141,7 @@ def exchange_latencies(group, hidden: int, captured: int, block_size: int) -> di
 
 def worker(args) -> int:
     from mlx_dflash.distributed import Ranks, load_sharded_pair
-    from mlx_dflash.sampling import SamplingParams
+    from mlx_dflash.decoding.sampling import SamplingParams
 
     target, drafter, tokenizer, group = load_sharded_pair(args.model, args.drafter, "pipeline")
     rank = group.rank()

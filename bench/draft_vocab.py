@@ -33,9 +33,9 @@ from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, de
 from mlx_dflash.tuner.draft_vocab import coverage, response_token_counts, select_draft_vocab  # noqa: E402
 from mlx_dflash.models.loader import drafter_from_dir  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
-from mlx_dflash.utils import load_target  # noqa: E402
+from mlx_dflash.pair import load_target  # noqa: E402
 from mlx_dflash.tuner.replay import TargetFeatures, decoding_acceptance  # noqa: E402
-from mlx_dflash.sampling import SamplingParams  # noqa: E402
+from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
 
 FULL = "full"
 

@@ -20,7 +20,7 @@ Configurations (each row; with --quantize 4 each again on the target quantized i
 * width auto: `build_policy(target, drafter, "auto", cost_table=...)` with --cost-table (or
   --quantized-cost-table) else the decoder's start-up probe (clamped like p-min on a quantized target);
 * width 2/4/8/auto (drafter only): the same without prompt lookup (`prompt_lookup=False`), which the
-  other rows use (lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
+  other rows use (decoding/lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
   vocabulary, drafter only) also drop the vocabulary: what each lever buys, in the same run;
 * z-lab width 2/4/5/8/16 (--peer, the default when the wheel can be fetched): z-lab's MLX backend, the
   sha256-pinned `dflash/model_mlx.py` of `dflash==0.1.0` from PyPI (bench/zlab_peer.py says how it is
@@ -70,8 +70,9 @@ from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
 from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
-from mlx_dflash.policy import build_policy  # noqa: E402
+from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
+from mlx_dflash.generate import generate  # noqa: E402
+from mlx_dflash.policies.width import build_policy  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
 from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
@@ -147,7 +148,7 @@ def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> 
 
 def load_pairs(model_path: str, drafter_path: str, quantize: int, wide_kernels: bool) -> dict:
     """{"float": pair, "q4": pair}: each pair its own target copy and its own drafter bound to it."""
-    from mlx_dflash.utils import load, load_drafter, load_target
+    from mlx_dflash.pair import load, load_drafter, load_target
 
     target, drafter, tokenizer = load(model_path, drafter_path, wide_kernels=wide_kernels)
     pairs = {"float": {"target": target, "drafter": drafter, "tokenizer": tokenizer, "precision": "float"}}

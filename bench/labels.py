@@ -159,7 +159,7 @@ def main(argv=None):
 
     from mlx_dflash.downloads import ensure_prompt_set
     from mlx_dflash.models.loader import drafter_from_dir
-    from mlx_dflash.utils import load_target
+    from mlx_dflash.pair import load_target
 
     target, tokenizer = load_target(default_target(None))
     drafter_from_dir(args.init or shipped_drafter_dir()).bind(target)  # the layers the features tap

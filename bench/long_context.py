@@ -39,11 +39,11 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_dflash import load, stream_generate  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.generate import encode_prompt  # noqa: E402
+from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.plot import charts_available  # noqa: E402
-from mlx_dflash.policy import build_policy  # noqa: E402
-from mlx_dflash.prompt_cache import PromptCache, pair_identity  # noqa: E402
+from mlx_dflash.policies.width import build_policy  # noqa: E402
+from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-long-context/1"

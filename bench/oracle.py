@@ -51,9 +51,10 @@ import mlx.nn as nn  # noqa: E402
 
 from e2e import load_prompts, mark_identical, run_target_alone  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.verify_costs import timed  # noqa: E402
-from mlx_dflash.generate import encode_prompt, generate  # noqa: E402
-from mlx_dflash.policy import build_policy  # noqa: E402
+from mlx_dflash.policies.verify_costs import timed  # noqa: E402
+from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
+from mlx_dflash.generate import generate  # noqa: E402
+from mlx_dflash.policies.width import build_policy  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target  # noqa: E402
 from mlx_dflash.models.base import Draft  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
@@ -318,7 +319,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     try:
-        from mlx_dflash.utils import load_drafter, load_target
+        from mlx_dflash.pair import load_drafter, load_target
 
         widths = sorted(set(args.widths))
         if widths[0] < 1 or args.max_tokens < 2 or args.repeats < 1 or args.verify_repeats < 1:

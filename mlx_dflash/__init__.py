@@ -7,8 +7,8 @@
 
 __version__ = "0.1.0"
 
+from .decoding.responses import GenerationResponse  # noqa: E402
 from .generate import generate, stream_generate  # noqa: E402
-from .responses import GenerationResponse  # noqa: E402
-from .utils import load  # noqa: E402
+from .pair import load  # noqa: E402
 
 __all__ = ["load", "generate", "stream_generate", "GenerationResponse", "__version__"]

@@ -29,14 +29,14 @@ import mlx.nn as nn
 from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__
-from .models.config import config_to_dict, load_config
-from .tuner.draft_vocab import response_token_counts, select_draft_vocab
-from .models.dflash import BORROWED_KEYS
-from .models.loader import load_strict, new_drafter, pop_draft_vocab, quantize_like_checkpoint, read_weights
 from .errors import DFlashError
 from .machine import fast_float_dtype, half_precision_warning, metal_available
+from .models.config import config_to_dict, load_config
+from .models.dflash import BORROWED_KEYS
+from .models.loader import load_strict, new_drafter, pop_draft_vocab, quantize_like_checkpoint, read_weights
+from .pair import resolve
+from .tuner.draft_vocab import response_token_counts, select_draft_vocab
 from .utils import DTYPES, safetensors_files, staged_dir, write_json
-from .utils import resolve
 
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)

@@ -26,11 +26,12 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 
+from .decoding.decoder import SingleProcess
 from .errors import DFlashError
 from .models.target import Target
 
@@ -130,7 +131,7 @@ def load_sharded_target(model_dir: Path, mode: str, group: mx.distributed.Group)
 
 def load_sharded_pair(target_path: str, drafter_path: str, mode: str, command: str = "generate"):
     """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run."""
-    from .utils import load_drafter, resolve
+    from .pair import load_drafter, resolve
 
     group = launched_group(command)
     with said_once(group), lost_rank_errors(group.rank()):  # sharded_load ends in a collective
@@ -174,26 +175,6 @@ def lost_rank_errors(rank: int):
                             "another rank has stopped: see its own output")
         error.quiet = False
         raise error from None
-
-
-class SingleProcess:
-    """The decoding loop's view of one process: nothing to agree on."""
-
-    rank = 0
-    comm_seconds = 0.0
-    lockstep = False  # ranks must take every round together (no pipelined plain steps)
-
-    def agree(self, drafts: mx.array, confidence: list) -> tuple:
-        return drafts, confidence
-
-    def settle(self, accepted: int, token: int) -> tuple:
-        return accepted, token
-
-    def whole_features(self, rows: mx.array) -> mx.array:
-        return rows
-
-    def watch(self):
-        return nullcontext(self)
 
 
 class Ranks(SingleProcess):

@@ -9,7 +9,7 @@ matmuls), then the checks, one line each:
 * race verdicts: the verdicts this machine's race gate has cached, and any disagreement among them;
 * verify-width sweep: what a quantized matmul costs per verify width, MLX's (and ours on Metal);
 * pair, generation: the target and drafter (given, or the default pair once it is downloaded): the
-  pitfalls checked before generating, then a short generation and what served it (engine_report.py).
+  pitfalls checked before generating, then a short generation and what served it (decoding/engine_report.py).
 Checks that need a Mac say so elsewhere. `--json FILE` writes everything; a failed check exits 1.
 """
 
@@ -27,9 +27,9 @@ import mlx.core as mx
 
 from .errors import DFlashError
 from .kernels import checks, routes
-from .kernels.metal import metal_available, race_gate
+from .kernels.metal import race_gate
 from .kernels.race_gate import RaceGate
-from .machine import blas_library, machine_info, slow_blas_warning, versions
+from .machine import blas_library, machine_info, metal_available, slow_blas_warning, versions
 from .utils import portable_path, write_json
 
 SCHEMA = "mlx-dflash/doctor/1"
@@ -147,11 +147,11 @@ def _default_pair_cached() -> bool:
 
 def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
     """The pair's pitfalls, policy notes and verify paths; `loaded` receives the pair for check_generation."""
+    from .decoding.engine_report import verify_paths
     from .downloads import default_target, shipped_drafter_dir
-    from .engine_report import verify_paths
+    from .pair import load
     from .pitfalls import pair_warnings
-    from .policy import build_policy
-    from .utils import load
+    from .policies.width import build_policy
 
     if model_path is None and drafter_path is None and not _default_pair_cached():
         return Check("pair", "skipped", "the default target is not downloaded yet: run `mlx-dflash prepare`, or "
@@ -174,9 +174,10 @@ def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
 
 
 def check_generation(loaded: dict, max_tokens: int = 8) -> Check:
-    """A short greedy generation with the pair, and what served it (engine_report.py)."""
-    from .engine_report import silenced
-    from .generate import encode_prompt, generate
+    """A short greedy generation with the pair, and what served it (decoding/engine_report.py)."""
+    from .decoding.engine_report import silenced
+    from .decoding.prompt import encode_prompt
+    from .generate import generate
 
     if not loaded:
         return Check("generation", "skipped", "no pair to run")

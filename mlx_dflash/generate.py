@@ -1,6 +1,6 @@
 """Generation in one call or as a stream, as mlx-lm's `generate` and `stream_generate` offer it.
 
-Tokenization, stop tokens, streaming text and statistics around the decoding loop (`decoder.py`). The
+Tokenization, stop tokens, streaming text and statistics around the decoding loop (`decoding/decoder.py`). The
 signatures are mlx-lm's: a string prompt is used as given (apply the chat template first, or use
 `encode_prompt`), the sampling keywords are `mlx_lm.sample_utils.make_sampler`'s, and `stream_generate`
 yields one response per token with mlx-lm's fields, plus the round that produced it and the running
@@ -14,18 +14,18 @@ from typing import Callable, Iterator, Optional
 import click
 import mlx.core as mx
 
-from .decoder import DecodeState, speculative_rounds
-from .distributed import SingleProcess
-from .engine_report import Report, announce, silenced
+from .decoding.decoder import DecodeState, SingleProcess, speculative_rounds
+from .decoding.engine_report import Report, announce, silenced
+from .decoding.prompt import check_context, encode_prompt
+from .decoding.prompt_cache import PromptCache, check_prompt_cache_file, pair_identity, read_to_rungs
+from .decoding.responses import GenerationResponse, GenerationStats, ResponseStream
+from .decoding.sampling import SamplingParams
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
-from .options import (apply_kv_options, check_rank_timeout, check_seed, kv_options, pair_options,
-                      sampling_from_flags, sampling_options, shard_options, width_options)
-from .policy import WidthPolicy, build_policy, check_width_options
-from .prompt_cache import PromptCache, check_prompt_cache_file, pair_identity, read_to_rungs
-from .responses import GenerationResponse, GenerationStats, ResponseStream
-from .sampling import SamplingParams
+from .options import (apply_kv_options, check_rank_timeout, check_seed, kv_options, pair_options, sampling_from_flags,
+                      sampling_options, shard_options, width_options)
+from .policies.width import WidthPolicy, build_policy, check_width_options
 
 
 class GeneratedText(str):
@@ -33,34 +33,6 @@ class GeneratedText(str):
 
     tokens: list
     stats: GenerationStats
-
-
-def encode_prompt(tokenizer, prompt, chat_template: Optional[bool] = False) -> list:
-    """Token ids of a prompt: a string as mlx-lm encodes it (special tokens added unless it already starts
-    with the BOS token), or, with chat_template, through the tokenizer's chat template (a string as one
-    user message, or a list of messages), as mlx-lm's CLI does. chat_template None: the template when the
-    tokenizer has one."""
-    if chat_template is None:
-        chat_template = getattr(tokenizer, "chat_template", None) is not None
-    if chat_template:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise DFlashError("the target's tokenizer has no chat template; use --no-chat-template")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    bos = getattr(tokenizer, "bos_token", None)
-    return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
-
-
-def check_context(target: Target, prompt_tokens: int, max_tokens: int) -> int:
-    """The tokens that may be generated: a prompt that fills the target's context is refused before any
-    work; max_tokens past the context is cut to what fits."""
-    limit = target.context_length
-    if limit is None:
-        return max_tokens
-    if prompt_tokens >= limit:
-        raise DFlashError(f"the prompt is {prompt_tokens} tokens and the target's context is {limit} "
-                          "(max_position_embeddings): shorten the prompt")
-    return min(max_tokens, limit - prompt_tokens)
 
 
 def stream_generate(
@@ -91,7 +63,7 @@ def stream_generate(
     token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
     (default: the drafter's trained block), unless a `policy` is given (`policy.build_policy`).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
-    the longest kept prefix of the prompt and keep this generation's state (prompt_cache.py); boundaries:
+    the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); boundaries:
     prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the
     part of the cache to use (a server's per API key)."""
     if sampler is not None:
@@ -192,8 +164,8 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, temp, top
     from .distributed import Ranks, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
     from .machine import slow_blas_warning
+    from .pair import load
     from .pitfalls import pair_warnings
-    from .utils import load
 
     if prompt == "-":
         prompt = sys.stdin.read()

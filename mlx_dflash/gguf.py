@@ -8,15 +8,14 @@ as plain float16/bfloat16/float32 (default: the one that runs fast on this machi
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 
 import gguf
 import mlx.core as mx
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from . import __version__
 from .errors import DFlashError
 from .machine import fast_float_dtype
 from .utils import DTYPES, sha256_file, staged_dir, write_json
@@ -254,7 +253,7 @@ def _write_model(gguf_path: Path, out: Path, dtype: str, source: str, source_sha
     tensor_names = {t.name for t in reader.tensors}
     config = build_config(meta, tensor_names, dtype)
     config["mlx_dflash"] = {"source": source, "source_sha256": source_sha256,
-                            "tool_version": __version__}
+                            "tool_version": version("mlx-dflash")}
     tokenizer = build_tokenizer(meta)
     tok_config, gen_config = tokenizer_files(meta, config)
 

@@ -6,15 +6,13 @@ reference BLAS is about 10x slower than OpenBLAS)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import re
 import sys
 
 import mlx.core as mx
-
-from .kernels.metal import metal_available
-from .kernels.race_gate import chip_name
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian/Ubuntu's libopenblas0-pthread
 # Where the distributions put OpenBLAS (the first found is preloaded): Debian/Ubuntu (libopenblas0-pthread,
@@ -24,6 +22,27 @@ OPENBLAS_PATHS = (f"/usr/lib/{platform.machine()}-linux-gnu/libopenblas.so.0", "
 BLAS_FIX = ("install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread; Fedora: dnf install openblas; "
             f"Arch: pacman -S openblas) and mlx-dflash preloads it; or export LD_PRELOAD={OPENBLAS}")
 NO_PRELOAD = "MLX_DFLASH_NO_BLAS_PRELOAD"  # set to 1: never re-run a command with OpenBLAS preloaded
+
+
+def metal_available() -> bool:
+    """True only when MLX has a usable Metal device."""
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # pragma: no cover - builds without the metal module
+        return False
+
+
+
+@functools.lru_cache(maxsize=1)
+def chip_name() -> str:
+    """The GPU this process runs on (architecture string, e.g. ``applegpu_g15s``), or ``cpu``."""
+    try:
+        if mx.metal.is_available():
+            info = mx.device_info()
+            return str(info.get("architecture") or info.get("device_name") or "metal")
+    except Exception:  # pragma: no cover - builds without device_info
+        pass
+    return "cpu"
 
 
 def machine_info() -> dict:

@@ -2,8 +2,8 @@
 
 import click
 
+from .decoding.sampling import FLAGS, SamplingParams, sampling_problem
 from .errors import DFlashError
-from .sampling import FLAGS, SamplingParams, sampling_problem
 
 
 def options(*decorators):

@@ -11,7 +11,7 @@
   (tuner/trainer.py pick_mask_token): an added special token that is not BOS/EOS/PAD and that the chat
   template does not use, else the embedding's last row; any row past the tokenizer's own tokens too.
 
-A cost table made on another chip, dtype or bit width is the width policy's own check (policy.py).
+A cost table made on another chip, dtype or bit width is the width policy's own check (policies/width.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .machine import m1_or_m2
-from .policy import has_quantized_layers
-from .kernels.race_gate import chip_name
+from .machine import chip_name, m1_or_m2
+from .policies.width import has_quantized_layers
 
 
 def _float_dtypes(module) -> set:

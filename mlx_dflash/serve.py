@@ -9,7 +9,7 @@ import click
 from .errors import DFlashError
 from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_from_flags,
                       sampling_options, shard_options, width_options)
-from .policy import build_policy, check_width_options
+from .policies.width import build_policy, check_width_options
 
 
 @click.command("serve")
@@ -79,16 +79,17 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     --max-tokens and the sampling flags are the defaults of requests that leave those fields out. Batched
     (--max-batch above 1), the verify width defaults to --width auto (D-cut, for the whole batch).
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
+    from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
-    from .engine_report import announce
     from .machine import slow_blas_warning
+    from .pair import load
     from .pitfalls import pair_warnings
     from .server.app import Engine, ServerConfig, bind
     from .server.protocol import Defaults
     from .server.routes import run_server
-    from .server.security import allowed_hosts as hosts_for, api_keys
-    from .utils import load
+    from .server.security import allowed_hosts as hosts_for
+    from .server.security import api_keys
 
     if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, prefill_step_size) < 1 or max_queue < 0:
         raise DFlashError("--max-tokens, --max-tokens-limit, --max-body, --max-connections and --prefill-step-size "
@@ -113,7 +114,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     check_width_options(width, n_max, cost_table)
     batch_costs = None
     if cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line
-        from .dcut import read_batch_costs
+        from .policies.dcut import read_batch_costs
 
         batch_costs = read_batch_costs(cost_table)
     if blas := slow_blas_warning():
@@ -135,7 +136,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
             drafter.set_context_window(drafter_window or None)
         apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
         if max_batch > 1:
-            from .dcut import build_batch_policy
+            from .policies.dcut import build_batch_policy
 
             policy = build_batch_policy(target, drafter, max_batch, width, n_max, force_width, p_min, n_min,
                                         batch_costs, prompt_lookup)
@@ -187,7 +188,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
 
 def _max_batch(asked, shard, kv_bits, notes: list) -> int:
     """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
-    from .kernels.metal import metal_available
+    from .machine import metal_available
 
     size = asked or (8 if metal_available() else 4)
     why = "--shard (the ranks decode one request at a time, in step)" if shard else (

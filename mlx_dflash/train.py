@@ -83,10 +83,14 @@ def main(model_path, prompt_file, data_file, text_sources, text_chunk, labels, e
 
     from .downloads import default_target
     from .models.loader import drafter_config_for, drafter_from_dir
+    from .models.mask_token import (
+        mask_token_in_data,
+        mask_token_problem,
+        pick_mask_token,
+    )
+    from .pair import load_target
     from .tuner.text import text_sequences
-    from .tuner.mask_token import mask_token_in_data, mask_token_problem, pick_mask_token
     from .tuner.trainer import TrainConfig, export, new_drafter, train
-    from .utils import load_target
 
     cpu_start = time.process_time()
     check_sources(prompt_file, data_file, text_sources, eval_prompt_file, eval_data_file)
@@ -185,7 +189,12 @@ def answered_sequences(target, tokenizer, prompt_file, data_file, limit, *, max_
     """(ids, answer start) of the target's greedy answers to the first `limit` distinct prompts of
     prompt_file (a file or prompt set), made and kept in data_file (resumed, reused when complete)."""
     from .downloads import PROMPT_SETS, ensure_prompt_set
-    from .tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
+    from .tuner.data import (
+        generate_responses,
+        iter_sequences,
+        read_prompts,
+        read_samples,
+    )
 
     if not prompt_file:
         return []

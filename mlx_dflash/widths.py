@@ -33,15 +33,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .verify_costs import filled_cache, precision, timed, weights_text
 from .errors import DFlashError
-from .utils import DTYPES, portable_path, write_atomic
-from .kernels.wide_qmm import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
-                      WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
-from .plot import charts_available, widths_chart_png
 from .kernels.traffic import format_widths_model, widths_model
-from .cliff import CLIFF_RULE, verdict
+from .kernels.wide_qmm import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
+                               WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
 from .machine import machine_info, versions
+from .plot import charts_available, widths_chart_png
+from .policies.cliff import CLIFF_RULE, verdict
+from .policies.verify_costs import filled_cache, precision, timed, weights_text
+from .utils import DTYPES, portable_path, write_atomic
 
 WIDTHS = tuple(range(1, 17))
 SCHEMA = "mlx-dflash/bench-widths/1"
@@ -260,9 +260,9 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, *
 def _prepare_target(model_path, s: WidthsSettings, record: dict):
     """The target to measure, quantized in memory first when `s.quantize_bits` asks for it (a model stored
     quantized is measured as stored); its precision goes into `record`."""
-    from .utils import load_target
-    from .policy import has_quantized_layers
     from .models.target import Target
+    from .pair import load_target
+    from .policies.width import has_quantized_layers
 
     target = Target(model_path) if isinstance(model_path, nn.Module) else load_target(str(model_path))[0]
     if s.quantize_bits and not has_quantized_layers(target.model):
@@ -449,8 +449,9 @@ def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_ca
                      short_cache=short_cache, long_cache=long_cache, contexts=lengths, repeats=repeats, warmup=warmup,
                      quantize_bits=bits, group_size=int(group_size), dtype=dtype, clock=clock, log=click.echo)
     if sizes:
-        from .dcut import batch_cost_table, probe_batch_costs
-        from .utils import load_target, write_json
+        from .pair import load_target
+        from .policies.dcut import batch_cost_table, probe_batch_costs
+        from .utils import write_json
 
         target, _ = load_target(model_path)
         costs = probe_batch_costs(target, sizes, max_width, context=short_cache, repeats=repeats or 3)

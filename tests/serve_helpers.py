@@ -10,7 +10,7 @@ text, so a test can see what the chat template made of the tools and tool result
 import json
 from pathlib import Path
 
-from mlx_dflash.decoder import Round
+from mlx_dflash.decoding.decoder import Round
 from mlx_dflash.generate import GenerationResponse, GenerationStats
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from mlx_dflash.generate import generate
-from mlx_dflash.policy import build_policy
+from mlx_dflash.policies.width import build_policy
 from mlx_dflash.distributed import Ranks, load_sharded_pair
 
 

@@ -11,14 +11,14 @@ import pytest
 
 from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
-from mlx_dflash.batch_decoder import Batch, Request, Scheduler, batch_generate
-from mlx_dflash.dcut import (BatchPolicy, DCutPolicy, batch_cost_table, build_batch_policy, probe_batch_costs,
+from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
+from mlx_dflash.policies.dcut import (BatchPolicy, DCutPolicy, batch_cost_table, build_batch_policy, probe_batch_costs,
                              read_batch_costs)
-from mlx_dflash.decoder import DecodeState
+from mlx_dflash.decoding.decoder import DecodeState
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
-from mlx_dflash.sampling import SamplingParams, target_probs
+from mlx_dflash.decoding.sampling import SamplingParams, target_probs
 
 LIMITS = [20, 7, 15, 3, 12, 9, 18, 5]  # tokens per request: rows leave at different rounds
 
@@ -178,7 +178,7 @@ def test_requests_the_prefix_cache_holds_but_their_last_token_join_with_no_read(
     """Asked again, each prompt is restored from the prefix cache but its last token and joins at once (no
     prompt read), and the answers stay the single-request ones; a hybrid target restores from the
     checkpoint one token before the end."""
-    from mlx_dflash.prompt_cache import PromptCache
+    from mlx_dflash.decoding.prompt_cache import PromptCache
 
     target, drafter, tokenizer = pairs[name]
     ids = prompts(tokenizer, 4)

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.models import llama
 
 from mlx_dflash.machine import quantized_matmul_routing
-from mlx_dflash.cliff import cliff_width, find_jumps
+from mlx_dflash.policies.cliff import cliff_width, find_jumps
 from mlx_dflash.widths import model_shapes, run_widths_bench
-from mlx_dflash.verify_costs import filled_cache, load_cost_table
+from mlx_dflash.policies.verify_costs import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels.wide_qmm import metal_available
 from mlx_dflash.plot import bar_chart_figure, widths_figure
@@ -311,7 +311,7 @@ def write_table(path, **fields):
 
 
 def auto_notes(pair, table) -> list:
-    from mlx_dflash.policy import build_policy
+    from mlx_dflash.policies.width import build_policy
 
     target, _, drafter = pair
     return [n for n in build_policy(target, drafter, "auto", cost_table=table).notes if "cost table" in n]
@@ -366,8 +366,8 @@ def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pa
     from click.testing import CliRunner
 
     from mlx_dflash.cli import main
-    from mlx_dflash.policy import build_policy
-    from mlx_dflash.utils import load
+    from mlx_dflash.policies.width import build_policy
+    from mlx_dflash.pair import load
 
     target_dir, drafter_dir = tiny_pair_dirs
     result = CliRunner().invoke(main, ["bench", "widths", "--model", str(target_dir), "--max-width", "4", "--context",
@@ -401,7 +401,7 @@ def test_bench_widths_refuses_a_bad_context_list(flags, message):
 
 
 def test_a_cost_table_with_bad_context_rows_is_refused(tmp_path):
-    from mlx_dflash.verify_costs import read_cost_table
+    from mlx_dflash.policies.verify_costs import read_cost_table
 
     path = write_table(tmp_path / "t.json", by_cache_length={"256": [0.01, 0.02]})
     with pytest.raises(DFlashError, match="by_cache_length"):

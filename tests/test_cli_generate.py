@@ -9,7 +9,7 @@ import sys
 
 from click.testing import CliRunner
 
-from mlx_dflash import engine_report
+from mlx_dflash.decoding import engine_report
 from mlx_dflash.cli import main
 
 

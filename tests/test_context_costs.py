@@ -5,13 +5,13 @@ import mlx.core as mx
 import pytest
 
 from conftest import chat_ids, mlx_lm_greedy
-from mlx_dflash.batch_decoder import batch_generate
-from mlx_dflash.dcut import DCutPolicy
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import batch_generate
+from mlx_dflash.policies.dcut import DCutPolicy
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import CostAwarePolicy, make_policy
-from mlx_dflash.sampling import SamplingParams
-from mlx_dflash.verify_costs import ContextCosts, table_context_costs
+from mlx_dflash.policies.width import CostAwarePolicy, make_policy
+from mlx_dflash.decoding.sampling import SamplingParams
+from mlx_dflash.policies.verify_costs import ContextCosts, table_context_costs
 
 # One row's verify seconds as a CPU shows them: at a long context a wide verify gets much dearer than a narrow one.
 MEASURED = {256: {1: 0.05, 16: 0.10}, 4096: {1: 0.10, 16: 0.40}}

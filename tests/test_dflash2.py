@@ -20,13 +20,13 @@ from oracles import OracleDFlash2, Recorder, expected_acceptance
 from mlx_dflash.cli import main
 from mlx_dflash.models.config import config_to_dict, parse_config
 from mlx_dflash.convert import convert_drafter
-from mlx_dflash.decoder import speculative_rounds
-from mlx_dflash.policy import build_policy
+from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.policies.width import build_policy
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import CostAwarePolicy, make_policy
-from mlx_dflash.sampling import SamplingParams, accept, target_probs
+from mlx_dflash.policies.width import CostAwarePolicy, make_policy
+from mlx_dflash.decoding.sampling import SamplingParams, accept, target_probs
 from mlx_dflash.models.target import Target
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]

@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mlx_dflash import doctor, engine_report, machine
+from mlx_dflash import doctor, machine
+from mlx_dflash.decoding import engine_report
 from mlx_dflash.cli import main as cli
 from mlx_dflash.kernels import attention as attn
 from mlx_dflash.kernels import checks
@@ -35,7 +36,7 @@ def validate(report: dict):
 def quick(monkeypatch, tiny_chat_pair):
     """The doctor on the tiny pair (as if given with --model) and a small sweep shape: seconds, not a minute."""
     target, tokenizer, drafter = tiny_chat_pair
-    monkeypatch.setattr("mlx_dflash.utils.load", lambda model=None, drafter_=None: (target, drafter, tokenizer))
+    monkeypatch.setattr("mlx_dflash.pair.load", lambda model=None, drafter_=None: (target, drafter, tokenizer))
     monkeypatch.setattr(doctor, "SWEEP_SHAPES", {True: "256x256", False: "256x256"})
     monkeypatch.setattr(engine_report, "_announced", set())
 

@@ -6,11 +6,11 @@ import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import CostAwarePolicy, make_policy
-from mlx_dflash.verify_costs import interpolate_costs, running
-from mlx_dflash.sampling import SamplingParams, next_token
+from mlx_dflash.policies.width import CostAwarePolicy, make_policy
+from mlx_dflash.policies.verify_costs import interpolate_costs, running
+from mlx_dflash.decoding.sampling import SamplingParams, next_token
 
 
 def test_p_min_cuts_before_the_first_low_confidence_position():
@@ -139,7 +139,7 @@ def test_auto_width_stops_drafting_while_it_does_not_pay():
 
 def test_plain_steps_equal_rounds_of_width_one(tiny_chat_pair):
     """The pipelined plain steps give the tokens, features and cache of one-row verify rounds."""
-    from mlx_dflash.decoder import plain_steps
+    from mlx_dflash.decoding.decoder import plain_steps
 
     target, tokenizer, drafter = tiny_chat_pair
     ids = chat_ids(tokenizer, "Say hello.")
@@ -184,7 +184,7 @@ def test_auto_width_costs_stay_non_decreasing_in_width():
 
 
 def test_probe_costs_are_made_non_decreasing():
-    from mlx_dflash.verify_costs import non_decreasing
+    from mlx_dflash.policies.verify_costs import non_decreasing
 
     assert non_decreasing({1: 1.0, 2: 2.0, 4: 4.0, 8: 3.0, 16: 5.0}) == {1: 1.0, 2: 2.0, 4: 3.5, 8: 3.5, 16: 5.0}
     assert non_decreasing({1: 3.0, 2: 1.0, 4: 2.0}) == {1: 2.0, 2: 2.0, 4: 2.0}
@@ -195,7 +195,7 @@ def test_probe_costs_are_made_non_decreasing():
 def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_confidence(tiny_chat_pair, monkeypatch):
     """Host round trips per round, counted: one for fixed widths (greedy or sampled, prompt lookup on), two
     for policies that cut on the drafter's confidence (p-min, auto)."""
-    from mlx_dflash import decoder
+    from mlx_dflash.decoding import decoder
 
     target, tokenizer, drafter = tiny_chat_pair
     reads = []

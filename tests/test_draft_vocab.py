@@ -19,7 +19,7 @@ from mlx_dflash.models.dflash import DRAFT_VOCAB_KEY
 from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.tuner.replay import block_drafts
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 from mlx_dflash.tuner.trainer import save_checkpoint
 

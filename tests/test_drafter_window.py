@@ -81,9 +81,9 @@ def test_the_prompts_features_reach_the_drafter_as_the_prompt_is_read(tiny_chat_
     """The decoder hands the prompt's features to the drafter's cache with the prefill (so no round pays
     for them): the first draft reads the last prompt row only, and the text is the target's own."""
     from conftest import chat_ids, mlx_lm_greedy
-    from mlx_dflash.decoder import speculative_rounds
-    from mlx_dflash.policy import make_policy
-    from mlx_dflash.sampling import SamplingParams
+    from mlx_dflash.decoding.decoder import speculative_rounds
+    from mlx_dflash.policies.width import make_policy
+    from mlx_dflash.decoding.sampling import SamplingParams
 
     target, tokenizer, model = tiny_chat_pair
     ids = chat_ids(tokenizer, "Say hello, then count to five.")
@@ -136,7 +136,7 @@ def test_generate_takes_the_window_and_refuses_one_under_a_position(monkeypatch,
     from mlx_dflash.cli import main as cli
 
     target, tokenizer, model = tiny_chat_pair
-    monkeypatch.setattr("mlx_dflash.utils.load", lambda model_=None, drafter_=None: (target, model, tokenizer))
+    monkeypatch.setattr("mlx_dflash.pair.load", lambda model_=None, drafter_=None: (target, model, tokenizer))
     monkeypatch.setattr(machine, "slow_blas_warning", lambda: None)
     seen = []
     monkeypatch.setattr(model, "set_context_window", lambda n: seen.append(n) or model)

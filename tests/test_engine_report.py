@@ -15,7 +15,8 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.utils import _get_classes
 
-from mlx_dflash import engine_report, machine, pitfalls
+from mlx_dflash import machine, pitfalls
+from mlx_dflash.decoding import engine_report
 from mlx_dflash.cli import main as cli
 from mlx_dflash.generate import generate
 from mlx_dflash.kernels import attention as attn
@@ -23,7 +24,7 @@ from mlx_dflash.kernels import wide_qmm
 from mlx_dflash.kernels.race_gate import RaceGate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
-from mlx_dflash.policy import WidthPolicy, has_quantized_layers, make_policy
+from mlx_dflash.policies.width import WidthPolicy, has_quantized_layers, make_policy
 from mlx_dflash.server.protocol import Outcome
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190] * 2  # a prefill of more than 16 rows: MLX's, by design
@@ -175,7 +176,7 @@ def test_plain_steps_and_a_drafter_that_does_not_pay(tiny_chat_pair, capsys):
 
 def test_generate_verbose_prints_the_engine_report(monkeypatch, tiny_chat_pair):
     target, tokenizer, drafter = tiny_chat_pair
-    monkeypatch.setattr("mlx_dflash.utils.load", lambda model=None, drafter_=None: (target, drafter, tokenizer))
+    monkeypatch.setattr("mlx_dflash.pair.load", lambda model=None, drafter_=None: (target, drafter, tokenizer))
     result = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "8", "--verbose"])
     assert result.exit_code == 0, result.output
     err = result.stderr.splitlines()
@@ -266,7 +267,7 @@ def test_mask_tokens_outside_the_reserved_range(tiny_chat_pair):
 
 def test_generate_prints_the_pitfalls_before_generating(monkeypatch, tiny_chat_pair):
     target, tokenizer, drafter = tiny_chat_pair
-    monkeypatch.setattr("mlx_dflash.utils.load", lambda model=None, drafter_=None: (target, drafter, tokenizer))
+    monkeypatch.setattr("mlx_dflash.pair.load", lambda model=None, drafter_=None: (target, drafter, tokenizer))
     monkeypatch.setattr(pitfalls, "mask_token_problem", lambda *a: "is the target's EOS token")
     monkeypatch.setattr(machine, "slow_blas_warning", lambda: None)
     result = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "4"])

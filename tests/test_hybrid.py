@@ -15,11 +15,11 @@ from mlx_lm.utils import _get_classes
 from conftest import assert_distributed_as, mlx_lm_greedy
 from oracles import OracleDrafter, expected_acceptance
 from tiny_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import has_quantized_layers, make_policy
+from mlx_dflash.policies.width import has_quantized_layers, make_policy
 from mlx_dflash.models.rollback import delta_rule_state
-from mlx_dflash.sampling import SamplingParams, target_probs
+from mlx_dflash.decoding.sampling import SamplingParams, target_probs
 from mlx_dflash.models.target import Target
 
 
@@ -149,7 +149,7 @@ def test_rounds_patch_nothing_and_free_their_tapes():
 
 def test_width_auto_probe_measures_a_hybrid_target():
     """`--width auto` probes verify costs over a pre-filled context; recurrent layers need no filling."""
-    from mlx_dflash.verify_costs import filled_cache, probe_verify_costs
+    from mlx_dflash.policies.verify_costs import filled_cache, probe_verify_costs
 
     target, _ = bound_pair(tiny_model("qwen3_5"))
     costs = probe_verify_costs(target, 8, context=40)

@@ -284,7 +284,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_work(tmp_path, m
     from conftest import save_tiny_pair
 
     generate = importlib.import_module("mlx_dflash.generate")  # the module (the package exports the function)
-    policy = importlib.import_module("mlx_dflash.policy")
+    policy = importlib.import_module("mlx_dflash.policies.width")
 
     def no_work(*args, **kwargs):
         raise AssertionError("work began before the prompt was checked against the context")

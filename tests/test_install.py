@@ -81,7 +81,7 @@ def reachable(roots: list) -> set:
 
 def test_runtime_modules_need_no_optional_package_and_no_benchmark():
     runtime = reachable(ENTRY_POINTS)
-    assert {"mlx_dflash.decoder", "mlx_dflash.models.target", "mlx_dflash.kernels.wide_qmm"} <= runtime
+    assert {"mlx_dflash.decoding.decoder", "mlx_dflash.models.target", "mlx_dflash.kernels.wide_qmm"} <= runtime
     for module in sorted(runtime):
         top, anywhere = imports(module)
         assert not top & OPTIONAL, f"{module} imports {top & OPTIONAL} at load time"

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS, WORD_PROBLEMS, chat_ids, mlx_lm_greedy
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.models.base import Draft
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import shipped_drafter_dir
-from mlx_dflash.lookup import PromptLookup, with_lookup
-from mlx_dflash.policy import CostAwarePolicy, make_policy
+from mlx_dflash.decoding.lookup import PromptLookup, with_lookup
+from mlx_dflash.policies.width import CostAwarePolicy, make_policy
 from mlx_dflash.tuner.replay import decoding_acceptance, looked_up_acceptance
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 
 

@@ -10,10 +10,10 @@ import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from oracles import OracleDrafter, expected_acceptance
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.generate import generate
-from mlx_dflash.policy import make_policy
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.policies.width import make_policy
+from mlx_dflash.decoding.sampling import SamplingParams
 
 BLOCK_SIZES = [1, 2, 4, 5, 8, 16]
 MAX_TOKENS = 20

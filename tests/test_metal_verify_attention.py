@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import mlx_lm_greedy  # noqa: E402
 from mlx_dflash.kernels import attention as attn  # noqa: E402
 from mlx_dflash.kernels import verify_attention as va  # noqa: E402
-from mlx_dflash.decoder import speculative_rounds  # noqa: E402
+from mlx_dflash.decoding.decoder import speculative_rounds  # noqa: E402
 from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.policy import make_policy  # noqa: E402
+from mlx_dflash.policies.width import make_policy  # noqa: E402
 from mlx_dflash.kernels.race_gate import RaceGate  # noqa: E402
-from mlx_dflash.sampling import SamplingParams  # noqa: E402
+from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
 from mlx_dflash.models.target import Target  # noqa: E402
 
 # Head dim 64 (the kernel's), GQA 4, two layers: small enough for the default tier.

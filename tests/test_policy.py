@@ -6,12 +6,12 @@ import pytest
 from mlx_lm.models import llama
 
 from conftest import mlx_lm_greedy
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import QUANTIZED_MAX_WIDTH, build_policy, has_quantized_layers, make_policy
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.policies.width import QUANTIZED_MAX_WIDTH, build_policy, has_quantized_layers, make_policy
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 
 

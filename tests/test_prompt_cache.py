@@ -10,7 +10,7 @@ from tiny_families import tiny_chat_target
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
-from mlx_dflash.prompt_cache import PromptCache, rungs
+from mlx_dflash.decoding.prompt_cache import PromptCache, rungs
 
 SYSTEM = "You are a patient tutor. " * 6
 TURNS = ["What is 17 times 23?", "And 18 times 23?", "Explain the method in one sentence."]

@@ -10,11 +10,11 @@ from mlx_lm.utils import _get_classes
 from scipy.stats import chi2_contingency
 
 from conftest import assert_distributed_as
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import make_policy
-from mlx_dflash.sampling import SamplingParams, greedy_accept, rejection_accept, target_probs
+from mlx_dflash.policies.width import make_policy
+from mlx_dflash.decoding.sampling import SamplingParams, greedy_accept, rejection_accept, target_probs
 from mlx_dflash.models.target import Target
 
 TRIALS = 6000

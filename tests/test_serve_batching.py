@@ -10,7 +10,7 @@ import pytest
 
 from conftest import chat_ids
 from serving import MODEL, client, raw, running
-from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_batch_policy
 from mlx_dflash.generate import generate
 from mlx_dflash.server.batching import BatchEngine
 

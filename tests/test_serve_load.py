@@ -18,8 +18,8 @@ import pytest
 
 from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, head, port_of, raw, running, wait_until
-from mlx_dflash.dcut import build_batch_policy
-from mlx_dflash.policy import build_policy
+from mlx_dflash.policies.dcut import build_batch_policy
+from mlx_dflash.policies.width import build_policy
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
 from mlx_dflash.server.routes import TOKENIZER_THREADS

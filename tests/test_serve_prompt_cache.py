@@ -12,7 +12,7 @@ import pytest
 
 from serve_helpers import tools_tokenizer
 from serving import MODEL, client, raw, running
-from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_batch_policy
 from mlx_dflash.server.batching import BatchEngine
 from tiny_families import tiny_chat_target
 from mlx_dflash.models.loader import drafter_config_for, init_drafter

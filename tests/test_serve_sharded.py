@@ -18,9 +18,9 @@ from mlx_lm import load
 
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
-from mlx_dflash.policy import build_policy
+from mlx_dflash.policies.width import build_policy
 from mlx_dflash.models.loader import drafter_from_dir
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.server.app import Engine, Job
 from mlx_dflash.server.protocol import Defaults, parse_completion
 from mlx_dflash.server.sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, Header, RanksOutOfStep

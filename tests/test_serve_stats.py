@@ -7,12 +7,12 @@ import time
 import pytest
 
 from serving import MODEL, raw, running
-from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_batch_policy
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
 from mlx_dflash.server.logs import log_line
 from mlx_dflash.server.protocol import Outcome
-from mlx_dflash.responses import GenerationStats
+from mlx_dflash.decoding.responses import GenerationStats
 
 PROMPT = "Tell me everything you know about lighthouses, their keepers and the sea. " * 12
 

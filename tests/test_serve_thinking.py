@@ -17,8 +17,8 @@ import pytest
 from serve_helpers import ScriptedEngine, thinking_tokenizer
 from serving import MODEL, client, raw, running
 from mlx_dflash.generate import generate
-from mlx_dflash.responses import GenerationStats
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.decoding.responses import GenerationStats
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.server import anthropic as anthropic_api
 from mlx_dflash.server.protocol import GenerationRequest, Outcome, openai_stream
 from mlx_dflash.server.thinking import ReasoningSplitter, reasoning_splitter

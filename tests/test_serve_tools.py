@@ -20,11 +20,11 @@ from mlx_lm.tool_parsers import json_tools
 
 from serve_helpers import TOOLS_TEMPLATE, ScriptedEngine, templated_tokenizer, tools_tokenizer
 from serving import MODEL, client, raw, running
-from mlx_dflash.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_batch_policy
 from mlx_dflash.generate import generate
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.server.protocol import APIError, GenerationRequest
 from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, forced_prefix,
                                      generic_tools_messages, json_calls, tool_support)

@@ -23,7 +23,7 @@ from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
 from mlx_dflash.tuner.replay import TargetFeatures, block_logits, decoding_acceptance, prompt_lookup_drafts, replay_greedy
-from mlx_dflash.tuner.mask_token import pick_mask_token
+from mlx_dflash.models.mask_token import pick_mask_token
 from mlx_dflash.tuner.objectives import position_weights
 from mlx_dflash.tuner.trainer import TrainConfig, draft_loss_and_grads, export, make_blocks, sample_rows, save_checkpoint, train
 

@@ -14,16 +14,16 @@ from conftest import mlx_lm_greedy, tiny_llama
 from test_train import H, QUIET, VOCAB, fake_bound_drafter, reference_loss, tiny_config, tiny_sequence
 from mlx_dflash import downloads
 from mlx_dflash.cli import main
-from mlx_dflash.decoder import speculative_rounds
+from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.config import parse_config
 from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.models.target import Target
-from mlx_dflash.policy import make_policy
-from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.policies.width import make_policy
+from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.tuner.data import read_prompts
-from mlx_dflash.tuner.mask_token import mask_token_in_data, mask_token_problem, pick_mask_token
+from mlx_dflash.models.mask_token import mask_token_in_data, mask_token_problem, pick_mask_token
 from mlx_dflash.tuner.objectives import Objective, position_weights, prefix_lengths, verified_weights
 from mlx_dflash.tuner.replay import decoding_acceptance
 from mlx_dflash.tuner.trainer import TrainConfig, draft_loss_and_grads, export, make_blocks, new_drafter, train
@@ -345,7 +345,7 @@ def ordinary_mask_drafter(tiny_pair_dirs, tmp_path_factory):
 
 
 def test_loading_a_drafter_with_an_ordinary_mask_token_warns(tiny_pair_dirs, ordinary_mask_drafter, capsys):
-    from mlx_dflash.utils import load
+    from mlx_dflash.pair import load
 
     target_dir, reserved = tiny_pair_dirs
     load(str(target_dir), str(ordinary_mask_drafter))

@@ -13,7 +13,7 @@ from conftest import PROMPTS, mlx_lm_greedy, tiny_llama
 from mlx_dflash.cli import main
 from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.generate import encode_prompt
+from mlx_dflash.decoding.prompt import encode_prompt
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
 from mlx_dflash.tuner.replay import TargetFeatures

@@ -17,9 +17,10 @@ import functools
 
 import mlx.core as mx
 
+from ..machine import chip_name, metal_available
 from . import routes
-from .metal import metal_available, race_gate, read_metal_file
-from .race_gate import OURS, chip_name
+from .metal import race_gate, read_metal_file
+from .race_gate import OURS
 
 MIN_ROWS, MAX_ROWS = 2, 16
 HEAD_DIMS = (64, 128)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib.resources
 import re
 
-import mlx.core as mx
-
 from .race_gate import RaceGate
 
 _gate: list[RaceGate] = []
@@ -17,14 +15,6 @@ def race_gate() -> RaceGate:
     if not _gate:
         _gate.append(RaceGate())
     return _gate[0]
-
-
-def metal_available() -> bool:
-    """True only when MLX has a usable Metal device."""
-    try:
-        return bool(mx.metal.is_available())
-    except Exception:  # pragma: no cover - builds without the metal module
-        return False
 
 
 def read_metal_file(name: str) -> tuple[str, str]:

@@ -9,7 +9,6 @@ Each entry keeps the timings and the largest difference seen, so a verdict can b
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 import time
@@ -29,18 +28,6 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
 def cache_path() -> Path:
     return cache_dir() / "race_verdicts.json"
-
-
-@functools.lru_cache(maxsize=1)
-def chip_name() -> str:
-    """The GPU this process runs on (architecture string, e.g. ``applegpu_g15s``), or ``cpu``."""
-    try:
-        if mx.metal.is_available():
-            info = mx.device_info()
-            return str(info.get("architecture") or info.get("device_name") or "metal")
-    except Exception:  # pragma: no cover - builds without device_info
-        pass
-    return "cpu"
 
 
 def median_times(calls: dict[str, Callable[[], mx.array]], repeats: int = 7) -> dict[str, float]:

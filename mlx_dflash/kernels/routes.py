@@ -5,7 +5,7 @@ record every decision here, in Python, as the graph is built. The log is process
 ``snapshot()`` before a generation and ``since(snapshot)`` after it give that generation's calls (one
 generation runs at a time in a process, as the server runs them). A call that falls back to MLX's path
 for a reason other than the race (an unsupported dtype, a quantized KV cache, our kernel disagreeing with
-MLX's) is marked a fallback: the generation turns it into a note (engine_report.py).
+MLX's) is marked a fallback: the generation turns it into a note (decoding/engine_report.py).
 """
 
 from __future__ import annotations

@@ -23,10 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import routes
 from ..errors import DFlashError
-from .metal import metal_available, race_gate, read_metal_file
-from .race_gate import MLX, OURS, chip_name
+from ..machine import chip_name, metal_available
+from . import routes
+from .metal import race_gate, read_metal_file
+from .race_gate import MLX, OURS
 
 MIN_ROWS = 6
 MAX_ROWS = 16

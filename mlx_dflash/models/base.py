@@ -1,7 +1,7 @@
 """What the decoder needs of a drafter, whatever its architecture: one pass that drafts a block.
 
 `Draft` is what a pass returns; `DraftModel` is the protocol every drafter (DFlash v1, DFlash 2, the
-tests' oracles) implements for the decoder (`decoder.py`).
+tests' oracles) implements for the decoder (`decoding/decoder.py`).
 """
 
 from dataclasses import dataclass
@@ -20,7 +20,7 @@ class Draft:
     # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
     # None when every draft is a point mass (argmax proposals).
     proposal: Optional[tuple] = None
-    looked_up: Optional[mx.array] = None  # leading positions copied by prompt lookup (lookup.py), lazy
+    looked_up: Optional[mx.array] = None  # leading positions copied by prompt lookup (decoding/lookup.py), lazy
 
     @property
     def tokens(self) -> list:

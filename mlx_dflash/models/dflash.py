@@ -297,7 +297,7 @@ class DFlashDraftModel(nn.Module):
     def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
         """Drafts for block positions 1..width-1 from one pass over [anchor, MASK * (block_size - 1)];
         `context` (the target feature rows new since the last call) joins the cache. v1 proposes its argmax at every
-        temperature (point masses: see sampling.py). With a draft vocabulary, confidence is the
+        temperature (point masses: see decoding/sampling.py). With a draft vocabulary, confidence is the
         probability within it."""
         block = mx.array([[anchor] + [self.mask_token_id] * (block_size - 1)])
         logits = self.draft_logits(self.hidden(block, context, cache)[:, 1:width])[0]

@@ -28,10 +28,11 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..decoding.prompt import encode_prompt
+from ..decoding.prompt_cache import PromptCache, pair_identity
+from ..decoding.responses import GenerationStats
 from ..errors import DFlashError
-from ..generate import encode_prompt, stream_generate
-from ..prompt_cache import PromptCache, pair_identity
-from ..responses import GenerationStats
+from ..generate import stream_generate
 from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
 from .security import allowed_hosts
 from .tools import ReplyParser, forced_prefix, generic_tools_messages, tool_support

@@ -13,10 +13,10 @@ import time
 
 import mlx.core as mx
 
-from ..batch_decoder import Request, Scheduler
+from ..decoding.batch_decoder import Request, Scheduler
+from ..decoding.responses import GenerationStats, ResponseStream
 from ..errors import DFlashError
-from ..generate import check_context
-from ..responses import GenerationStats, ResponseStream
+from ..decoding.prompt import check_context
 from .app import Engine, Job
 from .protocol import APIError, Outcome, StopMatcher
 

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..decoding.sampling import SamplingParams
 from ..errors import DFlashError
-from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only costs a scan per token
 MAX_TOOLS = 128  # OpenAI's limit

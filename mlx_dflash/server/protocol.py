@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..sampling import SamplingParams
+from ..decoding.sampling import SamplingParams
 from .fields import (MAX_TOOLS, APIError, Defaults, check_model, checked, effort_thinking, is_int, max_tokens_field,
                      refuse_unhonoured, sampling_fields, stop_strings, text_content, tool_arguments)
 from .tools import forced_tool
@@ -263,7 +263,8 @@ class Outcome:
             "decode_tokens_per_s": round(s.decode_tps, 2),
             "queue_seconds": round(self.queue_seconds, 4),
             "seconds": round(self.seconds, 4),
-            # What served it (engine_report.py): the drafter or plain steps, the verify's paths, every fallback.
+            # What served it (decoding/engine_report.py): the drafter or plain steps, the verify's paths,
+            # every fallback.
             "drafted_rounds": s.drafted_rounds,
             "plain_steps": s.plain_steps,
             "looked_up_rounds": s.looked_up_rounds,

@@ -26,10 +26,10 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..generate import stream_generate
-from ..distributed import GenerationStopped, Ranks, RankLost, lost_rank_errors
+from ..decoding.sampling import SamplingParams
+from ..distributed import GenerationStopped, RankLost, Ranks, lost_rank_errors
 from ..errors import DFlashError
-from ..sampling import SamplingParams
+from ..generate import stream_generate
 from .app import Engine, Job
 
 log = logging.getLogger("mlx_dflash.server")

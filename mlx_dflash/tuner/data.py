@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..generate import encode_prompt
+from ..decoding.prompt import encode_prompt
 from ..errors import DFlashError
 
 # Fields that hold a prompt in the JSONL sources we know (GSM8K, MT-Bench, ShareGPT, HumanEval, ours).

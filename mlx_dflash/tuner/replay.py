@@ -11,9 +11,9 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
+from ..decoding.lookup import LOOKUP_BELOW, PromptLookup
 from ..errors import DFlashError
 from ..models.dflash import DFlashDraftModel
-from ..lookup import LOOKUP_BELOW, PromptLookup
 
 
 def block_logits(drafter: DFlashDraftModel, features, block_ids, anchors):
@@ -106,7 +106,7 @@ def decoding_acceptance(drafter, features_of, sequences, widths=(4, 8, 16), prom
 
     The drafter's proposals at every anchor depend only on the true prefix, so one batched drafter pass
     per sequence gives them all (`replay_greedy` does the walk). features_of: a TargetFeatures (or the
-    target, which is wrapped in one). prompt_lookup: with the decoder's lookup rule (lookup.py) on top.
+    target, which is wrapped in one). prompt_lookup: with the decoder's lookup rule (decoding/lookup.py) on top.
     Returns what `replay_greedy` returns.
     """
     features_of = TargetFeatures.of(features_of)
@@ -151,7 +151,7 @@ def replay_greedy(drafts_of, sequences, widths) -> dict:
 
 
 def prompt_lookup_drafts(ids, start, k: int):
-    """Prompt lookup's proposals (lookup.py) at every anchor, for `replay_greedy`: [anchors
+    """Prompt lookup's proposals (decoding/lookup.py) at every anchor, for `replay_greedy`: [anchors
     start..len-2, k], -1 where there are none. Alone, it is the yardstick a trained drafter must beat
     (it has no weights)."""
     ids = [int(t) for t in ids]
@@ -167,7 +167,7 @@ def prompt_lookup_drafts(ids, start, k: int):
 def looked_up_acceptance(drafter, features_of, sequences) -> dict:
     """Under the decoder's lookup rule, the chance that looked-up draft k+1 is kept once the ones
     before it were, at every anchor where lookup replaces the drafter's block: {"kept": [...],
-    "judged": [...]} per position (lookup.py's ACCEPTANCE_PRIOR comes from this)."""
+    "judged": [...]} per position (policies/width.py's ACCEPTANCE_PRIOR comes from this)."""
     features_of = TargetFeatures.of(features_of)
     kept, judged = np.zeros(drafter.block_size - 1), np.zeros(drafter.block_size - 1)
     for ids, start in sequences:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import DFlashError
-from ..generate import encode_prompt
+from ..decoding.prompt import encode_prompt
 from .data import prompt_of, read_records
 
 # Fields that hold a record's reference answer, in the sources we know.

@@ -1,7 +1,7 @@
 """Rounds in, per-token responses out: what a generation reports, for one request or a batch's rows.
 
-A `ResponseStream` turns the rounds of one request (decoder.py, batch_decoder.py) into mlx-lm's per-token
-responses: stop tokens, max_tokens, detokenized text, and the running statistics (`GenerationStats`).
+A `ResponseStream` turns the rounds of one request (decoding/decoder.py, decoding/batch_decoder.py) into
+mlx-lm's per-token responses: stop tokens, max_tokens, detokenized text, and the running statistics (`GenerationStats`).
 """
 
 import time
@@ -25,7 +25,7 @@ class GenerationStats:
     drafted_rounds: int = 0  # rounds that verified at least one drafted token
     plain_steps: int = 0  # rounds that were plain target steps (the policy skipped the drafter)
     verify_paths: dict = field(default_factory=dict)  # what serves the verify's matmuls and attention
-    routes: list = field(default_factory=list)  # routed verify calls per shape bin (engine_report.py)
+    routes: list = field(default_factory=list)  # routed verify calls per shape bin (decoding/engine_report.py)
     cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
     prefill_seconds_saved: float = 0.0  # what reading them would have cost, at recent prefill speed
     prefill_seconds: float = 0.0
@@ -63,7 +63,8 @@ class GenerationStats:
         self.plain_steps += rnd.plain
 
     def summary(self, verbose: bool = False) -> str:
-        """The statistics, as the CLI prints them; verbose adds what served the generation (engine_report.py)."""
+        """The statistics, as the CLI prints them; verbose adds what served the generation
+        (decoding/engine_report.py)."""
         from .engine_report import engine_lines
 
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))

@@ -1,4 +1,4 @@
-"""Verify depth under load: how many rows a batch of requests verifies each round (batch_decoder.py).
+"""Verify depth under load: how many rows a batch of requests verifies each round (decoding/batch_decoder.py).
 
 `BatchPolicy` is the fixed width, with llama.cpp's draft controls (p-min, n-min) taken over the batch.
 `DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for MLX's padded batches: each round verifies
@@ -40,10 +40,10 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .errors import DFlashError
-from .models.batch_cache import add_row, batched
-from .policy import Calibration
+from ..errors import DFlashError
+from ..models.batch_cache import add_row, batched
 from .verify_costs import PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, running
+from .width import Calibration
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -247,7 +247,7 @@ def build_batch_policy(target, drafter, max_batch: int, width=None, n_max=None, 
     The quantized-verification rule and the draft controls apply as for one request (policy.make_policy)."""
     if max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
-    from .policy import build_policy
+    from .width import build_policy
 
     single = build_policy(target, drafter, None if width == "auto" else width, n_max, force_width, p_min, n_min,
                           prompt_lookup=prompt_lookup)
@@ -269,7 +269,7 @@ BATCH_SCHEMA = "mlx-dflash/batch-costs/1"
 def batch_cost_table(costs: dict, target) -> dict:
     """The file `mlx-dflash bench widths --batch` writes: verify seconds per (rows, width), and what they were
     measured on (the model's dtype and weights, the chip)."""
-    from .machine import machine_info
+    from ..machine import machine_info
     from .verify_costs import precision
 
     return {"schema": BATCH_SCHEMA, **precision(target), "machine": {"chip": machine_info().get("chip")},

@@ -39,8 +39,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
+from ..errors import DFlashError
 from .decoder import DecodeState
-from .errors import DFlashError
 
 RUNG_EVERY = 2048  # tokens between a hybrid target's checkpoints inside a long prompt
 FORMAT = "mlx-dflash/prompt-cache/1"

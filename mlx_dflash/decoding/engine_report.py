@@ -18,10 +18,9 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
-from .kernels import routes
-from .kernels import verify_attention as va
-from .kernels import wide_qmm
-from .kernels.metal import metal_available
+from ..kernels import routes, wide_qmm
+from ..kernels import verify_attention as va
+from ..machine import metal_available
 
 _announced: set[str] = set()
 _silenced: list[bool] = []

@@ -4,7 +4,7 @@ Where the drafter's first draft has probability below LOOKUP_BELOW and the conte
 occurrence of its last few tokens, the round verifies the tokens that followed that occurrence
 instead (the rest of the block, past what lookup has, stays the drafter's). Either way the target
 verifies every draft, so output is unchanged: lookup's tokens are point-mass proposals like a v1
-drafter's argmax (sampling.py), and which source a position uses depends only on the prefix.
+drafter's argmax (decoding/sampling.py), and which source a position uses depends only on the prefix.
 
 `bench/acceptance.py` measures what it buys: tau for the drafter alone, for lookup alone and for this
 rule, replayed on the target's own greedy answers.
@@ -12,14 +12,10 @@ rule, replayed on the target's own greedy answers.
 
 import mlx.core as mx
 
-from .models.base import Draft
+from ..models.base import Draft
 
 LOOKUP_BELOW = 0.5  # use lookup when the drafter's first draft is less likely than this
 LONGEST_NGRAM = 3
-# The chance that looked-up draft k+1 is kept once the ones before it were, under this rule, rounded from
-# what bench/acceptance.py prints on held-out GSM8K answers: it grows with k (a copy that starts right tends
-# to go on). `--width auto` starts from these and learns the run's own.
-ACCEPTANCE_PRIOR = (0.5, 0.7, 0.75, 0.8)  # positions past the last: 0.8
 
 
 class PromptLookup:

@@ -1,4 +1,4 @@
-"""Several requests decoding together: the DFlash round (decoder.py) for a batch whose rows come and go.
+"""Several requests decoding together: the DFlash round (decoding/decoder.py) for a batch whose rows come and go.
 
 Each round, one drafter pass drafts a block for every row, one target forward verifies [anchor, drafts]
 for every row, and every row keeps its own number of drafts and rolls back alone (models/batch_cache.py:
@@ -11,7 +11,7 @@ when it finishes or its client goes: nobody waits for the batch to drain.
 
 Every row verifies the same number of rows, the round's width W (a batch forward pads its rows to the
 longest, and MLX has no ragged batches: per-row RoPE offsets, not per-token positions), less where a row
-has fewer tokens left. The width comes from the batch policy (policy.py `BatchPolicy`): fixed, or chosen
+has fewer tokens left. The width comes from the batch policy (policies/width.py `BatchPolicy`): fixed, or chosen
 each round from every row's drafter confidence and the cost of a W-row verify of this many rows (D-cut).
 Greedy rows keep the longest matching prefix; sampled rows (each with its own settings and, when seeded,
 its own random stream) accept by rejection sampling, as a single request does.
@@ -26,11 +26,11 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..errors import DFlashError
+from ..models.base import Draft
+from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
 from .decoder import DecodeState, Round, log_softmax, read
-from .errors import DFlashError
 from .lookup import PromptLookup, with_lookup
-from .models.base import Draft
-from .models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
 from .prompt_cache import checkpoint, rungs
 from .sampling import SamplingParams, next_token, rejection_accept, target_probs
 
@@ -147,7 +147,7 @@ class Batch:
         return out
 
     def _with_lookup(self, draft: Draft, width: int) -> Draft:
-        """Prompt lookup row by row (lookup.py): each row's own history proposes."""
+        """Prompt lookup row by row (decoding/lookup.py): each row's own history proposes."""
         if not self.policy.prompt_lookup:
             return draft
         rows = [with_lookup(Draft(draft.ids[b], draft.confidence[b],
@@ -330,8 +330,8 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     """Answer several prompts decoding together, as `mlx_lm.batch_generate` does: prompts are token-id lists
     (or strings, used as given); max_tokens one for all or one per prompt. Returns a `BatchResponse`: the
     texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""
-    from .dcut import build_batch_policy
-    from .generate import check_context, encode_prompt
+    from .prompt import check_context, encode_prompt
+    from ..policies.dcut import build_batch_policy
     from .responses import GenerationStats, ResponseStream
 
     ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]

@@ -13,17 +13,37 @@ Under a sharded target every rank also exchanges rank 0's choices (distributed.p
 """
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 
-from .distributed import SingleProcess
+from ..models.base import DraftModel
+from ..models.target import Target
+from ..policies.width import WidthPolicy
 from .lookup import PromptLookup, with_lookup
-from .models.base import DraftModel
-from .models.target import Target
-from .policy import WidthPolicy
 from .sampling import SamplingParams, accept, next_token
+
+
+class SingleProcess:
+    """The decoding loop's view of one process: nothing to agree on."""
+
+    rank = 0
+    comm_seconds = 0.0
+    lockstep = False  # ranks must take every round together (no pipelined plain steps)
+
+    def agree(self, drafts: mx.array, confidence: list) -> tuple:
+        return drafts, confidence
+
+    def settle(self, accepted: int, token: int) -> tuple:
+        return accepted, token
+
+    def whole_features(self, rows: mx.array) -> mx.array:
+        return rows
+
+    def watch(self):
+        return nullcontext(self)
 
 
 @dataclass
@@ -31,7 +51,7 @@ class Round:
     tokens: list  # tokens this round emits (accepted drafts, then the target's own token)
     drafted: int  # drafted tokens the target verified
     accepted: int  # of those, how many it kept
-    looked_up: int = 0  # of those, how many prompt lookup proposed (lookup.py)
+    looked_up: int = 0  # of those, how many prompt lookup proposed (decoding/lookup.py)
     logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities, lazy
     plain: bool = False  # a plain target step: the policy skipped the drafter
 
@@ -47,7 +67,7 @@ class DecodeState:
     of `tokens` the drafter has not read yet (`context`). The drafter's cache and the context together hold
     the features of every token in `tokens` (unless `dropped_features`: drafting off keeps none); the
     target's cache holds `tokens`, or during a run of plain steps one more (the next step's forward is
-    already under way). A prefix cache keeps states and starts later requests from them (prompt_cache.py)."""
+    already under way). A prefix cache keeps states and starts later requests from them (decoding/prompt_cache.py)."""
 
     cache: list
     draft_cache: list

@@ -24,8 +24,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling
 
-from .errors import DFlashError
-
+from ..errors import DFlashError
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p")  # as the Python API and the HTTP APIs name them
 FLAGS = ("--temp", "--top-p", "--top-k", "--min-p")  # as the command line does

@@ -16,13 +16,16 @@ from typing import Optional
 import mlx.nn as nn
 import numpy as np
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
-                           observe_cost, probe_verify_costs, read_cost_table, running, table_context_costs,
-                           table_costs)
-from .lookup import ACCEPTANCE_PRIOR
+                           observe_cost, probe_verify_costs, read_cost_table, running, table_context_costs, table_costs)
 
 QUANTIZED_MAX_WIDTH = 5
+# The chance that looked-up draft k+1 is kept once the ones before it were, under prompt lookup's rule
+# (decoding/lookup.py), rounded from
+# what bench/acceptance.py prints on held-out GSM8K answers: it grows with k (a copy that starts right tends
+# to go on). `--width auto` starts from these and learns the run's own.
+ACCEPTANCE_PRIOR = (0.5, 0.7, 0.75, 0.8)  # positions past the last: 0.8
 
 
 def has_quantized_layers(model: nn.Module) -> bool:
@@ -38,7 +41,7 @@ class WidthPolicy:
     p_min: cut the draft before the first position whose top-1 draft probability is below p_min (each
         position's own probability, not a running product); the positions before it are verified.
     n_min: if fewer than n_min drafted tokens survive the cut, verify none (a plain target step).
-    prompt_lookup: where the drafter's first draft is unsure, draft from the context (lookup.py).
+    prompt_lookup: where the drafter's first draft is unsure, draft from the context (decoding/lookup.py).
     """
 
     block_size: int  # rows the drafter drafts (anchor included)
@@ -138,7 +141,7 @@ class Calibration:
     """The chance that a draft is kept once the drafts before it were, learned as rounds run: for the
     drafter's own drafts, the acceptance rate seen so far of drafts whose top-1 probability fell in the
     same tenth of [0, 1] (starting from the raw probability); for drafts prompt lookup proposed, the rate
-    seen so far at that position (starting from lookup.py's measured prior)."""
+    seen so far at that position (starting from decoding/lookup.py's measured prior)."""
 
     BINS = 10
     PRIOR = 4.0  # pseudo-observations of the prior in each bin
@@ -184,7 +187,7 @@ class CostAwarePolicy(WidthPolicy):
     before it were. a_j comes from the drafter's top-1 probability for position j, calibrated online:
     the acceptance rate observed so far for drafts whose confidence fell in the same tenth of [0, 1]
     (starting from the raw probability); for a draft prompt lookup proposed, the acceptance rate
-    observed so far of looked-up drafts at that position (starting from lookup.py's measured prior).
+    observed so far of looked-up drafts at that position (starting from decoding/lookup.py's measured prior).
     The round costs the drafter's time (a running average) plus verify_seconds[w] x growth[w]:
     verify_seconds from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced by
     running averages of the verify times this run observes, kept non-decreasing in w (an observed width's

@@ -1,6 +1,6 @@
 """What a verify of each width costs: a measured table (`mlx-dflash bench widths` writes cost_table.json,
 recording the dtype, weights and chip it was made with) or a quick start-up probe, which the width
-policies (policy.py, dcut.py) then refine from the rounds they observe."""
+policies (policies/width.py, policies/dcut.py) then refine from the rounds they observe."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from .errors import DFlashError
-from .kernels.wide_qmm import WideQuantizedLinear
-from .machine import machine_info
+from ..errors import DFlashError
+from ..kernels.wide_qmm import WideQuantizedLinear
+from ..machine import machine_info
 
 
 def observe_cost(costs: dict, width: int, seconds: float, weight: float):
