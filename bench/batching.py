@@ -2,6 +2,8 @@
 
     python bench/batching.py --prompts ../shared/data/gsm8k/train.jsonl --first 7000 --repeats 2
     python bench/batching.py --concurrency 1,2 --requests-per-client 1 --max-tokens 16 --name quick   # smoke run
+    python bench/batching.py --prompts ../shared/data/gsm8k/train.jsonl --first 7000 --concurrency 4 \
+        --long-clients 2 --long-tokens 3000 --max-tokens 64 --requests-per-client 1 --name batching-cpu-mixed
 
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
 `mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one
@@ -13,6 +15,12 @@ machine spreads over all): c client threads, each sending --requests-per-client 
 requests one after another through the `openai` client. Request j of client k gets prompt
 k * requests + j of the set, so every server answers the same prompts; every answer must be the same on
 every server (a difference prints a loud line and makes the exit status 1).
+
+A mixed load (`--long-clients M`): the last M clients of every level send long prompts instead, each a
+document of --long-tokens tokens made of the set's prompts as numbered problems (request i's document
+starts at its own place in the set, so no two share a prefix), then an instruction to solve the last one;
+the others send the set's prompts as usual. Short and long requests' times to first token are summarized
+apart (a short request waiting behind a long read shows there).
 
 Per server and level, over --repeats runs of the level: aggregate tokens/s (all completion tokens / wall
 time; the median of the repeats, each repeat kept in the JSON), tokens/s per request (median), time to
@@ -55,17 +63,35 @@ def configurations(max_batch: int) -> dict:
     return rows
 
 
-def run_level(server, model: str, prompts: list, clients: int, per_client: int, max_tokens: int) -> dict:
+def long_document(tokenizer, texts: list, start: int, tokens: int) -> str:
+    """The set's prompts from `start` on (wrapping) as numbered problems, just past `tokens` tokens, then the
+    instruction to solve the last one."""
+    parts, n = [], 0
+    while n < tokens:
+        if len(parts) >= len(texts):
+            raise SystemExit(f"--long-tokens {tokens}: the prompt set is too short for a document that long")
+        parts.append(f"Problem {len(parts) + 1}: {texts[(start + len(parts)) % len(texts)]}")
+        n += len(tokenizer.encode(parts[-1])) + 1
+    return "\n".join(parts) + f"\n\nSolve problem {len(parts)} step by step."
+
+
+def run_level(server, model: str, prompts: list, clients: int, per_client: int, max_tokens: int,
+              long_prompts: dict) -> dict:
+    """long_prompts: request index -> its long prompt, for the last clients of a mixed load (else empty)."""
     records, errors = {}, []
+    long_from = clients - len(long_prompts) // per_client
 
     def client_loop(k):
         client = server.client()
         try:
             for j in range(per_client):
                 i = k * per_client + j
+                is_long = k >= long_from
+                prompt = long_prompts[i - long_from * per_client] if is_long else prompts[i % len(prompts)]
                 sent = time.perf_counter()
-                r = stream_chat(client, model, [{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens)
-                records[i] = {"client": k, "prompt_index": i % len(prompts), "sent": sent, **r}
+                r = stream_chat(client, model, [{"role": "user", "content": prompt}], max_tokens)
+                records[i] = {"client": k, "prompt_index": None if is_long else i % len(prompts), "long": is_long,
+                              "sent": sent, **r}
         except Exception as e:  # reported after the level
             errors.append(f"client {k}: {e!r}")
 
@@ -88,7 +114,12 @@ def summary(name: str, clients: int, repeats: list) -> dict:
     requests = [q for r in repeats for q in r["requests"]]
     ttft = sorted(q["ttft"] for q in requests)
     decode = [(q["completion_tokens"] - 1) / (q["seconds"] - q["ttft"]) for q in requests if q["seconds"] > q["ttft"]]
-    return {"server": name, "clients": clients,
+    apart = {}
+    if any(q.get("long") for q in requests):
+        for kind, is_long in (("short", False), ("long", True)):
+            kept = [q["ttft"] for q in requests if q.get("long", False) == is_long]
+            apart[f"{kind}_ttft_p50_s"] = statistics.median(kept) if kept else None
+    return {"server": name, "clients": clients, **apart,
             "aggregate_tokens_per_s": statistics.median(r["aggregate_tokens_per_s"] for r in repeats),
             "aggregate_tokens_per_s_repeats": [r["aggregate_tokens_per_s"] for r in repeats],
             "tokens_per_s_per_request": statistics.median(decode) if decode else 0.0,
@@ -105,6 +136,13 @@ def markdown(rows: list, levels: list) -> str:
         cells = [f"{by[name, c]['aggregate_tokens_per_s']:.1f}" for c in levels]
         cells += [f"{by[name, c]['ttft_p50_s']:.1f} / {by[name, c]['ttft_p95_s']:.1f}" for c in levels]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("short_ttft_p50_s" in r for r in rows):
+        out += ["", "| server | " + " | ".join(f"c={c} TTFT p50 short / long (s)" for c in levels) + " |",
+                "|---|" + "---:|" * len(levels)]
+        for name in names:
+            cells = [f"{by[name, c].get('short_ttft_p50_s') or 0:.1f} / {by[name, c].get('long_ttft_p50_s') or 0:.1f}"
+                     for c in levels]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
     out += ["", "| server | " + " | ".join(f"c={c} / mlx_lm.server" for c in levels) + " |",
             "|---|" + "---:|" * len(levels)]
     for name in names:
@@ -148,13 +186,26 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="runs of every level for every server (the median counts)")
+    ap.add_argument("--long-clients", type=int, default=0, help="a mixed load: the last N clients send long prompts")
+    ap.add_argument("--long-tokens", type=int, default=3000, help="tokens of each long prompt (with --long-clients)")
     ap.add_argument("--name", default="batching-cpu", help="results go to bench/results/<name>/")
     args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]
+    if not 0 <= args.long_clients < min(levels):
+        raise SystemExit(f"--long-clients {args.long_clients}: give fewer than the smallest level's clients "
+                         f"({min(levels)}), so every level has short requests")
     source = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
-    prompts = read_prompts(source)[args.first : args.first + max(levels) * args.requests_per_client]
+    texts = read_prompts(source)
+    prompts = texts[args.first : args.first + max(levels) * args.requests_per_client]
     model = default_target(args.model)
+    long_prompts = {}
+    if args.long_clients:
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer, pool = load_tokenizer(Path(model)), texts[args.first + len(prompts):] or texts
+        long_prompts = {i: long_document(tokenizer, pool, 97 * i, args.long_tokens)
+                        for i in range(args.long_clients * args.requests_per_client)}
     common = ["--model", model, "--max-tokens", str(args.max_tokens)] + (["--drafter", args.drafter] if args.drafter else [])
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-batching-"))  # kept only if something fails
     starts = {MLX_LM: lambda: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log")}
@@ -173,7 +224,7 @@ def main(argv=None) -> int:
                 shift = (n + repeat) % len(names)
                 for name in names[shift:] + names[:shift]:
                     level = run_level(servers[name], models[name], prompts, clients, args.requests_per_client,
-                                      args.max_tokens)
+                                      args.max_tokens, long_prompts)
                     runs.append({"server": name, "repeat": repeat, **level})
                     print(f"{clients} clients, {name}: {level['aggregate_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     finally:

@@ -24,6 +24,7 @@ from conftest import mlx_lm_greedy  # noqa: E402
 from mlx_dflash.kernels import attention as attn  # noqa: E402
 from mlx_dflash.kernels import verify_attention as va  # noqa: E402
 from mlx_dflash.decoding.decoder import speculative_rounds  # noqa: E402
+from mlx_dflash.models.batch_cache import add_row, batched  # noqa: E402
 from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.policies.width import make_policy  # noqa: E402
@@ -166,6 +167,31 @@ def test_routed_verify_logits_equal_the_unrouted(forced, family):
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4) and mx.allclose(features, want_features, atol=1e-4)
     assert forced["calls"] == [2, 2, 7, 7, 16, 16]  # each layer, every verify of 2..16 rows, no race (forced)
     assert forced["gate"].races == 0
+
+
+def test_a_batched_verify_of_rows_of_one_length_is_routed(forced):
+    """The batch cache at one row (and at rows of one length) gives the plain causal mask, so the server's
+    batched engine verifies through our kernel too; rows of different lengths keep MLX's masked path."""
+    plain, plain_cache, _ = prefilled("llama")
+    target, single, _ = prefilled("llama", "dflash")
+    other, other_single, _ = prefilled("llama")
+    other.forward(mx.array([[7, 7, 7]]), other_single)  # three positions longer
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    want, _ = plain.forward(ids, plain_cache)
+    for rows in ([single], [single, single]):
+        cache = batched(target.make_cache())
+        for row in rows:
+            add_row(cache, row)
+        forced["calls"].clear()
+        got, _ = target.forward(mx.concatenate([ids] * len(rows)), cache)
+        assert all(mx.allclose(got[b : b + 1], want, atol=1e-4, rtol=1e-4) for b in range(len(rows)))
+        assert forced["calls"] == [5, 5]  # both layers, through the stand-in
+    ragged = batched(target.make_cache())
+    add_row(ragged, single)
+    add_row(ragged, other_single)
+    forced["calls"].clear()
+    got, _ = target.forward(mx.concatenate([ids, ids]), ragged)
+    assert mx.allclose(got[:1], want, atol=1e-4, rtol=1e-4) and forced["calls"] == []  # MLX's, with padding hidden
 
 
 @pytest.mark.parametrize("ours_faster", [True, False])

@@ -66,7 +66,12 @@ class RaggedKVCache(_BaseCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """Who each of the N new rows sees, before this forward writes them: row b's query i sits at
-        position lengths[b] + i and sees columns up to itself (and within the window, if any)."""
+        position lengths[b] + i and sees columns up to itself (and within the window, if any). Rows of one
+        length (one request, always) have no padding to hide: then the mask is what mlx-lm's KVCache
+        gives, None for one query and the plain "causal" otherwise, which MLX's attention takes without an
+        array and our multi-row verify kernel serves (kernels/verify_attention.py)."""
+        if window_size is None and not return_array and len(set(self.sizes)) <= 1:
+            return None if N == 1 else "causal"
         query = self.lengths[:, None, None, None] + mx.arange(N)[:, None]  # [B, 1, N, 1]
         column = mx.arange(self.max_length + N)[None, None, None]  # [1, 1, 1, S]
         mask = column <= query
