@@ -107,6 +107,14 @@ def test_dependencies_runtime_and_extras():
     assert any(d.startswith("matplotlib") for d in extras["bench"])
 
 
+def test_every_subpackage_ships_in_the_wheel():
+    # A non-editable install carries only the packages pyproject.toml lists: a new subpackage left out
+    # imports here (editable) and fails on a user's `pip install .`.
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set(), f"add {sorted(found - listed)} to [tool.setuptools] packages"
+
+
 def test_parity_tests_skip_with_a_reason_without_torch():
     code = ("import sys; sys.modules['torch'] = None; import pytest; "
             f"sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', {str(ROOT / 'tests' / 'test_parity_torch.py')!r}]))")
