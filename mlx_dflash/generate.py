@@ -25,7 +25,7 @@ from .models.base import DraftModel
 from .models.target import Target
 from .options import (apply_kv_options, check_rank_timeout, check_seed, kv_options, pair_options, sampling_from_flags,
                       sampling_options, shard_options, width_options)
-from .policies.width import WidthPolicy, build_policy, check_width_options
+from .policies.width import WidthPolicy, build_policy, check_width_options, default_width
 
 
 class GeneratedText(str):
@@ -61,7 +61,7 @@ def stream_generate(
 
     temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
     token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
-    (default: the drafter's trained block), unless a `policy` is given (`policy.build_policy`).
+    (the default), unless a `policy` is given (`policy.build_policy`).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
     the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); boundaries:
     prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the
@@ -76,7 +76,7 @@ def stream_generate(
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
-        policy = build_policy(target, drafter, width)
+        policy = build_policy(target, drafter, default_width(width, seeded_sample=seed is not None and temp > 0))
     ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
@@ -194,8 +194,9 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, temp, top
     apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
     ids = encode_prompt(tokenizer, prompt, chat_template)
     check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
+    width = default_width(width, n_max, seeded_sample=seed is not None and temp > 0)
     policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
-    policy.notes += pair_warnings(target, drafter, tokenizer)
+    policy.notes[:0] = pair_warnings(target, drafter, tokenizer)  # the pair's problems first
     cache = None
     if prompt_cache_file:
         cache = PromptCache(pair_identity(target, drafter), target.trimmable, max_entries=8)

@@ -48,8 +48,9 @@ sampling_options = options(
 )
 width_options = options(
     click.option("--width", default=None, type=Width(),
-                 help="Verify width: rows the target checks per round, anchor included (default: the drafter's "
-                      "trained block), or auto: per round, the width with the most expected tokens per second."),
+                 help="Verify width: rows the target checks per round, anchor included, up to the drafter's trained "
+                      "block; or auto (the default): per round, the width with the most expected tokens per "
+                      "second."),
     click.option("--n-max", default=None, type=int,
                  help="Verify at most N drafted tokens (a fixed width of N+1, or auto's largest)."),
     click.option("--force-width", is_flag=True, help="Verify more than 5 rows on a quantized model anyway."),

@@ -9,7 +9,7 @@ import click
 from .errors import DFlashError
 from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_from_flags,
                       sampling_options, shard_options, width_options)
-from .policies.width import build_policy, check_width_options
+from .policies.width import build_policy, check_width_options, default_width
 
 
 @click.command("serve")
@@ -76,8 +76,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/responses, /v1/messages).
 
-    --max-tokens and the sampling flags are the defaults of requests that leave those fields out. Batched
-    (--max-batch above 1), the verify width defaults to --width auto (D-cut, for the whole batch).
+    --max-tokens and the sampling flags are the defaults of requests that leave those fields out. The verify width defaults to
+    --width auto (batched, D-cut: one width for the whole batch each round).
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
@@ -109,8 +109,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     sampling = sampling_from_flags(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
     max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
-    if width is None and n_max is None and max_batch > 1:
-        width = "auto"  # under load the best fixed width falls as rows are added; D-cut follows it (docs/batching.md)
+    width = default_width(width, n_max)
     check_width_options(width, n_max, cost_table)
     batch_costs = None
     if cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line

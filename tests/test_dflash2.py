@@ -26,7 +26,7 @@ from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import CostAwarePolicy, make_policy
-from mlx_dflash.decoding.sampling import SamplingParams, accept, target_probs
+from mlx_dflash.decoding.sampling import SamplingParams, accept_rows, target_probs
 from mlx_dflash.models.target import Target
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
@@ -272,7 +272,9 @@ def test_rejection_with_the_selector_q_emits_the_target_distribution(params):
     tokens, cands, probs = np.array(walk.tokens).tolist(), walk.candidates, walk.probs
     first, second, kept = [], [], 0
     for b in range(TRIALS):
-        accepted, token = (v.item() for v in accept(mx.array(tokens[b]), logits, params, (cands[b], probs[b])))
+        verdict = accept_rows(mx.array([tokens[b]]), logits[None], [params], [len(tokens[b])],
+                              (cands[b : b + 1], probs[b : b + 1]))
+        accepted, token = (v[0].item() for v in verdict)
         first.append(tokens[b][0] if accepted else token)
         if accepted:
             kept += 1

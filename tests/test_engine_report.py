@@ -181,8 +181,8 @@ def test_generate_verbose_prints_the_engine_report(monkeypatch, tiny_chat_pair):
     assert result.exit_code == 0, result.output
     err = result.stderr.splitlines()
     assert f"verify matmul: {NOT_QUANTIZED}" in err and f"verify attention: {NO_METAL_SDPA}" in err
-    assert any(re.fullmatch(r"drafter: drafted in \d+ of \d+ rounds; plain target steps: 0; rounds that verified "
-                            r"no draft: [01]", line) for line in err)
+    assert any(re.fullmatch(r"drafter: drafted in \d+ of \d+ rounds; plain target steps: \d+; rounds that verified "
+                            r"no draft: \d+", line) for line in err)
     plain = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "8"])
     assert plain.exit_code == 0 and "verify matmul" not in plain.output
 

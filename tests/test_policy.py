@@ -85,3 +85,23 @@ def test_generate_reports_the_clamp_in_its_stats(quantized_pair):
     forced = generate(target, drafter, tokenizer, "Hello", max_tokens=4,
                       policy=build_policy(target, drafter, force_width=True)).stats
     assert forced.max_width == 8 and any("warning" in n for n in forced.notes)
+
+
+def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_width(tiny_chat_pair, monkeypatch):
+    """One default for every entry point (policies/width.py DEFAULT_WIDTH); a seeded sample keeps the fixed
+    trained block, since which tokens a seed draws depends on the widths verified."""
+    from mlx_dflash.decoding.batch_decoder import batch_generate
+    from mlx_dflash.policies import dcut
+
+    target, tokenizer, drafter = tiny_chat_pair
+    auto = generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4)
+    assert any(n.startswith("width auto:") for n in auto.stats.notes)
+    seeded = [generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=6, temp=1.0, seed=4) for _ in range(2)]
+    assert not any(n.startswith("width auto:") for n in seeded[0].stats.notes)
+    assert seeded[0].tokens == seeded[1].tokens
+    assert generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4, width=3).stats.max_width == 3
+    asked = []
+    build = dcut.build_batch_policy
+    monkeypatch.setattr(dcut, "build_batch_policy", lambda *a: asked.append(a[3]) or build(*a))
+    batched = batch_generate(target, drafter, tokenizer, [[1, 2, 3], [4, 5]], max_tokens=4)
+    assert asked == ["auto"] and batched.token_ids[0] == auto.tokens

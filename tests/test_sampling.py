@@ -14,7 +14,7 @@ from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import make_policy
-from mlx_dflash.decoding.sampling import SamplingParams, greedy_accept, rejection_accept, target_probs
+from mlx_dflash.decoding.sampling import SamplingParams, accept_rows, rejection_accept, target_probs
 from mlx_dflash.models.target import Target
 
 TRIALS = 6000
@@ -84,15 +84,35 @@ def test_filters_keep_the_right_tokens():
     np.testing.assert_allclose(top_p.sum(), 1.0, rtol=1e-6)
 
 
-def test_greedy_accept_counts_the_matching_prefix():
+def test_greedy_acceptance_counts_the_matching_prefix():
     logits = mx.eye(6)[mx.array([4, 1, 3, 0])]  # argmax per row: 4, 1, 3, 0
-    def greedy(drafts, rows):
-        return verdict(*greedy_accept(mx.array(drafts, dtype=mx.int32), rows))
+    def greedy(drafts, rows, limit=None):
+        drafts = mx.array([drafts], dtype=mx.int32).reshape(1, -1)
+        kept, token = accept_rows(drafts, rows[None], [SamplingParams()], [drafts.shape[1] if limit is None else limit])
+        return verdict(kept[0], token[0])
 
     assert greedy([4, 1, 5], logits) == (2, 3)
     assert greedy([4, 1, 3], logits) == (3, 0)
     assert greedy([0, 1, 3], logits) == (0, 4)
     assert greedy([], logits[:1]) == (0, 4)
+    assert greedy([4, 1, 3], logits, limit=1) == (1, 1)  # a row judges only its first `limit` drafts
+
+
+def test_rows_are_judged_each_by_its_own_rule_and_limit():
+    """A batch's verdicts are each row's alone: greedy rows as one request's, a sampled row drawing from its
+    own stream as it would alone with the same key, a row with no drafts to judge as mlx-lm draws."""
+    logits = mx.random.normal((3, 4, 12), key=mx.random.key(3))
+    drafts = mx.argmax(logits[:, :3], axis=-1).astype(mx.int32)
+    drafts = drafts.at[0, 1].add(1)  # row 0 is wrong at its second draft
+    greedy, sampled = SamplingParams(), SamplingParams(0.8)
+    keys = [None, mx.random.key(7), mx.random.key(9)]
+    kept, tokens = accept_rows(drafts, logits, [greedy, sampled, sampled], [3, 2, 0], keys=keys)
+    alone = [accept_rows(drafts[b:b + 1], logits[b:b + 1], [s], [n], keys=[k])
+             for b, (s, n, k) in enumerate(zip([greedy, sampled, sampled], [3, 2, 0], keys))]
+    assert verdict(kept[0], tokens[0]) == (1, np.argmax(np.array(logits[0, 1])))
+    for b in range(3):
+        assert verdict(kept[b], tokens[b]) == verdict(alone[b][0][0], alone[b][1][0])
+    assert kept[2].item() == 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),

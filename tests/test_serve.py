@@ -312,7 +312,9 @@ def test_a_load_error_is_raised_where_the_engine_is_made():
 
 def test_serve_cli_refuses_bad_flags_in_one_line_before_loading():
     runner = CliRunner()
-    for args, words in [(["--max-batch", "1", "--cost-table", "t.json"], "add --width auto"),
+    for args, words in [(["--width", "4", "--cost-table", "t.json"], "leave one of them out"),
+                        (["--max-batch", "1", "--cost-table", "t.json"], "t.json: no such file"),
+                        (["--n-max", "3", "--cost-table", "t.json"], "add --width auto"),
                         (["--cost-table", "t.json"], "t.json: no such file"), (["--temp", "-1"], "--temp must be"),
                         (["--model", "x"], "no such directory"), (["--max-queue", "-1"], "--max-queue"),
                         (["--n-max", "3", "--width", "2"], "disagree")]:

@@ -32,7 +32,7 @@ from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row
 from .decoder import DecodeState, Round, log_softmax, read
 from .lookup import PromptLookup, with_lookup
 from .prompt_cache import checkpoint, rungs
-from .sampling import SamplingParams, next_token, rejection_accept, target_probs
+from .sampling import SamplingParams, accept_rows
 
 
 @dataclass
@@ -126,7 +126,9 @@ class Batch:
         logits, features = self.target.forward(block, self.cache)
         self.width = width
         limits = [min(width - 1, n - 1) for n in most]
-        accepted, bonus = self._accept(block[:, 1:], logits, limits, proposal)
+        # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
+        keys = [None if r.sampling.greedy else r.first_key if r.first else r.next_key() for r in rows]
+        accepted, bonus = accept_rows(block[:, 1:], logits, [r.sampling for r in rows], limits, proposal, keys)
         values = read(block[:, 1:], accepted, bonus, looked_up if looked_up is not None else mx.zeros(len(rows)))
         block_drafts, accepted, bonus, copied = values
         self.target.trim_rows(self.cache, [width - 1 - a for a in accepted])
@@ -150,40 +152,9 @@ class Batch:
         """Prompt lookup row by row (decoding/lookup.py): each row's own history proposes."""
         if not self.policy.prompt_lookup:
             return draft
-        rows = [with_lookup(Draft(draft.ids[b], draft.confidence[b],
-                                  None if draft.proposal is None else tuple(p[b] for p in draft.proposal)),
-                            r.history.propose(width - 1))
-                for b, r in enumerate(self.rows)]
+        rows = [with_lookup(draft.row(b), r.history.propose(width - 1)) for b, r in enumerate(self.rows)]
         looked = mx.stack([mx.array(0, mx.int32) if d.looked_up is None else d.looked_up for d in rows])
         return Draft(mx.stack([d.ids for d in rows]), mx.stack([d.confidence for d in rows]), draft.proposal, looked)
-
-    def _accept(self, drafts: mx.array, logits: mx.array, limits: list, proposal) -> tuple:
-        """(kept per row, next token per row), lazy. Greedy rows together; a sampled row by rejection
-        sampling with its own settings, on its own first limits[b] drafts; a row's first token from its
-        prompt's last logits."""
-        B = len(self.rows)
-        greedy = [b for b, r in enumerate(self.rows) if r.sampling.greedy]
-        accepted, tokens = [None] * B, [None] * B
-        if greedy:
-            allowed = mx.arange(drafts.shape[1])[None] < mx.array([limits[b] for b in greedy])[:, None]
-            choices = mx.argmax(logits[mx.array(greedy)], axis=-1).astype(mx.int32)
-            matches = (drafts[mx.array(greedy)] == choices[:, : drafts.shape[1]]) & allowed
-            kept = mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1) if drafts.shape[1] else \
-                mx.zeros(len(greedy), mx.int32)
-            token = mx.take_along_axis(choices, kept[:, None], axis=1)[:, 0]
-            for i, b in enumerate(greedy):
-                accepted[b], tokens[b] = kept[i], token[i]
-        for b, r in enumerate(self.rows):
-            if r.sampling.greedy:
-                continue
-            if r.first:
-                accepted[b], tokens[b] = mx.array(0, mx.int32), next_token(logits[b, 0], r.sampling, r.first_key)
-                continue
-            n = limits[b]
-            p = target_probs(logits[b, : n + 1], r.sampling)
-            candidates, q = (None, None) if proposal is None else (proposal[0][b, :n], proposal[1][b, :n])
-            accepted[b], tokens[b] = rejection_accept(drafts[b, :n], p, q, candidates, key=r.next_key())
-        return mx.stack(accepted), mx.stack(tokens)
 
 
 @dataclass
@@ -332,6 +303,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""
     from .prompt import check_context, encode_prompt
     from ..policies.dcut import build_batch_policy
+    from ..policies.width import default_width
     from .responses import GenerationStats, ResponseStream
 
     ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
@@ -342,7 +314,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     max_batch = max_batch or len(ids)
     if not drafter.is_bound:
         drafter.bind(target)
-    policy = policy or build_batch_policy(target, drafter, max_batch, width)
+    policy = policy or build_batch_policy(target, drafter, max_batch, default_width(width))
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache, prefill_step_size)
     streams, texts, tokens = {}, [[] for _ in ids], [[] for _ in ids]

@@ -23,7 +23,7 @@ from ..models.base import DraftModel
 from ..models.target import Target
 from ..policies.width import WidthPolicy
 from .lookup import PromptLookup, with_lookup
-from .sampling import SamplingParams, accept, next_token
+from .sampling import SamplingParams, accept_rows, next_token
 
 
 class SingleProcess:
@@ -185,8 +185,9 @@ def speculative_rounds(
         # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
         block = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])
         logits, features = target.forward(block[None], cache)
-        accepted, bonus = accept(drafts, logits[0], sampling, proposal)
-        drafts, accepted, bonus, looked_up = read(drafts, accepted, bonus, looked_up)
+        accepted, bonus = accept_rows(drafts[None], logits, [sampling], [drafts.shape[0]],
+                                      None if proposal is None else tuple(a[None] for a in proposal))
+        drafts, accepted, bonus, looked_up = read(drafts, accepted[0], bonus[0], looked_up)
         accepted, bonus = ranks.settle(accepted, bonus)
         looked_up = min(looked_up, len(drafts))
         policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds,

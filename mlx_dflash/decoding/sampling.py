@@ -96,14 +96,6 @@ def next_token(logits: mx.array, params: SamplingParams, key: Optional[mx.array]
     return mx.random.categorical(filtered_logprobs(logits, params) * (1 / params.temperature), key=key)
 
 
-def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple:
-    """(number of drafts kept, next token), lazy. drafts [n]; target_logits [n+1, V], row i judges drafts[i].
-    The target's argmax at the first mismatch (or after the last draft) is the bonus token."""
-    choices = mx.argmax(target_logits, axis=-1).astype(drafts.dtype)
-    accepted = _leading_true(drafts == choices[: drafts.size])
-    return accepted, mx.take(choices, accepted)
-
-
 def _leading_true(keep: mx.array) -> mx.array:
     """How many leading entries of a boolean vector are True (0-d int32)."""
     if keep.size == 0:
@@ -155,15 +147,41 @@ def rejection_accept(drafts: mx.array, p: mx.array, q: Optional[mx.array] = None
     return accepted, mx.random.categorical(mx.log(final), key=keys[1])
 
 
-def accept(drafts: mx.array, target_logits: mx.array, params: SamplingParams, proposal=None) -> tuple:
-    """(number of drafts kept, next token) by this sampling mode's rule, both lazy: nothing is read back
-    here, so the caller brings the drafts, this verdict and anything else of the round back in one host
-    round trip. proposal: None for point-mass (argmax) drafts, or (candidates, q) for drafts sampled over
-    candidate sets (see rejection_accept)."""
-    if params.greedy:
-        return greedy_accept(drafts, target_logits)
-    p = target_probs(target_logits, params)
-    if proposal is not None:
-        candidates, q = proposal
-        return rejection_accept(drafts, p, q, candidates)
-    return rejection_accept(drafts, p)
+def accept_rows(drafts: mx.array, logits: mx.array, samplings: list, limits: list, proposal=None,
+                keys: Optional[list] = None) -> tuple:
+    """(drafts kept per row [B], next token per row [B]) by each row's own sampling rule, both lazy: nothing is
+    read back here, so the caller brings the drafts, this verdict and anything else of the round back in one
+    host round trip. One request is the batch of one row.
+
+    drafts [B, n]; logits [B, n+1, V], row i of a block judging its drafts[i]; row b judges only its first
+    limits[b] drafts. Greedy rows keep the longest prefix equal to the target's argmax and add the argmax
+    after it. A sampled row accepts by rejection sampling (`rejection_accept`), its drafts point masses
+    (proposal None) or drawn from (candidates, q), each [B, n, k]; it draws from keys[b], its own random
+    stream, or MLX's global one (None), and with no drafts to judge draws its token as mlx-lm would."""
+    B, n = drafts.shape
+    keys = keys or [None] * B
+    kept, tokens = [None] * B, [None] * B
+    greedy = [b for b, s in enumerate(samplings) if s.greedy]
+    if greedy:
+        rows = slice(None) if len(greedy) == B else mx.array(greedy)
+        choices = mx.argmax(logits[rows], axis=-1).astype(drafts.dtype)
+        if n:
+            allowed = mx.arange(n)[None] < mx.array([limits[b] for b in greedy])[:, None]
+            matches = drafts[rows] == choices[:, :n]
+            count = mx.cumprod((matches & allowed).astype(mx.int32), axis=1).sum(axis=1)
+        else:
+            count = mx.zeros(len(greedy), mx.int32)
+        token = mx.take_along_axis(choices, count[:, None], axis=1)[:, 0]
+        for i, b in enumerate(greedy):
+            kept[b], tokens[b] = count[i], token[i]
+    for b, params in enumerate(samplings):
+        if params.greedy:
+            continue
+        m = limits[b]
+        if m == 0:
+            kept[b], tokens[b] = mx.array(0, mx.int32), next_token(logits[b, 0], params, keys[b])
+            continue
+        p = target_probs(logits[b, : m + 1], params)
+        candidates, q = (None, None) if proposal is None else (proposal[0][b, :m], proposal[1][b, :m])
+        kept[b], tokens[b] = rejection_accept(drafts[b, :m], p, q, candidates, keys[b])
+    return mx.stack(kept), mx.stack(tokens)

@@ -26,6 +26,11 @@ class Draft:
     def tokens(self) -> list:
         return self.ids.tolist()
 
+    def row(self, b: int) -> "Draft":
+        """Row b of a batch's drafts, as one request's."""
+        return Draft(self.ids[b], self.confidence[b], None if self.proposal is None else tuple(p[b] for p in self.proposal),
+                     None if self.looked_up is None else self.looked_up[b])
+
 
 class DraftModel(Protocol):
     """A drafter as the decoding loop sees it."""
@@ -52,3 +57,9 @@ class DraftModel(Protocol):
               sampling) -> Draft:
         """Drafts for block positions 1..width-1 after `anchor`; `context` holds the target feature rows
         new since the last call, which join `cache`."""
+
+    def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+                   keys=None) -> Draft:
+        """`draft` for B rows decoding together (decoding/batch_decoder.py): row b drafts after anchors[b] from
+        its new context rows contexts[b] ([1, c_b, F] or None) on its row of the batch cache (RaggedKVCache
+        layers); ids and confidence [B, width-1]. keys: each row's own random stream, or None."""

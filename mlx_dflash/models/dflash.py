@@ -296,13 +296,10 @@ class DFlashDraftModel(nn.Module):
 
     def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
         """Drafts for block positions 1..width-1 from one pass over [anchor, MASK * (block_size - 1)];
-        `context` (the target feature rows new since the last call) joins the cache. v1 proposes its argmax at every
-        temperature (point masses: see decoding/sampling.py). With a draft vocabulary, confidence is the
-        probability within it."""
+        `context` (the target feature rows new since the last call) joins the cache: `draft_rows` for one
+        row, on a single sequence's cache."""
         block = mx.array([[anchor] + [self.mask_token_id] * (block_size - 1)])
-        logits = self.draft_logits(self.hidden(block, context, cache)[:, 1:width])[0]
-        confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
-        return Draft(self.draft_tokens(logits), confidence)
+        return self.drafts(self.hidden(block, context, cache)[:, 1:width], [anchor], [sampling]).row(0)
 
     def batch_hidden(self, anchors: list, contexts: list, cache: list, block_size: int, width: int) -> mx.array:
         """Final-norm hidden rows 1..width-1 of B blocks in one pass, one block per batch row: row b drafts
@@ -323,9 +320,15 @@ class DFlashDraftModel(nn.Module):
 
     def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
                    keys=None) -> Draft:
-        """`draft` for a batch (see batch_hidden): ids and confidence [B, width-1]. v1 proposes its argmax
-        whatever each row's sampling."""
-        logits = self.draft_logits(self.batch_hidden(anchors, contexts, cache, block_size, width))
+        """`draft` for a batch (see batch_hidden): ids and confidence [B, width-1]. keys: each row's own random
+        stream (None: MLX's global one), for drafters that sample their drafts."""
+        return self.drafts(self.batch_hidden(anchors, contexts, cache, block_size, width), anchors, samplings, keys)
+
+    def drafts(self, hidden: mx.array, anchors: list, samplings: list, keys=None) -> Draft:
+        """The drafts of draft rows `hidden` [B, n, H]. v1 proposes its argmax whatever each row's sampling
+        (point masses: see decoding/sampling.py); with a draft vocabulary, confidence is the probability
+        within it."""
+        logits = self.draft_logits(hidden)
         confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
         return Draft(self.draft_tokens(logits), confidence)
 

@@ -151,21 +151,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         """The selector's walk over draft rows `hidden` [B, n, H]."""
         return self.candidate_selector(hidden, self.logits(hidden), anchors, temperature)
 
-    def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
-        """As v1's draft, with the selector's walk as the drafts. Sampling draws them from the walk, and
-        its distributions are the proposal; confidence is the probability of the chosen candidate."""
-        block = mx.array([[anchor] + [self.mask_token_id] * (block_size - 1)])
-        hidden = self.hidden(block, context, cache)[:, 1:width]
-        walk = self.walk(hidden, block[:, 0], 0.0 if sampling.greedy else sampling.temperature)
-        confidence = mx.take_along_axis(walk.probs[0], walk.chosen[0][:, None], axis=-1)[:, 0]
-        proposal = None if sampling.greedy else (walk.candidates[0], walk.probs[0])
-        return Draft(walk.tokens[0], confidence, proposal)
-
-    def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
-                   keys=None) -> Draft:
-        """`draft` for a batch (DFlashDraftModel.batch_hidden): sampled rows draw their walk from their own
-        random streams (keys[b], else the global one); the proposal is every row's walk, used by sampled rows."""
-        hidden = self.batch_hidden(anchors, contexts, cache, block_size, width)
+    def drafts(self, hidden: mx.array, anchors: list, samplings: list, keys=None) -> Draft:
+        """As v1's, with the selector's walk as the drafts. A sampled row draws its walk with Gumbel noise from
+        its own random stream (keys[b], else MLX's global one), and the walk's distributions are its proposal;
+        confidence is the probability of the chosen candidate."""
         temps = [0.0 if s.greedy else s.temperature for s in samplings]
         if not any(temps):
             walk = self.walk(hidden, mx.array(anchors), 0.0)
@@ -173,8 +162,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             shape = (hidden.shape[1], self.candidate_selector.top_k)
             noise = mx.stack([mx.random.gumbel(shape, key=None if keys is None else keys[b])
                               for b in range(len(anchors))])
-            logits = self.logits(hidden)
-            walk = self.candidate_selector(hidden, logits, mx.array(anchors), mx.array(temps), noise)
+            walk = self.candidate_selector(hidden, self.logits(hidden), mx.array(anchors), mx.array(temps), noise)
         confidence = mx.take_along_axis(walk.probs, walk.chosen[..., None], axis=-1)[..., 0]
         return Draft(walk.tokens, confidence, None if not any(temps) else (walk.candidates, walk.probs))
 

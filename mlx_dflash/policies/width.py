@@ -10,6 +10,7 @@ to 5 rows and again for every further 5 (`qmv_wide` in MLX's mlx/backend/metal/q
 without our wide kernels the verify width is clamped to 5 unless the user forces it.
 """
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,6 +22,7 @@ from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_ta
                            observe_cost, probe_verify_costs, read_cost_table, running, table_context_costs, table_costs)
 
 QUANTIZED_MAX_WIDTH = 5
+DEFAULT_WIDTH = "auto"  # every entry point's: at one request, at long contexts and under load it beats width 16 (docs/benchmarks.md)
 # The chance that looked-up draft k+1 is kept once the ones before it were, under prompt lookup's rule
 # (decoding/lookup.py), rounded from
 # what bench/acceptance.py prints on held-out GSM8K answers: it grows with k (a copy that starts right tends
@@ -290,12 +292,23 @@ class CostAwarePolicy(WidthPolicy):
         self.calibration.record(confidence, drafted, accepted, looked_up)
 
 
+def default_width(width, n_max=None, seeded_sample=False):
+    """The width `generate`, `serve`, `stream_generate` and `batch_generate` verify at when none is given:
+    DEFAULT_WIDTH. With only n_max given, and for a seeded sample of one request, the fixed width the
+    builders take for None (n_max + 1, or the trained block): auto's widths follow measured costs, and which
+    tokens a seed draws depends on the widths verified, so only a fixed width reproduces a seeded sample."""
+    return DEFAULT_WIDTH if width is None and n_max is None and not seeded_sample else width
+
+
 def check_width_options(width, n_max=None, cost_table=None):
     """Refuse width options that contradict each other (before anything loads)."""
     if n_max is not None and width not in (None, "auto") and width != n_max + 1:
         raise DFlashError(f"--n-max {n_max} and --width {width} disagree (width = n_max + 1); give one of them")
-    if cost_table and width != "auto":
-        raise DFlashError("--cost-table is used by --width auto; add --width auto")
+    if cost_table and width not in (None, "auto"):
+        raise DFlashError(f"--cost-table is used by --width auto, not by --width {width}; leave one of them out")
+    if cost_table and width is None and n_max is not None:
+        raise DFlashError(f"--n-max {n_max} alone verifies the fixed width {n_max + 1}, which uses no --cost-table; "
+                          "add --width auto to choose widths up to it from the table")
 
 
 def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_min=0.0, n_min=0, cost_table=None,
@@ -324,15 +337,31 @@ def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_m
     if not auto:
         return policy
     notes, span = list(policy.notes), max(policy.block_size, policy.max_width)
-    prober, limit = context_prober(target, policy.max_width), target.context_length
     if cost_table:
         table = read_cost_table(cost_table)
         costs, source = table_costs(table), f"cost table {cost_table}"
         notes += [note] if (note := cost_table_note(table, cost_table, target)) else []
-        context_costs = table_context_costs(table, span, prober, limit)
+        context_costs = table_context_costs(table, span, context_prober(target, policy.max_width),
+                                            target.context_length)
     else:
-        costs, source = probe_verify_costs(target, policy.max_width, PROBE_CONTEXTS[0]), "a start-up probe"
-        context_costs = ContextCosts({PROBE_CONTEXTS[0]: costs}, span, prober, limit)
+        costs, context_costs = probed_costs(target, policy.max_width, span)
+        source = "a start-up probe"
     notes.append(f"width auto: verify costs from {source}, refined as rounds run")
     return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min, prompt_lookup,
                            context_costs)
+
+
+_PROBED = weakref.WeakKeyDictionary()  # target -> {(max_width, span): (costs, context costs)}
+
+
+def probed_costs(target, max_width: int, span: int) -> tuple:
+    """The start-up probe's {width: seconds} and the context costs it grows into, measured once per target
+    in a process: a program calling stream_generate again and again pays the probe once, and every call's
+    policy refines its own copy of the costs from its rounds."""
+    probed = _PROBED.setdefault(target, {})
+    if (max_width, span) not in probed:
+        costs = probe_verify_costs(target, max_width, PROBE_CONTEXTS[0])
+        prober = context_prober(target, max_width)
+        probed[max_width, span] = costs, ContextCosts({PROBE_CONTEXTS[0]: costs}, span, prober, target.context_length)
+    costs, context_costs = probed[max_width, span]
+    return dict(costs), context_costs
