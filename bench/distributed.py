@@ -44,7 +44,7 @@ from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.width import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
 from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, ensure_smollm2  # noqa: E402
 
 PROMPTS = [
@@ -149,7 +149,7 @@ def worker(args) -> int:
     prompts = [encode_prompt(tokenizer, p, chat_template=None) for p in PROMPTS[: args.num_prompts]]
 
     def run(row, ids):
-        policy = build_policy(target, drafter, rows[row])
+        policy = build_policy(target, drafter, WidthOptions(rows[row]))
         ranks = Ranks(group, policy.block_size, partial_features=True)
         with ranks.watch():
             out = generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens,

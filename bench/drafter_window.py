@@ -30,7 +30,7 @@ from long_context import HELD_OUT, code_prompt, decode_rate, gsm8k_prompt, ours 
 from mlx_dflash import load  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.policies.width import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
 from mlx_dflash.utils import write_atomic  # noqa: E402
 
@@ -40,12 +40,12 @@ SCHEMA = "mlx-dflash/bench-drafter-window/1"
 def measure(pair, ids: list, windows: list, args, seed: int, log) -> dict:
     target, drafter, _ = pair
     cache = PromptCache(pair_identity(target, drafter), target.trimmable)
-    ours(pair, ids, 1, build_policy(target, drafter, args.width, prompt_lookup=False), cache)  # read once
+    ours(pair, ids, 1, build_policy(target, drafter, WidthOptions(args.width, prompt_lookup=False)), cache)  # read once
     runs, rng = [], random.Random(seed)
     for repeat in range(args.repeats):
         for window in rng.sample(windows, len(windows)):
             drafter.set_context_window(None if window == "all" else int(window))
-            policy = build_policy(target, drafter, args.width, prompt_lookup=False)
+            policy = build_policy(target, drafter, WidthOptions(args.width, prompt_lookup=False))
             tokens, _, seconds, stats = ours(pair, ids, args.max_tokens, policy, cache)
             runs.append({"window": window, "repeat": repeat, "tokens": tokens, "tau": stats.tau,
                          "decode_tps": decode_rate(tokens, seconds)})

@@ -13,11 +13,11 @@ openai/grade-school-math (not on PyPI) with --prompt-offset 7000, past the probl
 Configurations (each row; with --quantize 4 each again on the target quantized in memory, group 64):
 * target alone: mlx-lm's `generate_step` on the same chat-template prompt ids, same max tokens, same
   stop tokens (the tokenizer's eos ids; a stop token ends the output and is not part of it);
-* width 2/4/5/8/16: fixed verify width (`build_policy(target, drafter, w, force_width=True)`), so a quantized
+* width 2/4/5/8/16: fixed verify width (`build_policy(target, drafter, WidthOptions(w, force_width=True))`), so a quantized
   row verifies what it says (widths above the drafter's trained block size are left out);
 * p-min 0.3 / 0.7: the trained block size with the confidence cut (on a quantized target without wide
   kernels the decoder clamps this to 5 rows; the clamp is recorded);
-* width auto: `build_policy(target, drafter, "auto", cost_table=...)` with --cost-table (or
+* width auto: `build_policy(target, drafter, WidthOptions("auto", cost_table=...))` with --cost-table (or
   --quantized-cost-table) else the decoder's start-up probe (clamped like p-min on a quantized target);
 * width 2/4/8/auto (drafter only): the same without prompt lookup (`prompt_lookup=False`), which the
   other rows use (decoding/lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
@@ -72,7 +72,7 @@ from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.width import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
 from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
@@ -227,8 +227,9 @@ def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
                 table = cost_tables.get(phase) if row["auto"] else None
                 tic = time.perf_counter()
                 width = "auto" if row["auto"] else row["width"]
-                policy = build_policy(pair["target"], pair["drafter"], width, None, row["force_width"], row["p_min"], 0,
-                                      table, row.get("prompt_lookup", True))
+                options = WidthOptions(width, force_width=row["force_width"], p_min=row["p_min"], cost_table=table,
+                                       prompt_lookup=row.get("prompt_lookup", True))
+                policy = build_policy(pair["target"], pair["drafter"], options)
                 cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
                            notes=list(policy.notes), policy_type=type(policy).__name__,
                            cost_table=table, build_seconds=time.perf_counter() - tic)

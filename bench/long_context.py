@@ -42,7 +42,7 @@ from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.plot import charts_available  # noqa: E402
-from mlx_dflash.policies.width import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
 
@@ -112,7 +112,7 @@ def measure_prompt(pair, ids: list, args, order_seed: int, log) -> dict:
         if side == "mlx-lm":
             read[side] = mlx_lm_tokens(target.model, ids, None, 1, stop)[1]
         else:
-            read[side] = ours(pair, ids, 1, build_policy(target, drafter, 4), cache)[3].prefill_seconds
+            read[side] = ours(pair, ids, 1, build_policy(target, drafter, WidthOptions(4)), cache)[3].prefill_seconds
         log(f"  {side} read {len(ids)} tokens in {read[side]:.1f} s")
     runs, rng = [], random.Random(order_seed)
     for repeat in range(args.repeats):
@@ -123,7 +123,7 @@ def measure_prompt(pair, ids: list, args, order_seed: int, log) -> dict:
                 tokens, _, seconds = mlx_lm_tokens(target.model, ids[-1:], state.cache, args.max_tokens, stop)
             else:
                 tic = time.perf_counter()
-                policy = build_policy(target, drafter, WIDTHS[name])
+                policy = build_policy(target, drafter, WidthOptions(WIDTHS[name]))
                 policy.prepare_context(len(ids))  # what stream_generate does first: the context's probes, if any
                 run["policy_seconds"] = time.perf_counter() - tic
                 tokens, _, seconds, stats = ours(pair, ids, args.max_tokens, policy, cache)

@@ -13,7 +13,7 @@ order (seeded):
 * target alone: mlx-lm's `generate_step` with the decoder's stop rule, timed like bench/e2e.py; t(1) =
   its decode seconds / (generated tokens - 1), seconds per token;
 * oracle width w (w in --widths, default 1 2 3 4 6 8 12 16): `mlx_dflash.generate` with the
-  fixed-width policy `build_policy(target, oracle, w, force_width=True)` and `OracleDrafter`,
+  fixed-width policy `build_policy(target, oracle, WidthOptions(w, force_width=True))` and `OracleDrafter`,
   whose `draft` returns the next w - 1 tokens of the continuation (a list slice) at the position it
   reads from the context rows the decoder hands it. Decode tokens/s = (generated tokens - 1) / seconds
   from the first token to the last (the decoder's own stats). t_draft(w) = the oracle's own wall time
@@ -54,7 +54,7 @@ from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.policies.verify_costs import timed  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.width import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target  # noqa: E402
 from mlx_dflash.models.base import Draft  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
@@ -138,7 +138,7 @@ def greedy_continuation(model, ids: list, n: int) -> list:
 
 def run_oracle(target, oracle, tokenizer, ids: list, continuation: list, width: int, max_tokens: int) -> dict:
     oracle.set_continuation(len(ids), continuation)
-    policy = build_policy(target, oracle, width, force_width=True, prompt_lookup=False)
+    policy = build_policy(target, oracle, WidthOptions(width, force_width=True, prompt_lookup=False))
     out = generate(target, oracle, tokenizer, ids, max_tokens=max_tokens, policy=policy)
     tokens, stats = out.tokens, out.stats
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,

@@ -151,14 +151,14 @@ def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
     from .downloads import default_target, shipped_drafter_dir
     from .pair import load
     from .pitfalls import pair_warnings
-    from .policies.width import build_policy
+    from .policies.width import WidthOptions, build_policy
 
     if model_path is None and drafter_path is None and not _default_pair_cached():
         return Check("pair", "skipped", "the default target is not downloaded yet: run `mlx-dflash prepare`, or "
                      "pass --model and --drafter")
     try:
         target, drafter, tokenizer = load(model_path, drafter_path)
-        policy = build_policy(target, drafter, "auto" if cost_table else None, cost_table=cost_table)
+        policy = build_policy(target, drafter, WidthOptions("auto" if cost_table else None, cost_table=cost_table))
     except DFlashError as e:
         return Check("pair", "fail", str(e))
     name = f"{Path(default_target(model_path)).name} + {Path(drafter_path or shipped_drafter_dir()).name}"

@@ -23,9 +23,8 @@ from .decoding.sampling import SamplingParams
 from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
-from .options import (apply_kv_options, check_rank_timeout, check_seed, kv_options, pair_options, sampling_from_flags,
-                      sampling_options, shard_options, width_options)
-from .policies.width import WidthPolicy, build_policy, check_width_options, default_width
+from .options import check_seed, kv_options, pair_options, sampling_options, shard_options, width_options
+from .policies.width import WidthOptions, WidthPolicy, build_policy
 
 
 class GeneratedText(str):
@@ -76,7 +75,7 @@ def stream_generate(
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
-        policy = build_policy(target, drafter, default_width(width, seeded_sample=seed is not None and temp > 0))
+        policy = build_policy(target, drafter, WidthOptions(width).with_default(seeded_sample=seed is not None and temp > 0))
     ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
@@ -155,9 +154,8 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
                    "prompt's state there for the next run (written atomically; ignored if made for another pair).")
 @kv_options
 @shard_options
-def main(model_path, drafter_path, drafter_window, prompt, max_tokens, temp, top_p, top_k, min_p, seed, width, n_max, force_width,
-         p_min, n_min, cost_table, prompt_lookup, chat_template, verbose, prompt_cache_file, kv_bits, kv_group_size,
-         quantized_kv_start, shard, rank_timeout):
+def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling, seed, widths, chat_template, verbose,
+         prompt_cache_file, kv, shard):
     """Generate text with a target model and its DFlash drafter."""
     from tqdm import tqdm
 
@@ -174,34 +172,30 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, temp, top
     # Bad settings are refused before anything loads, and before any work (the prompt cache file too).
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {max_tokens}")
-    sampling_from_flags(temp, top_p, top_k, min_p)
     check_seed(seed)
-    check_width_options(width, n_max, cost_table)
     if prompt_cache_file:
         check_prompt_cache_file(prompt_cache_file)
     if blas := slow_blas_warning():
         click.echo(blas, err=True)
     if shard:
-        check_rank_timeout(rank_timeout)
         if prompt_cache_file:
             raise DFlashError("--prompt-cache-file does not work with --shard (each rank holds its own shard's state)")
         target, drafter, tokenizer, group = load_sharded_pair(default_target(model_path),
-                                                              drafter_path or shipped_drafter_dir(), shard)
+                                                              drafter_path or shipped_drafter_dir(), shard.mode)
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
     if drafter_window is not None:
         drafter.set_context_window(drafter_window or None)
-    apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
+    kv.apply(target)
     ids = encode_prompt(tokenizer, prompt, chat_template)
     check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
-    width = default_width(width, n_max, seeded_sample=seed is not None and temp > 0)
-    policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+    policy = build_policy(target, drafter, widths.with_default(seeded_sample=seed is not None and not sampling.greedy))
     policy.notes[:0] = pair_warnings(target, drafter, tokenizer)  # the pair's problems first
     cache = None
     if prompt_cache_file:
         cache = PromptCache(pair_identity(target, drafter), target.trimmable, max_entries=8)
         cache.load_file(prompt_cache_file)
-    ranks = Ranks(group, policy.block_size, shard == "pipeline", rank_timeout) if shard else SingleProcess()
+    ranks = Ranks(group, policy.block_size, shard.mode == "pipeline", shard.rank_timeout) if shard else SingleProcess()
     echo = click.echo if ranks.rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
     for note in policy.notes if ranks.rank == 0 else ():  # before any work; stream_generate keeps them in the stats
         announce(note)
@@ -210,8 +204,7 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, temp, top
     try:
         with ranks.watch(), silenced():  # notes new during the run are printed here, each on a line of its own
             for response in stream_generate(
-                target, drafter, tokenizer, ids, max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
+                target, drafter, tokenizer, ids, max_tokens, **sampling.keywords(), seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
                 prompt_cache=cache,
             ):
                 if stats is None:

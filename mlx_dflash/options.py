@@ -1,9 +1,17 @@
-"""The command-line options several commands share (the pair, sampling, the verify width, sharding)."""
+"""The command-line options several commands share (the pair, sampling, the verify width, quantized KV caches,
+sharding), each group defined once. A group other than the pair reaches the command as one value, checked
+before the command runs: `sampling` (SamplingParams), `widths` (policies.width.WidthOptions), `kv` (KVOptions),
+`shard` (ShardOptions)."""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import click
 
 from .decoding.sampling import FLAGS, SamplingParams, sampling_problem
 from .errors import DFlashError
+from .policies.width import WidthOptions
 
 
 def options(*decorators):
@@ -13,6 +21,50 @@ def options(*decorators):
             f = decorator(f)
         return f
     return apply
+
+
+def grouped(name: str, build, *decorators):
+    """Click options that reach the command as one keyword, `name`: build(**the options' values), which
+    raises DFlashError for values that cannot be (a one-line error before the command runs)."""
+    def apply(f):
+        @functools.wraps(f)
+        def command(**values):
+            mine = {k: values.pop(k) for k in names}
+            return f(**values, **{name: build(**mine)})
+
+        command = options(*decorators)(command)
+        names = [p.name for p in command.__click_params__[-len(decorators):]]
+        return command
+    return apply
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """--shard and --rank-timeout: how a target is split over an mlx.launch run's ranks (None: not split)."""
+
+    mode: Optional[str] = None  # "tensor" or "pipeline"
+    rank_timeout: float = 300.0
+
+    def __post_init__(self):
+        if self.mode and self.rank_timeout <= 0:
+            raise DFlashError(f"--rank-timeout must be positive seconds, got {self.rank_timeout}")
+
+    def __bool__(self) -> bool:
+        return self.mode is not None
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """--kv-bits, --kv-group-size, --quantized-kv-start (as mlx-lm's flags of the same names); bits None: off."""
+
+    bits: Optional[int] = None
+    group_size: int = 64
+    start: int = 5000
+
+    def apply(self, target):
+        """Keep the target's attention caches quantized past `start` tokens, when asked."""
+        if self.bits is not None:
+            target.quantize_kv(self.bits, self.group_size, self.start)
 
 
 class Width(click.ParamType):
@@ -38,7 +90,8 @@ pair_options = options(
                  help="The drafter attends to the last N positions of the context only; 0: to all of them "
                       "(default: the drafter's own context_window, else all)."),
 )
-sampling_options = options(
+sampling_options = grouped(
+    "sampling", lambda **flags: sampling_from_flags(**flags),
     click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables top-p."),
     click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
@@ -46,7 +99,8 @@ sampling_options = options(
                  help="Drop tokens less likely than min-p x the most likely one; 0 disables it. The filters and "
                       "--temp act as in mlx_lm.generate."),
 )
-width_options = options(
+width_options = grouped(
+    "widths", lambda **flags: WidthOptions(**flags),
     click.option("--width", default=None, type=Width(),
                  help="Verify width: rows the target checks per round, anchor included, up to the drafter's trained "
                       "block; or auto (the default): per round, the width with the most expected tokens per "
@@ -63,11 +117,21 @@ width_options = options(
     click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
                  help="Where the drafter's first draft is unsure, draft what followed the context's last tokens."),
 )
-shard_options = options(
+shard_options = grouped(
+    "shard", lambda shard, rank_timeout: ShardOptions(shard, rank_timeout),
     click.option("--shard", type=click.Choice(["tensor", "pipeline"]), default=None,
                  help="Split the target over the ranks of an mlx.launch run (rank 0 prints / listens)."),
     click.option("--rank-timeout", default=300.0, show_default=True, type=float,
                  help="With --shard: give up when no round finishes for this many seconds (a hung rank)."),
+)
+kv_options = grouped(
+    "kv", lambda kv_bits, kv_group_size, quantized_kv_start: KVOptions(
+        None if kv_bits is None else int(kv_bits), kv_group_size, quantized_kv_start),
+    click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]),
+                 help="Keep attention keys and values quantized to this many bits (long contexts); default: not."),
+    click.option("--kv-group-size", default=64, show_default=True, type=int, help="Quantization group of --kv-bits."),
+    click.option("--quantized-kv-start", default=5000, show_default=True, type=int,
+                 help="Quantize a cache once it holds more than this many tokens (with --kv-bits)."),
 )
 
 
@@ -82,21 +146,3 @@ def check_seed(seed, name: str = "--seed") -> None:
     """MLX seeds its random state with an unsigned 64-bit integer."""
     if seed is not None and not 0 <= seed < 2**64:
         raise DFlashError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
-
-
-def check_rank_timeout(seconds: float) -> None:
-    if seconds <= 0:
-        raise DFlashError(f"--rank-timeout must be positive seconds, got {seconds}")
-kv_options = options(
-    click.option("--kv-bits", default=None, type=click.Choice(["4", "8"]),
-                 help="Keep attention keys and values quantized to this many bits (long contexts); default: not."),
-    click.option("--kv-group-size", default=64, show_default=True, type=int, help="Quantization group of --kv-bits."),
-    click.option("--quantized-kv-start", default=5000, show_default=True, type=int,
-                 help="Quantize a cache once it holds more than this many tokens (with --kv-bits)."),
-)
-
-
-def apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start):
-    """--kv-bits and friends on a loaded target (as mlx-lm's flags of the same names)."""
-    if kv_bits is not None:
-        target.quantize_kv(int(kv_bits), kv_group_size, quantized_kv_start)

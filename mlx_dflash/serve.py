@@ -7,9 +7,8 @@ from pathlib import Path
 import click
 
 from .errors import DFlashError
-from .options import (apply_kv_options, check_rank_timeout, kv_options, pair_options, sampling_from_flags,
-                      sampling_options, shard_options, width_options)
-from .policies.width import build_policy, check_width_options, default_width
+from .options import kv_options, pair_options, sampling_options, shard_options, width_options
+from .policies.width import build_policy
 
 
 @click.command("serve")
@@ -70,9 +69,8 @@ from .policies.width import build_policy, check_width_options, default_width
 @shard_options
 def main(model_path, drafter_path, drafter_window, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
          max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens,
-         max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, temp, top_p, top_k, min_p, width, n_max,
-         force_width, p_min, n_min, cost_table, prompt_lookup, prompt_cache_size, prompt_cache_bytes,
-         prompt_cache_dir, kv_bits, kv_group_size, quantized_kv_start, shard, rank_timeout, no_generic_tools):
+         max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, sampling, widths, prompt_cache_size,
+         prompt_cache_bytes, prompt_cache_dir, kv, shard, no_generic_tools):
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/responses, /v1/messages).
 
@@ -106,21 +104,18 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
                           "at least 1")
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
-    sampling = sampling_from_flags(temp, top_p, top_k, min_p)  # refuse bad defaults before loading anything
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
-    max_batch = _max_batch(max_batch, shard, kv_bits, launch_notes)
-    width = default_width(width, n_max)
-    check_width_options(width, n_max, cost_table)
+    max_batch = _max_batch(max_batch, shard, kv, launch_notes)
+    widths = widths.with_default()
     batch_costs = None
-    if cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line
+    if widths.cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line
         from .policies.dcut import read_batch_costs
 
-        batch_costs = read_batch_costs(cost_table)
+        batch_costs = read_batch_costs(widths.cost_table)
     if blas := slow_blas_warning():
         click.echo(blas, err=True)
     rank = 0
     if shard:
-        check_rank_timeout(rank_timeout)
         rank = launched_group("serve").rank()
     sock = bind(host, port) if rank == 0 else None  # only rank 0 listens
     target_path = default_target(model_path)
@@ -130,17 +125,16 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
             target, drafter, tokenizer = load(target_path, drafter_path)
         else:
             target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path or shipped_drafter_dir(),
-                                                                  shard, "serve")
+                                                                  shard.mode, "serve")
         if drafter_window is not None:
             drafter.set_context_window(drafter_window or None)
-        apply_kv_options(target, kv_bits, kv_group_size, quantized_kv_start)
+        kv.apply(target)
         if max_batch > 1:
             from .policies.dcut import build_batch_policy
 
-            policy = build_batch_policy(target, drafter, max_batch, width, n_max, force_width, p_min, n_min,
-                                        batch_costs, prompt_lookup)
+            policy = build_batch_policy(target, drafter, max_batch, widths, batch_costs)
         else:
-            policy = build_policy(target, drafter, width, n_max, force_width, p_min, n_min, cost_table, prompt_lookup)
+            policy = build_policy(target, drafter, widths)
         policy.notes += pair_warnings(target, drafter, tokenizer)
         for note in policy.notes if rank == 0 else ():
             announce(note)  # once: each request's statistics keep them
@@ -148,7 +142,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
             click.echo(note, err=True)
         if not shard:
             return target, drafter, tokenizer, policy
-        return target, drafter, tokenizer, policy, Ranks(group, policy.block_size, shard == "pipeline", rank_timeout)
+        ranks = Ranks(group, policy.block_size, shard.mode == "pipeline", shard.rank_timeout)
+        return target, drafter, tokenizer, policy, ranks
 
     if rank != 0:
         import signal
@@ -185,13 +180,13 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     _leave(0)
 
 
-def _max_batch(asked, shard, kv_bits, notes: list) -> int:
+def _max_batch(asked, shard, kv, notes: list) -> int:
     """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
     from .machine import metal_available
 
     size = asked or (8 if metal_available() else 4)
     why = "--shard (the ranks decode one request at a time, in step)" if shard else (
-        "--kv-bits (a quantized cache has no per-row lengths)" if kv_bits else None)
+        "--kv-bits (a quantized cache has no per-row lengths)" if kv.bits else None)
     if why and size > 1:
         notes.append(f"note: {why}: serving one request at a time")
         return 1

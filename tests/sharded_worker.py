@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from mlx_dflash.generate import generate
-from mlx_dflash.policies.width import build_policy
+from mlx_dflash.policies.width import WidthOptions, build_policy
 from mlx_dflash.distributed import Ranks, load_sharded_pair
 
 
@@ -19,8 +19,8 @@ def main(model, drafter_dir, mode, cases_file, out):
     target, drafter, tokenizer, group = load_sharded_pair(model, drafter_dir, mode)
     results = {}
     for case in json.loads(Path(cases_file).read_text()):
-        policy = build_policy(target, drafter, "auto" if case.get("auto") else case.get("block_size"),
-                              p_min=case.get("p_min", 0.0))
+        policy = build_policy(target, drafter, WidthOptions("auto" if case.get("auto") else case.get("block_size"),
+                                                            p_min=case.get("p_min", 0.0)))
         ranks = Ranks(group, policy.block_size, mode == "pipeline")
         seed = case.get("seed")
         if seed is not None and case.get("seed_per_rank"):

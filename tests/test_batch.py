@@ -12,6 +12,7 @@ import pytest
 from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
+from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.policies.dcut import (BatchPolicy, DCutPolicy, batch_cost_table, build_batch_policy, probe_batch_costs,
                              read_batch_costs)
 from mlx_dflash.decoding.decoder import DecodeState
@@ -66,7 +67,7 @@ def test_a_cancelled_row_leaves_and_the_others_go_on_unchanged(pairs):
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 3)
     want = [generate(target, drafter, tokenizer, p, max_tokens=16, width=4).tokens for p in ids]
-    policy = build_batch_policy(target, drafter, 3, 4)
+    policy = build_batch_policy(target, drafter, 3, WidthOptions(4))
     scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
     for i, p in enumerate(ids):
         scheduler.submit(Request(i, p, 16))
@@ -104,7 +105,8 @@ def test_a_request_joins_and_gets_its_first_token_in_the_step_that_reads_its_pro
     step's one round, whose verify forward reads the last token beside the other rows' blocks."""
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 2)
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, 4), 2, tokenizer.eos_token_ids)
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2,
+                          tokenizer.eos_token_ids)
     calls = counted(monkeypatch, target)
     scheduler.submit(Request(0, ids[0], 16))
     firsts, forwards = {}, []
@@ -131,7 +133,7 @@ def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
     want = [generate(target, drafter, tokenizer, p, max_tokens=8, width=4).tokens for p in (long, short)]
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, 4), 2, tokenizer.eos_token_ids,
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2, tokenizer.eos_token_ids,
                           prefill_step=8)
     scheduler.submit(Request("long", long, 8))
     out, admitted, firsts, step = {"long": [], "short": []}, {}, {}, 0
@@ -157,7 +159,7 @@ def test_a_prompt_cancelled_during_its_read_leaves_and_frees_its_place(pairs):
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
     want = generate(target, drafter, tokenizer, short, max_tokens=6, width=4).tokens
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 1, 4), 1, tokenizer.eos_token_ids,
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 1, WidthOptions(4)), 1, tokenizer.eos_token_ids,
                           prefill_step=8)
     scheduler.submit(Request("long", long, 8))
     scheduler.submit(Request("short", short, 6))  # waits: the one row is the long prompt's
@@ -199,7 +201,7 @@ def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
     its answer independent of the rows decoding beside it."""
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 3)
-    policy = build_batch_policy(target, drafter, 3, 4)
+    policy = build_batch_policy(target, drafter, 3, WidthOptions(4))
 
     def run(requests):
         scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
@@ -334,4 +336,4 @@ def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(p
     with pytest.raises(DFlashError, match="--max-batch must be at least 1"):
         build_batch_policy(target, drafter, 0)
     with pytest.raises(DFlashError, match="verify width 9 is out of range"):
-        build_batch_policy(target, drafter, 2, 9)
+        build_batch_policy(target, drafter, 2, WidthOptions(9))

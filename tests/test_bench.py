@@ -311,10 +311,10 @@ def write_table(path, **fields):
 
 
 def auto_notes(pair, table) -> list:
-    from mlx_dflash.policies.width import build_policy
+    from mlx_dflash.policies.width import WidthOptions, build_policy
 
     target, _, drafter = pair
-    return [n for n in build_policy(target, drafter, "auto", cost_table=table).notes if "cost table" in n]
+    return [n for n in build_policy(target, drafter, WidthOptions("auto", cost_table=table)).notes if "cost table" in n]
 
 
 def test_a_cost_table_that_fits_the_target_says_only_where_costs_come_from(tiny_chat_pair, tmp_path):
@@ -366,7 +366,7 @@ def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pa
     from click.testing import CliRunner
 
     from mlx_dflash.cli import main
-    from mlx_dflash.policies.width import build_policy
+    from mlx_dflash.policies.width import WidthOptions, build_policy
     from mlx_dflash.pair import load
 
     target_dir, drafter_dir = tiny_pair_dirs
@@ -380,7 +380,7 @@ def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pa
     assert "best width at acceptance 0.9:" in result.output
     check_png(tmp_path / "widths.png")
     target, drafter, _ = load(str(target_dir), str(drafter_dir))
-    policy = build_policy(target, drafter, "auto", cost_table=tmp_path / "cost_table.json")
+    policy = build_policy(target, drafter, WidthOptions("auto", cost_table=tmp_path / "cost_table.json"))
     assert policy.context_costs.prober is None and sorted(policy.context_costs.by_context) == [16, 128, 512]
     policy.at_context(512)
     measured = dict(zip(table["widths"], table["by_cache_length"]["512"]))

@@ -14,7 +14,7 @@ from mlx_lm import load
 
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
-from mlx_dflash.policies.width import build_policy
+from mlx_dflash.policies.width import WidthOptions, build_policy
 from mlx_dflash.distributed import check_shardable
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.errors import DFlashError
@@ -99,8 +99,8 @@ def single_process(target_dir, drafter_dir, cases):
     drafter = drafter_from_dir(drafter_dir).bind(target)
     out = {}
     for case in cases:
-        policy = build_policy(target, drafter, "auto" if case.get("auto") else case.get("block_size"),
-                              p_min=case.get("p_min", 0.0))
+        policy = build_policy(target, drafter, WidthOptions("auto" if case.get("auto") else case.get("block_size"),
+                                                            p_min=case.get("p_min", 0.0)))
         out[case["name"]] = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
                                      temp=case.get("temp", 0.0), policy=policy, seed=case.get("seed")).tokens
     return out

@@ -10,7 +10,7 @@ from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policies.width import QUANTIZED_MAX_WIDTH, build_policy, has_quantized_layers, make_policy
+from mlx_dflash.policies.width import QUANTIZED_MAX_WIDTH, WidthOptions, build_policy, has_quantized_layers, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 
@@ -83,7 +83,7 @@ def test_generate_reports_the_clamp_in_its_stats(quantized_pair):
     stats = generate(target, drafter, tokenizer, "Hello", max_tokens=4).stats
     assert stats.max_width == 5 and any("clamped" in n for n in stats.notes)
     forced = generate(target, drafter, tokenizer, "Hello", max_tokens=4,
-                      policy=build_policy(target, drafter, force_width=True)).stats
+                      policy=build_policy(target, drafter, WidthOptions(force_width=True))).stats
     assert forced.max_width == 8 and any("warning" in n for n in forced.notes)
 
 
@@ -102,6 +102,6 @@ def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_wi
     assert generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4, width=3).stats.max_width == 3
     asked = []
     build = dcut.build_batch_policy
-    monkeypatch.setattr(dcut, "build_batch_policy", lambda *a: asked.append(a[3]) or build(*a))
+    monkeypatch.setattr(dcut, "build_batch_policy", lambda *a: asked.append(a[3].width) or build(*a))
     batched = batch_generate(target, drafter, tokenizer, [[1, 2, 3], [4, 5]], max_tokens=4)
     assert asked == ["auto"] and batched.token_ids[0] == auto.tokens

@@ -303,7 +303,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""
     from .prompt import check_context, encode_prompt
     from ..policies.dcut import build_batch_policy
-    from ..policies.width import default_width
+    from ..policies.width import WidthOptions
     from .responses import GenerationStats, ResponseStream
 
     ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
@@ -314,7 +314,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     max_batch = max_batch or len(ids)
     if not drafter.is_bound:
         drafter.bind(target)
-    policy = policy or build_batch_policy(target, drafter, max_batch, default_width(width))
+    policy = policy or build_batch_policy(target, drafter, max_batch, WidthOptions(width).with_default())
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache, prefill_step_size)
     streams, texts, tokens = {}, [[] for _ in ids], [[] for _ in ids]

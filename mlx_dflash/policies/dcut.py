@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import DFlashError
 from ..models.batch_cache import add_row, batched
 from .verify_costs import PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, running
-from .width import Calibration
+from .width import Calibration, WidthOptions, build_policy
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -240,18 +240,17 @@ def batch_sizes(max_batch: int) -> list:
     return sizes + [max_batch]
 
 
-def build_batch_policy(target, drafter, max_batch: int, width=None, n_max=None, force_width=False, p_min=0.0,
-                       n_min=0, costs: Optional[dict] = None, prompt_lookup=True) -> BatchPolicy:
-    """The batch policy for this pair: a fixed width (the drafter's trained block by default), or "auto"
+def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Optional[dict] = None) -> BatchPolicy:
+    """The batch policy for this pair: a fixed width (as `build_policy` fixes one request's), or "auto"
     (D-cut), costed by `costs` ({rows: {width: seconds}}) or a start-up probe of batches up to max_batch.
-    The quantized-verification rule and the draft controls apply as for one request (policy.make_policy)."""
+    The quantized-verification rule and the draft controls apply as for one request."""
     if max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
-    from .width import build_policy
-
-    single = build_policy(target, drafter, None if width == "auto" else width, n_max, force_width, p_min, n_min,
-                          prompt_lookup=prompt_lookup)
-    if width != "auto":
+    options = options or WidthOptions()
+    single = build_policy(target, drafter, replace(options, width=None if options.auto else options.width,
+                                                   cost_table=None))
+    p_min, n_min, prompt_lookup = options.p_min, options.n_min, options.prompt_lookup
+    if not options.auto:
         return BatchPolicy(single.block_size, single.max_width, single.notes, p_min, n_min, prompt_lookup)
     source, measured = "the given table", {}  # a table's clock may not be the probe's: the probe measures growth
     if costs is None:

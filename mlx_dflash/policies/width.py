@@ -11,8 +11,8 @@ without our wide kernels the verify width is clamped to 5 unless the user forces
 """
 
 import weakref
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Union
 
 import mlx.nn as nn
 import numpy as np
@@ -292,34 +292,53 @@ class CostAwarePolicy(WidthPolicy):
         self.calibration.record(confidence, drafted, accepted, looked_up)
 
 
-def default_width(width, n_max=None, seeded_sample=False):
-    """The width `generate`, `serve`, `stream_generate` and `batch_generate` verify at when none is given:
-    DEFAULT_WIDTH. With only n_max given, and for a seeded sample of one request, the fixed width the
-    builders take for None (n_max + 1, or the trained block): auto's widths follow measured costs, and which
-    tokens a seed draws depends on the widths verified, so only a fixed width reproduces a seeded sample."""
-    return DEFAULT_WIDTH if width is None and n_max is None and not seeded_sample else width
+@dataclass(frozen=True)
+class WidthOptions:
+    """How to choose the verify width: the flags `generate` and `serve` share (options.py), refused as they
+    are made where they contradict each other, before anything loads. width: rows (anchor included), "auto",
+    or None for the default (`with_default`); n_max: at most this many drafted tokens (alone, the fixed width
+    n_max + 1; with auto, its widest); force_width: past the quantized rule; p_min, n_min: llama.cpp's draft
+    controls; cost_table: verify costs for auto; prompt_lookup: where the drafter is unsure, draft what
+    followed the context's last tokens before."""
+
+    width: Union[int, str, None] = None
+    n_max: Optional[int] = None
+    force_width: bool = False
+    p_min: float = 0.0
+    n_min: int = 0
+    cost_table: Optional[str] = None
+    prompt_lookup: bool = True
+
+    def __post_init__(self):
+        width, n_max = self.width, self.n_max
+        if n_max is not None and width not in (None, "auto") and width != n_max + 1:
+            raise DFlashError(f"--n-max {n_max} and --width {width} disagree (width = n_max + 1); give one of them")
+        if self.cost_table and width not in (None, "auto"):
+            raise DFlashError(f"--cost-table is used by --width auto, not by --width {width}; leave one of them out")
+        if self.cost_table and width is None and n_max is not None:
+            raise DFlashError(f"--n-max {n_max} alone verifies the fixed width {n_max + 1}, which uses no "
+                              "--cost-table; add --width auto to choose widths up to it from the table")
+
+    @property
+    def auto(self) -> bool:
+        return self.width == "auto"
+
+    def with_default(self, seeded_sample: bool = False) -> "WidthOptions":
+        """These options with DEFAULT_WIDTH where no width and no n_max is given, as `generate`, `serve`,
+        `stream_generate` and `batch_generate` verify. A seeded sample of one request keeps the fixed trained
+        block: auto's widths follow measured costs, and which tokens a seed draws depends on the widths
+        verified, so only a fixed width reproduces a seeded sample."""
+        if self.width is None and self.n_max is None and not seeded_sample:
+            return replace(self, width=DEFAULT_WIDTH)
+        return self
 
 
-def check_width_options(width, n_max=None, cost_table=None):
-    """Refuse width options that contradict each other (before anything loads)."""
-    if n_max is not None and width not in (None, "auto") and width != n_max + 1:
-        raise DFlashError(f"--n-max {n_max} and --width {width} disagree (width = n_max + 1); give one of them")
-    if cost_table and width not in (None, "auto"):
-        raise DFlashError(f"--cost-table is used by --width auto, not by --width {width}; leave one of them out")
-    if cost_table and width is None and n_max is not None:
-        raise DFlashError(f"--n-max {n_max} alone verifies the fixed width {n_max + 1}, which uses no --cost-table; "
-                          "add --width auto to choose widths up to it from the table")
-
-
-def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_min=0.0, n_min=0, cost_table=None,
-                 prompt_lookup=True) -> WidthPolicy:
-    """The width policy for this pair. width: the verify width (rows, anchor included; default the drafter's
-    trained block) or "auto", the cost-aware policy, costed by `cost_table` or a start-up probe; n_max caps
-    the drafted tokens verified (a fixed width of n_max + 1, or auto's largest). Fixed widths and auto
-    both obey the quantized rule and the draft controls (p_min, n_min). prompt_lookup: where the drafter
-    is unsure, draft what followed the context's last tokens before."""
-    check_width_options(width, n_max, cost_table)
-    auto, trained = width == "auto", drafter.block_size
+def build_policy(target, drafter, options: WidthOptions = WidthOptions()) -> WidthPolicy:
+    """The width policy of one request for this pair: a fixed width (options.width, n_max + 1, or the
+    drafter's trained block when neither is given), or "auto", the cost-aware policy, costed by the cost
+    table or a start-up probe. Both obey the quantized rule and the draft controls."""
+    width, n_max, cost_table = options.width, options.n_max, options.cost_table
+    auto, trained = options.auto, drafter.block_size
     if n_max is not None and not 0 <= n_max < trained:
         raise DFlashError(f"--n-max {n_max} is out of range: this drafter drafts blocks of {trained} rows, so "
                           f"it verifies at most {trained - 1} drafted tokens (--n-max 0..{trained - 1})")
@@ -329,10 +348,10 @@ def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_m
         fixed,
         quantized=has_quantized_layers(target.model) or has_quantized_layers(drafter),
         wide_kernels=target.wide_kernels,
-        force_width=force_width,
-        p_min=p_min,
-        n_min=n_min,
-        prompt_lookup=prompt_lookup,
+        force_width=options.force_width,
+        p_min=options.p_min,
+        n_min=options.n_min,
+        prompt_lookup=options.prompt_lookup,
     )
     if not auto:
         return policy
@@ -347,8 +366,8 @@ def build_policy(target, drafter, width=None, n_max=None, force_width=False, p_m
         costs, context_costs = probed_costs(target, policy.max_width, span)
         source = "a start-up probe"
     notes.append(f"width auto: verify costs from {source}, refined as rounds run")
-    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, p_min, n_min, prompt_lookup,
-                           context_costs)
+    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, options.p_min, options.n_min,
+                           options.prompt_lookup, context_costs)
 
 
 _PROBED = weakref.WeakKeyDictionary()  # target -> {(max_width, span): (costs, context costs)}
