@@ -294,6 +294,30 @@ def test_wide_linear_routing_with_metal_forced(monkeypatch):
     assert calls == [6, 8, 16]
 
 
+def test_a_batched_verify_routes_on_its_rows_times_its_width(monkeypatch):
+    """MLX's quantized matmul and our wide kernel see a batch's rows x width as one matrix: 2 requests verifying
+    5 tokens are 10 rows (ours), 4 x 5 are 20 (MLX's), whatever each request's own width."""
+    calls = []
+
+    def fake(x, w, scales, biases, group_size, bits):
+        calls.append(tuple(x.shape[:-1]))
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(kernels, "wide_quantized_matmul", fake)
+    ql = nn.QuantizedLinear(64, 32, group_size=32, bits=4)
+    wl = kernels.WideQuantizedLinear(ql, route="dflash")
+    for shape in [(1, 5), (2, 5), (3, 2), (4, 4), (4, 5), (2, 16)]:
+        x = mx.random.normal((*shape, 64))
+        assert mx.array_equal(wl(x), ql(x))
+    assert calls == [(2, 5), (3, 2), (4, 4)]
+    model = tiny_quantized_llama()
+    kernels.install_wide_kernels(model, route="dflash")
+    calls.clear()
+    mx.eval(model(mx.zeros((2, 5), mx.int32)))  # two rows verifying 5 tokens each: every linear sees 10 rows
+    assert calls and set(calls) == {(2, 5)}
+
+
 def test_install_refuses_without_metal(monkeypatch):
     monkeypatch.setattr(kernels, "metal_available", lambda: False)
     model = tiny_quantized_llama()

@@ -87,6 +87,21 @@ def test_generate_reports_the_clamp_in_its_stats(quantized_pair):
     assert forced.max_width == 8 and any("warning" in n for n in forced.notes)
 
 
+def test_a_batch_on_a_quantized_model_lets_dcut_cells_decide_and_keeps_the_clamp_for_a_fixed_width(quantized_pair):
+    """A batched verify's matmuls see rows x width (2 rows at width 5 are 10 rows): D-cut times those cells, so
+    the per-request clamp to 5 does not bound it; a fixed width keeps the clamp."""
+    from mlx_dflash.policies.dcut import build_batch_policy
+
+    target, drafter, _ = quantized_pair
+    dcut = build_batch_policy(target, drafter, 2, WidthOptions("auto"))
+    assert dcut.max_width == drafter.block_size == 8
+    assert any("rows x width" in n for n in dcut.notes) and not any("clamped" in n for n in dcut.notes)
+    assert max(dcut.guessed[2]) == 8  # every width's cost at 2 rows was probed
+    fixed = build_batch_policy(target, drafter, 2, WidthOptions())
+    assert fixed.max_width == QUANTIZED_MAX_WIDTH and any("clamped" in n for n in fixed.notes)
+    assert build_batch_policy(target, drafter, 2, WidthOptions("auto", n_max=5)).max_width == 6
+
+
 def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_width(tiny_chat_pair, monkeypatch):
     """One default for every entry point (policies/width.py DEFAULT_WIDTH); a seeded sample keeps the fixed
     trained block, since which tokens a seed draws depends on the widths verified."""

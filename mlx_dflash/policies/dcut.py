@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import DFlashError
 from ..models.batch_cache import add_row, batched
 from .verify_costs import PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, running
-from .width import Calibration, WidthOptions, build_policy
+from .width import Calibration, WidthOptions, build_policy, has_quantized_layers
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -247,8 +247,11 @@ def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Opt
     if max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     options = options or WidthOptions()
+    # A batched verify's matmuls see rows x width: MLX's quantized kernels (and ours, 6..16 rows) route on that,
+    # which the per-request clamp to 5 does not describe. D-cut times every (rows, width) it verifies, so on a
+    # quantized model its cells decide the width; a fixed width keeps the clamp (docs/models.md).
     single = build_policy(target, drafter, replace(options, width=None if options.auto else options.width,
-                                                   cost_table=None))
+                                                   cost_table=None), quantized_rule=not options.auto)
     p_min, n_min, prompt_lookup = options.p_min, options.n_min, options.prompt_lookup
     if not options.auto:
         return BatchPolicy(single.block_size, single.max_width, single.notes, p_min, n_min, prompt_lookup)
@@ -259,6 +262,9 @@ def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Opt
     context_costs = ContextCosts(measured, single.max_width, context_prober(target, single.max_width),
                                  target.context_length)
     notes = single.notes + [f"width auto (D-cut over batches up to {max_batch}): verify costs from {source}"]
+    if has_quantized_layers(target.model) or has_quantized_layers(drafter):
+        notes.append(f"quantized model: D-cut verifies up to {single.max_width} rows a request, each round's width "
+                     "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
     return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup, context_costs)
 
 

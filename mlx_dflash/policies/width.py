@@ -333,10 +333,11 @@ class WidthOptions:
         return self
 
 
-def build_policy(target, drafter, options: WidthOptions = WidthOptions()) -> WidthPolicy:
+def build_policy(target, drafter, options: WidthOptions = WidthOptions(), quantized_rule: bool = True) -> WidthPolicy:
     """The width policy of one request for this pair: a fixed width (options.width, n_max + 1, or the
     drafter's trained block when neither is given), or "auto", the cost-aware policy, costed by the cost
-    table or a start-up probe. Both obey the quantized rule and the draft controls."""
+    table or a start-up probe. Both obey the draft controls, and the quantized rule unless `quantized_rule`
+    is off (a batch's D-cut measures the rows x width it verifies instead: policies/dcut.py)."""
     width, n_max, cost_table = options.width, options.n_max, options.cost_table
     auto, trained = options.auto, drafter.block_size
     if n_max is not None and not 0 <= n_max < trained:
@@ -346,7 +347,7 @@ def build_policy(target, drafter, options: WidthOptions = WidthOptions()) -> Wid
     policy = make_policy(
         trained,
         fixed,
-        quantized=has_quantized_layers(target.model) or has_quantized_layers(drafter),
+        quantized=quantized_rule and (has_quantized_layers(target.model) or has_quantized_layers(drafter)),
         wide_kernels=target.wide_kernels,
         force_width=options.force_width,
         p_min=options.p_min,
