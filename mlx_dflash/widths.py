@@ -418,8 +418,8 @@ def format_table(results: dict) -> str:
 @click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
               help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
 @click.option("--batch", "batches", default=None,
-              help="Also time verifies of several rows at once, e.g. 1,2,4,8 (rows x width, for `serve --max-batch "
-                   "--width auto --cost-table`): writes batch_cost_table.json.")
+              help="Also time verifies of several rows at once, e.g. 1,2,4,8 (rows x width, for a batching `serve "
+                   "--cost-table`): added to cost_table.json as its rows per batch size.")
 def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, contexts, bits,
          group_size, dtype, clock, batches):
     """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
@@ -450,9 +450,10 @@ def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_ca
                      quantize_bits=bits, group_size=int(group_size), dtype=dtype, clock=clock, log=click.echo)
     if sizes:
         from .pair import load_target
-        from .policies.dcut import batch_cost_table, probe_batch_costs
+        from .policies.dcut import batch_cost_rows, probe_batch_costs
         from .utils import write_json
 
         target, _ = load_target(model_path)
         costs = probe_batch_costs(target, sizes, max_width, context=short_cache, repeats=repeats or 3)
-        click.echo(f"wrote {write_json(Path(out_dir) / 'batch_cost_table.json', batch_cost_table(costs, target))}")
+        table = Path(out_dir) / "cost_table.json"  # one table: its rows per batch size beside the one-row costs
+        click.echo(f"wrote {write_json(table, {**json.loads(table.read_text()), **batch_cost_rows(costs)})}")

@@ -13,7 +13,7 @@ from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
 from mlx_dflash.policies.width import WidthOptions
-from mlx_dflash.policies.dcut import (BatchPolicy, DCutPolicy, batch_cost_table, build_batch_policy, probe_batch_costs,
+from mlx_dflash.policies.dcut import (BatchPolicy, DCutPolicy, batch_cost_rows, build_batch_policy, probe_batch_costs,
                              read_batch_costs)
 from mlx_dflash.decoding.decoder import DecodeState
 from mlx_dflash.errors import DFlashError
@@ -325,10 +325,16 @@ def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(p
     costs = probe_batch_costs(target, [1, 2], 6, context=16, repeats=1)
     assert sorted(costs) == [1, 2] and all(sorted(row) == list(range(1, 7)) for row in costs.values())
     assert all(0 < s < 60 for row in costs.values() for s in row.values())
-    path = tmp_path / "batch_cost_table.json"
-    path.write_text(json.dumps(batch_cost_table(costs, target)))
+    path = tmp_path / "cost_table.json"
+    one_row = {"widths": [1, 2, 4], "verify_seconds": [0.1, 0.2, 0.3]}
+    path.write_text(json.dumps({**one_row, **batch_cost_rows(costs)}))
     assert read_batch_costs(path) == costs  # the same floats back (JSON keeps them exactly)
-    for bad, words in [({"widths": [1]}, "no verify costs per batch size"),
+    path.write_text(json.dumps(one_row))  # one row's costs: the batch of one
+    assert read_batch_costs(path) == {1: {1: 0.1, 2: 0.2, 4: 0.3}}
+    policy = build_batch_policy(target, drafter, 3, WidthOptions("auto"), read_batch_costs(path))
+    assert sorted(policy.guessed) == [1, 2, 3] and sorted(policy.guessed[3]) == list(range(1, drafter.block_size + 1))
+    assert policy.guessed[1][3] == pytest.approx(0.25)  # between the measured widths
+    for bad, words in [({"widths": [1]}, "'widths' and 'verify_seconds'"),
                        ({"batch_verify_seconds": {"1": [0.1, -1]}}, "every cost positive")]:
         path.write_text(json.dumps(bad))
         with pytest.raises(DFlashError, match=words):

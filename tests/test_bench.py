@@ -360,6 +360,31 @@ def test_generate_prints_the_cost_table_warning(tiny_pair_dirs, tmp_path):
     assert f"warning: cost table {table} was measured with 4-bit weights (group 64) (this target: float weights)" in result.stderr
 
 
+def test_bench_widths_batch_writes_one_table_that_one_request_and_a_batch_both_read(tiny_pair_dirs, tmp_path):
+    """One cost-table format: `--batch` adds rows x width to cost_table.json, whose one-row costs stay as they are."""
+    from click.testing import CliRunner
+
+    from mlx_dflash.policies.width import WidthOptions
+
+    from mlx_dflash.cli import main
+    from mlx_dflash.pair import load
+    from mlx_dflash.policies.dcut import build_batch_policy, read_batch_costs
+    from mlx_dflash.policies.verify_costs import load_cost_table
+
+    target_dir, drafter_dir = tiny_pair_dirs
+    result = CliRunner().invoke(main, ["bench", "widths", "--model", str(target_dir), "--max-width", "3", "--short-cache",
+                                       "8", "--repeats", "1", "--warmup", "0", "--batch", "1,2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "cost_table.json"
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["cost_table.json", "widths.json"]
+    table = json.loads(path.read_text())
+    assert sorted(table["batch_verify_seconds"]) == ["1", "2"] and table["widths"] == [1, 2, 3]
+    rows = read_batch_costs(path)
+    assert sorted(rows) == [1, 2] and sorted(rows[2]) == [1, 2, 3] and sorted(load_cost_table(path)) == [1, 2, 3]
+    target, drafter, _ = load(str(target_dir), str(drafter_dir))
+    assert build_batch_policy(target, drafter, 2, WidthOptions("auto"), rows).guessed[2][3] == rows[2][3]
+
+
 def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pair_dirs, tmp_path):
     """`bench widths --context` measures each length, says where the best width goes, draws it beside the cost
     curves, and its table costs --width auto by context with no probe."""

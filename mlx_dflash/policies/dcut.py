@@ -42,7 +42,8 @@ import numpy as np
 
 from ..errors import DFlashError
 from ..models.batch_cache import add_row, batched
-from .verify_costs import PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, running
+from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, interpolate_costs,
+                           read_cost_table, running, table_costs)
 from .width import Calibration, WidthOptions, build_policy, has_quantized_layers
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -94,10 +95,12 @@ class DCutPolicy(BatchPolicy):
     EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
     def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None):
+                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None, max_batch: int = 1):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
-        # what the probe or table says for every batch size up to the largest measured; each learns on its own
-        self.guessed = {b: {w: between(costs, b, w) for w in costs[max(costs)]} for b in range(1, max(costs) + 1)}
+        # what the probe or table says for every batch size up to the largest measured or served; each learns
+        # on its own
+        self.guessed = {b: {w: between(costs, b, w) for w in costs[max(costs)]}
+                        for b in range(1, max(max(costs), max_batch) + 1)}
         self.costs = {b: {} for b in self.guessed}  # {rows: {width: seconds}}, as timed
         self.timed = {b: Counter() for b in self.guessed}  # rounds observed per batch size and width
         self.scale = {b: 1.0 for b in self.guessed}  # timed / guessed, over the timed rounds of that batch size
@@ -211,8 +214,6 @@ def probe_batch_costs(target, batches: list, max_width: int, context: int = 256,
     """{rows: {width: verify seconds}} for a batch of `rows` sequences of `context` tokens each, timed in
     turns (after one warm-up turn; each pair's median); widths between the probed ones are interpolated, as
     for one sequence (policy.interpolate_costs)."""
-    from .verify_costs import interpolate_costs
-
     widths = sorted({min(w, max_width) for w in PROBE_WIDTHS})
     times = {(b, w): [] for b in batches for w in widths}
     caches = {}
@@ -256,7 +257,9 @@ def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Opt
     if not options.auto:
         return BatchPolicy(single.block_size, single.max_width, single.notes, p_min, n_min, prompt_lookup)
     source, measured = "the given table", {}  # a table's clock may not be the probe's: the probe measures growth
-    if costs is None:
+    if costs is not None:  # a table's widths, and one of one row's costs only, cover every width and batch size
+        costs = {b: interpolate_costs(row, single.max_width) for b, row in costs.items()}
+    else:
         costs = probe_batch_costs(target, batch_sizes(max_batch), single.max_width, PROBE_CONTEXTS[0])
         source, measured = "a start-up probe", {PROBE_CONTEXTS[0]: costs[1]}
     context_costs = ContextCosts(measured, single.max_width, context_prober(target, single.max_width),
@@ -265,24 +268,19 @@ def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Opt
     if has_quantized_layers(target.model) or has_quantized_layers(drafter):
         notes.append(f"quantized model: D-cut verifies up to {single.max_width} rows a request, each round's width "
                      "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
-    return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup, context_costs)
+    return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup, context_costs,
+                      max_batch)
 
 
-BATCH_SCHEMA = "mlx-dflash/batch-costs/1"
-
-
-def batch_cost_table(costs: dict, target) -> dict:
-    """The file `mlx-dflash bench widths --batch` writes: verify seconds per (rows, width), and what they were
-    measured on (the model's dtype and weights, the chip)."""
-    from ..machine import machine_info
-    from .verify_costs import precision
-
-    return {"schema": BATCH_SCHEMA, **precision(target), "machine": {"chip": machine_info().get("chip")},
-            "batch_verify_seconds": {str(b): [row[w] for w in sorted(row)] for b, row in sorted(costs.items())}}
+def batch_cost_rows(costs: dict) -> dict:
+    """What `mlx-dflash bench widths --batch` adds to its cost_table.json: verify seconds per (rows, width)."""
+    return {"batch_verify_seconds": {str(b): [row[w] for w in sorted(row)] for b, row in sorted(costs.items())}}
 
 
 def read_batch_costs(path) -> dict:
-    """{rows: {width: seconds}} from a table `bench widths --batch` wrote; DFlashError naming the problem."""
+    """{rows: {width: seconds}} from a cost_table.json: its rows per batch size (`bench widths --batch`), or,
+    from a table of one row's costs, that row as the batch of one (D-cut scales it to the other batch sizes
+    and times their cells as rounds run). DFlashError naming the problem."""
     import json
     from pathlib import Path
 
@@ -292,10 +290,11 @@ def read_batch_costs(path) -> dict:
         raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths --batch`)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
-    table = data.get("batch_verify_seconds") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or "batch_verify_seconds" not in data:
+        return {1: table_costs(read_cost_table(path))}  # one row's costs (read_cost_table names what is wrong)
+    table = data["batch_verify_seconds"]
     if not isinstance(table, dict) or not table:
-        raise DFlashError(f"cost table {path} has no verify costs per batch size: make one with "
-                          "`mlx-dflash bench widths --batch 1,2,4,8` (a --batch server needs them)")
+        raise DFlashError(f"cost table {path}: batch_verify_seconds must map batch sizes to lists of seconds")
     try:
         costs = {int(b): {w + 1: float(s) for w, s in enumerate(row)} for b, row in table.items()}
     except (TypeError, ValueError):
