@@ -1,0 +1,165 @@
+"""Two revisions of this repository side by side in one run: the same greedy workload through each one's public
+Python API, alternated, so that a change is measured against the commit before it on the same (noisy) machine.
+
+    python bench/revisions.py --base HEAD~1 --prompts gsm8k-train.jsonl --first 7000 --num-prompts 3
+    python bench/revisions.py --base HEAD~1 --num-prompts 1 --max-tokens 8 --repeats 1 --name quick  # a smoke run
+
+Each revision (`--base` and `--head`, default the working tree) is checked out into a temporary folder (`git
+worktree`) and every measurement runs in a fresh process importing that revision alone: it loads the pair,
+runs one short warm-up of the same configuration, then times the workload. Configurations, each as one call
+of that revision's API: mlx-lm alone (`generate_step`, the anchor both are divided by), `generate` at width
+auto, 4 and 16 (one request at a time; decode tokens/s = (tokens - 1) / seconds from the first token to the
+last, as `GenerationStats.decode_tps`), and `batch_generate` at width auto over all the prompts at once
+(tokens / wall seconds, the prompts' reading included). The order of revisions is alternated within every
+configuration and repeat. Every greedy output must equal mlx-lm's (a mismatch is printed and the exit status
+is 1). Writes revisions.json and revisions.md into bench/results/<name>/ and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("mlx-lm alone", "width auto", "width 4", "width 16", "batch, width auto")
+WIDTHS = {"width auto": "auto", "width 4": 4, "width 16": 16}
+
+
+def child(spec: dict) -> dict:
+    """One configuration on the revision this process imports (PYTHONPATH): {"tokens": per prompt, "tps"}."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    import mlx_dflash
+    from mlx_dflash.decoding.batch_decoder import batch_generate
+
+    target, drafter, tokenizer = mlx_dflash.load()
+    prompts, max_tokens, config = spec["prompts"], spec["max_tokens"], spec["config"]
+    stop = set(tokenizer.eos_token_ids)
+
+    def alone(ids: list, n: int) -> tuple:
+        tokens, times = [], []
+        for token, _ in generate_step(mx.array(ids), target.model, max_tokens=n):
+            times.append(time.perf_counter())
+            if token in stop:
+                break
+            tokens.append(int(token))
+        return tokens, (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+
+    def ours(ids: list, n: int) -> tuple:
+        out = mlx_dflash.generate(target, drafter, tokenizer, ids, max_tokens=n, width=WIDTHS[config])
+        return [int(t) for t in out.tokens], out.stats.decode_tps
+
+    if config == "batch, width auto":
+        batch_generate(target, drafter, tokenizer, prompts, max_tokens=4, width="auto")  # warm-up
+        tic = time.perf_counter()
+        out = batch_generate(target, drafter, tokenizer, prompts, max_tokens=max_tokens, width="auto")
+        tokens = [[int(t) for t in row] for row in out.token_ids]
+        return {"tokens": tokens, "tps": sum(map(len, tokens)) / (time.perf_counter() - tic)}
+    run = alone if config == "mlx-lm alone" else ours
+    run(prompts[0], 8)  # warm-up (and, at width auto, the start-up probe)
+    done = [run(ids, max_tokens) for ids in prompts]
+    return {"tokens": [t for t, _ in done], "tps": statistics.mean(tps for _, tps in done)}
+
+
+def checkout(revision: str, folder: Path) -> Path:
+    """`revision` as a tree of its own under `folder` ("" : this working tree as it is)."""
+    if not revision:
+        return ROOT
+    path = folder / revision.replace("/", "_").replace("~", "-")
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), revision], check=True)
+    return path
+
+
+def measure(tree: Path, spec: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                          cwd=tempfile.gettempdir(), capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{tree}: {spec['config']} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def prompt_ids(path: str, first: int, count: int) -> list:
+    """GSM8K questions `first`.. as chat-template token ids of the default target."""
+    import mlx_dflash
+    from mlx_dflash.decoding.prompt import encode_prompt
+
+    _, _, tokenizer = mlx_dflash.load()
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()[first:first + count]]
+    return [encode_prompt(tokenizer, r.get("question") or r["prompt"], chat_template=True) for r in rows]
+
+
+def table(results: dict, revisions: list) -> str:
+    lines = ["| configuration | " + " | ".join(f"{r} tok/s (vs mlx-lm)" for r in revisions) + " | head / base |",
+             "|---|" + "---:|" * (len(revisions) + 1)]
+    anchor = {r: results[r]["mlx-lm alone"] for r in revisions}
+    for config in CONFIGS:
+        cells = [f"{results[r][config]:.2f} ({results[r][config] / anchor[r]:.2f}x)" for r in revisions]
+        lines.append(f"| {config} | " + " | ".join(cells) + f" | {results[revisions[1]][config] / results[revisions[0]][config]:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--base", default="HEAD~1", help="the revision measured against (default HEAD~1)")
+    ap.add_argument("--head", default="", help="the revision measured (default: this working tree)")
+    ap.add_argument("--prompts", default=str(ROOT.parent / "shared/data/gsm8k/train.jsonl"),
+                    help="GSM8K-style JSONL (question per line); default ../shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--first", type=int, default=7000, help="first prompt line (7000 on: never trained on)")
+    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--name", default="revisions-cpu", help="results go to bench/results/<name>/")
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    sys.path.insert(0, str(ROOT))
+    ids = prompt_ids(args.prompts, args.first, args.num_prompts)
+    revisions = [args.base, args.head or "working tree"]
+    with tempfile.TemporaryDirectory() as folder:
+        trees = [checkout(args.base, Path(folder)), checkout(args.head, Path(folder))]
+        try:
+            runs, bad, reference = {r: {c: [] for c in CONFIGS} for r in revisions}, 0, None
+            for repeat in range(args.repeats):
+                for i, config in enumerate(CONFIGS):  # mlx-lm alone first: its output is the reference
+                    for k in [0, 1] if (repeat + i) % 2 == 0 else [1, 0]:
+                        got = measure(trees[k], {"prompts": ids, "max_tokens": args.max_tokens, "config": config})
+                        runs[revisions[k]][config].append(got["tps"])
+                        reference = reference or got["tokens"]
+                        if got["tokens"] != reference:
+                            bad += 1
+                            print(f"MISMATCH: {revisions[k]} {config} differs from mlx-lm's output", file=sys.stderr)
+                        print(f"{revisions[k]:>14} {config:>18}: {got['tps']:.2f} tok/s", file=sys.stderr)
+        finally:
+            for tree in trees:
+                if tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
+    medians = {r: {c: statistics.median(v) for c, v in runs[r].items()} for r in revisions}
+    md = table(medians, revisions)
+    out = ROOT / "bench/results" / args.name
+    out.mkdir(parents=True, exist_ok=True)
+    base_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], capture_output=True,
+                              text=True).stdout.strip()
+    (out / "revisions.json").write_text(json.dumps(
+        {"date": datetime.date.today().isoformat(), "base": args.base, "base_commit": base_rev, "head": args.head,
+         "prompts": Path(args.prompts).name, "first": args.first, "num_prompts": args.num_prompts,
+         "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians,
+         "mismatches": bad}, indent=1))
+    (out / "revisions.md").write_text(md + "\n")
+    print(md)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
