@@ -13,8 +13,8 @@ openai/grade-school-math (not on PyPI) with --prompt-offset 7000, past the probl
 Configurations (each row; with --quantize 4 each again on the target quantized in memory, group 64):
 * target alone: mlx-lm's `generate_step` on the same chat-template prompt ids, same max tokens, same
   stop tokens (the tokenizer's eos ids; a stop token ends the output and is not part of it);
-* width 2/4/5/8/16: fixed verify width (`build_policy(target, drafter, WidthOptions(w, force_width=True))`), so a quantized
-  row verifies what it says (widths above the drafter's trained block size are left out);
+* width 2/4/5/8/16: fixed verify width (`build_policy(target, drafter, WidthOptions(w, force_width=True))`), so a
+  quantized row verifies what it says (widths above the drafter's trained block size are left out);
 * p-min 0.3 / 0.7: the trained block size with the confidence cut (on a quantized target without wide
   kernels the decoder clamps this to 5 rows; the clamp is recorded);
 * width auto: `build_policy(target, drafter, WidthOptions("auto", cost_table=...))` with --cost-table (or

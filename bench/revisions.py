@@ -104,7 +104,8 @@ def table(results: dict, revisions: list) -> str:
     anchor = {r: results[r]["mlx-lm alone"] for r in revisions}
     for config in CONFIGS:
         cells = [f"{results[r][config]:.2f} ({results[r][config] / anchor[r]:.2f}x)" for r in revisions]
-        lines.append(f"| {config} | " + " | ".join(cells) + f" | {results[revisions[1]][config] / results[revisions[0]][config]:.2f} |")
+        ratio = results[revisions[1]][config] / results[revisions[0]][config]
+        lines.append(f"| {config} | " + " | ".join(cells) + f" | {ratio:.2f} |")
     return "\n".join(lines)
 
 

@@ -75,7 +75,8 @@ def stream_generate(
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
-        policy = build_policy(target, drafter, WidthOptions(width).with_default(seeded_sample=seed is not None and temp > 0))
+        widths = WidthOptions(width).with_default(seeded_sample=seed is not None and temp > 0)
+        policy = build_policy(target, drafter, widths)
     ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
@@ -204,8 +205,8 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling,
     try:
         with ranks.watch(), silenced():  # notes new during the run are printed here, each on a line of its own
             for response in stream_generate(
-                target, drafter, tokenizer, ids, max_tokens, **sampling.keywords(), seed=seed, policy=policy, ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n),
-                prompt_cache=cache,
+                target, drafter, tokenizer, ids, max_tokens, **sampling.keywords(), seed=seed, policy=policy,
+                ranks=ranks, prompt_progress_callback=lambda done, _: bar.update(done - bar.n), prompt_cache=cache,
             ):
                 if stats is None:
                     bar.close()

@@ -133,8 +133,8 @@ def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
     want = [generate(target, drafter, tokenizer, p, max_tokens=8, width=4).tokens for p in (long, short)]
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2, tokenizer.eos_token_ids,
-                          prefill_step=8)
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2,
+                          tokenizer.eos_token_ids, prefill_step=8)
     scheduler.submit(Request("long", long, 8))
     out, admitted, firsts, step = {"long": [], "short": []}, {}, {}, 0
     while scheduler.busy:
@@ -159,8 +159,8 @@ def test_a_prompt_cancelled_during_its_read_leaves_and_frees_its_place(pairs):
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
     want = generate(target, drafter, tokenizer, short, max_tokens=6, width=4).tokens
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 1, WidthOptions(4)), 1, tokenizer.eos_token_ids,
-                          prefill_step=8)
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 1, WidthOptions(4)), 1,
+                          tokenizer.eos_token_ids, prefill_step=8)
     scheduler.submit(Request("long", long, 8))
     scheduler.submit(Request("short", short, 6))  # waits: the one row is the long prompt's
     events = scheduler.step() + scheduler.step()

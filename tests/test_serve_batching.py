@@ -27,7 +27,8 @@ def pair(tiny_chat_pair):
 
 def batched(pair, max_batch=4, width=4):
     target, drafter, _ = pair
-    return running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, max_batch, WidthOptions(width)),
+    policy = build_batch_policy(target, drafter, max_batch, WidthOptions(width))
+    return running(pair, engine_class=BatchEngine, policy=policy,
                    engine_options=dict(max_batch=max_batch))
 
 

@@ -144,7 +144,8 @@ def test_concurrent_clients_leave_the_cache_consistent(pair):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_with_several_keys_a_client_hits_only_its_own_keys_entries(pair, batch):
     target, drafter, _ = pair
-    engine = dict(engine_class=BatchEngine, policy=build_batch_policy(target, drafter, batch, WidthOptions(4))) if batch > 1 else {}
+    engine = {} if batch == 1 else dict(engine_class=BatchEngine,
+                                        policy=build_batch_policy(target, drafter, batch, WidthOptions(4)))
     options = dict(prompt_cache=dict(max_entries=8), **(dict(max_batch=batch) if batch > 1 else {}))
     with running(pair, api_keys=("key-a", "key-b"), engine_options=options, **engine) as (url, _):
         secret = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "My password is sea-salt-42."}]

@@ -28,8 +28,8 @@ class Draft:
 
     def row(self, b: int) -> "Draft":
         """Row b of a batch's drafts, as one request's."""
-        return Draft(self.ids[b], self.confidence[b], None if self.proposal is None else tuple(p[b] for p in self.proposal),
-                     None if self.looked_up is None else self.looked_up[b])
+        proposal = None if self.proposal is None else tuple(p[b] for p in self.proposal)
+        return Draft(self.ids[b], self.confidence[b], proposal, None if self.looked_up is None else self.looked_up[b])
 
 
 class DraftModel(Protocol):
