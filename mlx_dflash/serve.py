@@ -52,8 +52,8 @@ from .policies.width import build_policy
               help="On Ctrl-C or SIGTERM: seconds the running requests (every row of the batch) may go on before they "
                    "end with an error.")
 @click.option("--max-batch", default=None, type=int,
-              help="Requests decoded together (continuous batching; 1: one at a time, as with --shard and "
-                   "--kv-bits). Default: 8 with Metal, 4 on the CPU.")
+              help="Requests decoded together (continuous batching; 1: one at a time, as with --shard). Default: 8 "
+                   "with Metal, 4 on the CPU.")
 @click.option("--no-generic-tools", is_flag=True,
               help="Refuse tools (400) where the target's chat template does not render them, instead of putting "
                    "them in the system prompt in the generic <tool_call> JSON form.")
@@ -105,7 +105,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
-    max_batch = _max_batch(max_batch, shard, kv, launch_notes)
+    max_batch = _max_batch(max_batch, shard, launch_notes)
     widths = widths.with_default()
     batch_costs = None
     if widths.cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line
@@ -180,15 +180,13 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     _leave(0)
 
 
-def _max_batch(asked, shard, kv, notes: list) -> int:
+def _max_batch(asked, shard, notes: list) -> int:
     """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
     from .machine import metal_available
 
     size = asked or (8 if metal_available() else 4)
-    why = "--shard (the ranks decode one request at a time, in step)" if shard else (
-        "--kv-bits (a quantized cache has no per-row lengths)" if kv.bits else None)
-    if why and size > 1:
-        notes.append(f"note: {why}: serving one request at a time")
+    if shard and size > 1:
+        notes.append("note: --shard (the ranks decode one request at a time, in step): serving one request at a time")
         return 1
     return size
 

@@ -41,15 +41,19 @@ def pairs(tiny_chat_pair):
     llama, tokenizer, drafter = tiny_chat_pair
     vocab = llama.vocab_size
     moe, hybrid = tiny_chat_target("qwen3_moe", vocab, seed=4), tiny_chat_target("qwen3_5", vocab, seed=3)
+    kv8 = tiny_chat_target("llama", vocab, seed=5, num_hidden_layers=4, hidden_size=128,
+                           tie_word_embeddings=True)  # head dim 32: one quantization group
+    kv8.quantize_kv(8, group_size=32, start=16)  # every chat prompt passes it as it is read
     return {"dense": (llama, drafter, tokenizer), "moe": (moe, bound(moe), tokenizer),
-            "hybrid": (hybrid, bound(hybrid), tokenizer), "dflash2": (llama, bound(llama, dflash2=True), tokenizer)}
+            "hybrid": (hybrid, bound(hybrid), tokenizer), "dflash2": (llama, bound(llama, dflash2=True), tokenizer),
+            "kv8": (kv8, bound(kv8), tokenizer)}
 
 
 def prompts(tokenizer, n):
     return [chat_ids(tokenizer, p) for p in (PROMPTS * 2)[:n]]
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "hybrid", "dflash2"])
+@pytest.mark.parametrize("name", ["dense", "moe", "hybrid", "dflash2", "kv8"])
 def test_batched_greedy_output_equals_single_requests(pairs, name):
     target, drafter, tokenizer = pairs[name]
     ids = prompts(tokenizer, len(LIMITS))
@@ -61,6 +65,42 @@ def test_batched_greedy_output_equals_single_requests(pairs, name):
     if name == "dense":  # rows of every count 1..8 at once, D-cut choosing the widths
         got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=8, width="auto")
         assert got.token_ids == want and max(got.batch.rows) >= 4 and len(got.batch.widths) > 1
+
+
+def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their_own(pairs):
+    """--kv-bits in a batch: once a row passes the quantization start its layer of the batch is quantized, every
+    row stored as its own QuantizedKVCache stores it (a row leaves as one), and the batch's rounds equal one
+    request's; a row short of the start waits in a plain layer until one passes it."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlx_dflash.models.batch_cache import RaggedKVCache, RaggedQuantizedKVCache
+
+    target, drafter, tokenizer = pairs["kv8"]
+    ids = prompts(tokenizer, 2)
+    want = [generate(target, drafter, tokenizer, p, max_tokens=6, width=4).tokens for p in ids]
+    batch = Batch(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)))
+    assert all(type(c) is RaggedKVCache for c in batch.cache)
+    for i, p in enumerate(ids):
+        state = DecodeState.fresh(target, drafter)
+        state.extend(p[:-1], target.read(mx.array(p[:-1]), state.cache))
+        assert all(isinstance(c, QuantizedKVCache) for c in state.cache)
+        batch.join(i, state, p[-1], SamplingParams(), 6)
+    assert all(type(c) is RaggedQuantizedKVCache for c in batch.cache)
+    got, left = [[], []], {}
+    while batch.rows:
+        for handle, rnd in batch.round():
+            got[handle] += rnd.tokens
+        left.update(batch.leave({r.handle for r in batch.rows if r.remaining <= 0}))
+    assert got == want
+    assert all(isinstance(c, QuantizedKVCache) and c.offset == len(s.tokens) for s in left.values() for c in s.cache)
+    short = Batch(target, drafter, build_batch_policy(target, drafter, 1, WidthOptions(4)))
+    state = DecodeState.fresh(target, drafter)
+    state.extend([1, 2, 3], target.read(mx.array([1, 2, 3]), state.cache))
+    short.join(0, state, 4, SamplingParams(), 20)
+    assert type(short.cache[0]) is RaggedKVCache
+    while short.rows[0].remaining > 0 and len(short.rows[0].tokens) <= 16:
+        short.round()
+    assert type(short.cache[0]) is RaggedQuantizedKVCache  # the row passed the start
 
 
 def test_a_cancelled_row_leaves_and_the_others_go_on_unchanged(pairs):

@@ -6,22 +6,41 @@ row b's `lengths[b]` positions valid: a forward writes each row's new keys at th
 scatter), RoPE takes the lengths as per-row offsets, the mask hides every row's padding, and a row rolls
 back by lowering its length. Recurrent layers keep mlx-lm's batched `ArraysCache` (their rollback is the
 target's, per row). Rows join from a single-sequence cache and leave as one, so a request's state moves
-between the batch and the prefix cache unchanged.
+between the batch and the prefix cache unchanged. With a quantized KV cache (`--kv-bits`) a batch layer
+becomes a `RaggedQuantizedKVCache` once its longest row passes the quantization start (or a quantized row
+joins): every row of it is then stored quantized, as its own QuantizedKVCache would store it.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
 
 
 class RaggedKVCache(_BaseCache):
     step = 256
 
     def __init__(self):
-        self.keys = self.values = None  # [B, H, capacity, D]
+        self.keys = self.values = None  # tuples of [B, H, capacity, d] arrays: the stored parts (one, unquantized)
         self.sizes: list = []  # valid positions per row, on the host (no read-back to place a write)
         self.lengths = mx.zeros((0,), mx.int32)  # the same on the device
+
+    # What a position is stored as, and what attention is given: overridden by RaggedQuantizedKVCache.
+    def _parts(self, x: mx.array) -> tuple:
+        return (x,)
+
+    def _fetched(self, parts: tuple):
+        return parts[0]
+
+    def _row_parts(self, row) -> tuple:
+        """A single sequence's cache layer as (keys parts, values parts), each [1, H, length, d]."""
+        n = row.offset
+        return self._parts(row.keys[..., :n, :]), self._parts(row.values[..., :n, :])
+
+    def _single(self, keys: tuple, values: tuple, length: int):
+        c = KVCache()
+        c.update_and_fetch(mx.array(keys[0]), mx.array(values[0]))
+        return c
 
     @property
     def offset(self) -> mx.array:
@@ -40,27 +59,35 @@ class RaggedKVCache(_BaseCache):
         self.sizes = list(sizes)
         self.lengths = mx.array(self.sizes, mx.int32)
 
+    def _upto(self, end: int) -> tuple:
+        return self._fetched(tuple(x[..., :end, :] for x in self.keys)), \
+            self._fetched(tuple(x[..., :end, :] for x in self.values))
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write keys/values [B, H, L, D] after each row's valid positions; returns the columns up to the
         longest row's new end. Every row advances by L (rows verifying fewer roll back after the round)."""
         L = keys.shape[2]
         end = self.max_length + L
         if L == 0:  # nothing new (a drafter round in which no row has unread context)
-            return (keys, values) if self.keys is None else (self.keys[..., :end, :], self.values[..., :end, :])
-        if self.keys is None or end > self.keys.shape[2]:
+            return (keys, values) if self.keys is None else self._upto(end)
+        keys, values = self._parts(keys), self._parts(values)
+        if self.keys is None or end > self.keys[0].shape[2]:
             self._grow(end, keys, values)
         at = (self.lengths[:, None] + mx.arange(L))[:, None, :, None]  # [B, 1, L, 1]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
-        self._set_sizes([n + L for n in self.sizes])
-        return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def _grow(self, end: int, keys: mx.array, values: mx.array):
+        def write(stored: tuple, new: tuple) -> tuple:
+            return tuple(mx.put_along_axis(s, mx.broadcast_to(at, n.shape), n, axis=2) for s, n in zip(stored, new))
+
+        self.keys, self.values = write(self.keys, keys), write(self.values, values)
+        self._set_sizes([n + L for n in self.sizes])
+        return self._upto(end)
+
+    def _grow(self, end: int, keys: tuple, values: tuple):
         capacity = -(-end // self.step) * self.step
         if self.keys is None:
-            B, H, _, D = keys.shape
-            self.keys = mx.zeros((B, H, capacity, D), keys.dtype)
-            self.values = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
+            B, H = keys[0].shape[:2]
+            self.keys = tuple(mx.zeros((B, H, capacity, k.shape[3]), k.dtype) for k in keys)
+            self.values = tuple(mx.zeros((B, H, capacity, v.shape[3]), v.dtype) for v in values)
         else:
             self._pad_to(capacity)
 
@@ -92,58 +119,98 @@ class RaggedKVCache(_BaseCache):
 
     @property
     def nbytes(self):
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else sum(x.nbytes for x in self.keys + self.values)
 
     def empty(self):
         return self.keys is None
 
     # Rows in and out.
-    def add(self, row: KVCache):
-        """Append a single-sequence cache as the last row."""
+    def add(self, row):
+        """Append a single-sequence cache layer as the last row."""
         length = row.offset
         if self.keys is None and self.sizes:  # rows so far are all empty: start their arrays now
             if row.keys is not None:
-                shape = (len(self.sizes), *row.keys.shape[1:2], 0, row.keys.shape[3])
-                self.keys = mx.zeros(shape, row.keys.dtype)
-                self.values = mx.zeros((*shape[:3], row.values.shape[3]), row.values.dtype)
+                keys, values = self._row_parts(row)
+                self.keys = tuple(mx.zeros((len(self.sizes), *k.shape[1:2], 0, k.shape[3]), k.dtype) for k in keys)
+                self.values = tuple(mx.zeros((len(self.sizes), *v.shape[1:2], 0, v.shape[3]), v.dtype) for v in values)
         if self.keys is None:
             if row.keys is not None:
-                self.keys, self.values = row.keys[..., :length, :], row.values[..., :length, :]
+                self.keys, self.values = self._row_parts(row)
                 self._pad_to(-(-length // self.step) * self.step)
             self._set_sizes(self.sizes + [length])
             return
         if row.keys is None:  # an empty row: zeros of the batch's shapes
-            k = mx.zeros((1, *self.keys.shape[1:]), self.keys.dtype)
-            v = mx.zeros((1, *self.values.shape[1:]), self.values.dtype)
+            keys = tuple(mx.zeros((1, *x.shape[1:]), x.dtype) for x in self.keys)
+            values = tuple(mx.zeros((1, *x.shape[1:]), x.dtype) for x in self.values)
         else:
-            capacity = max(self.keys.shape[2], -(-length // self.step) * self.step)
+            capacity = max(self.keys[0].shape[2], -(-length // self.step) * self.step)
             self._pad_to(capacity)
             pad = [(0, 0), (0, 0), (0, capacity - length), (0, 0)]
-            k, v = mx.pad(row.keys[..., :length, :], pad), mx.pad(row.values[..., :length, :], pad)
-        self.keys = mx.concatenate([self.keys, k])
-        self.values = mx.concatenate([self.values, v])
+            keys, values = (tuple(mx.pad(x, pad) for x in parts) for parts in self._row_parts(row))
+        self.keys = tuple(mx.concatenate([s, k]) for s, k in zip(self.keys, keys))
+        self.values = tuple(mx.concatenate([s, v]) for s, v in zip(self.values, values))
         self._set_sizes(self.sizes + [length])
 
     def _pad_to(self, capacity: int):
-        extra = capacity - self.keys.shape[2]
+        extra = capacity - self.keys[0].shape[2]
         if extra > 0:
             pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+            self.keys = tuple(mx.pad(x, pad) for x in self.keys)
+            self.values = tuple(mx.pad(x, pad) for x in self.values)
 
-    def row(self, b: int) -> KVCache:
+    def row(self, b: int):
         """Row b as a single-sequence cache of its own (a copy nobody else writes)."""
-        c = KVCache()
         length = self.sizes[b]
-        if self.keys is not None and length:
-            c.update_and_fetch(mx.array(self.keys[b : b + 1, :, :length]), mx.array(self.values[b : b + 1, :, :length]))
-        return c
+        if self.keys is None or not length:
+            return self._single(None, None, 0)
+        keys = tuple(x[b : b + 1, :, :length] for x in self.keys)
+        return self._single(keys, tuple(x[b : b + 1, :, :length] for x in self.values), length)
 
     def keep(self, rows: list):
         """Only these rows, in this order."""
         if self.keys is not None:
             index = mx.array(rows, mx.int32)
-            self.keys, self.values = self.keys[index], self.values[index]
+            self.keys = tuple(x[index] for x in self.keys)
+            self.values = tuple(x[index] for x in self.values)
         self._set_sizes([self.sizes[r] for r in rows])
+
+
+class RaggedQuantizedKVCache(RaggedKVCache):
+    """A RaggedKVCache holding keys and values quantized as mlx-lm's QuantizedKVCache holds them (per position,
+    packed values with per-group scales and biases, in groups along the head dim), for a target whose KV cache
+    is quantized (`Target.quantize_kv`): a position is stored exactly as a row's own QuantizedKVCache stores
+    it, so a row joins and leaves unchanged, and mlx-lm's attention takes its quantized path (`bits`)."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        super().__init__()
+        self.group_size, self.bits = group_size, bits
+
+    def _parts(self, x: mx.array) -> tuple:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _fetched(self, parts: tuple):
+        return parts
+
+    def _row_parts(self, row) -> tuple:
+        if not isinstance(row, QuantizedKVCache):  # a row read before its cache passed the quantization start
+            return super()._row_parts(row)
+        n = row.offset
+        return tuple(x[..., :n, :] for x in row.keys), tuple(x[..., :n, :] for x in row.values)
+
+    def _single(self, keys, values, length: int):
+        c = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        if length:
+            c.keys, c.values, c.offset = tuple(map(mx.array, keys)), tuple(map(mx.array, values)), length
+        return c
+
+    @classmethod
+    def of(cls, ragged: RaggedKVCache, group_size: int, bits: int) -> "RaggedQuantizedKVCache":
+        """`ragged`'s rows, quantized (once the batch's longest row passes the quantization start)."""
+        out = cls(group_size, bits)
+        if ragged.keys is not None:
+            out.keys, out.values = out._parts(ragged.keys[0]), out._parts(ragged.values[0])
+        out._set_sizes(ragged.sizes)
+        return out
 
 
 def batched(single: list) -> list:
@@ -152,8 +219,11 @@ def batched(single: list) -> list:
 
 
 def add_row(batch: list, single: list):
-    """Append one sequence's cache layers as the batch's last row."""
-    for b, s in zip(batch, single):
+    """Append one sequence's cache layers as the batch's last row. A row whose layer is quantized (its read
+    passed the target's quantization start) makes the batch's layer quantized too."""
+    for i, (b, s) in enumerate(zip(batch, single)):
+        if isinstance(s, QuantizedKVCache) and type(b) is RaggedKVCache:
+            batch[i] = b = RaggedQuantizedKVCache.of(b, s.group_size, s.bits)
         if isinstance(b, RaggedKVCache):
             b.add(s)
         elif b.empty():

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache
 from .config import DFlashConfig
 from ..errors import DFlashError
 from .rollback import find_recurrent, taping
@@ -91,6 +92,8 @@ class Target:
         for i, c in enumerate(cache):
             if isinstance(c, KVCache) and c.offset > start:
                 cache[i] = c.to_quantized(group_size=group_size, bits=bits)
+            elif type(c) is RaggedKVCache and c.max_length > start:  # a batch: its rows together (batch_cache.py)
+                cache[i] = RaggedQuantizedKVCache.of(c, group_size, bits)
 
     def install_wide_kernels(self) -> int:
         """Route 6..16-row quantized matmuls to our Metal kernel. Returns the layers switched (0 off Metal)."""
