@@ -152,12 +152,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], capture_output=True,
                               text=True).stdout.strip()
-    (out / "revisions.json").write_text(json.dumps(
-        {"date": datetime.date.today().isoformat(), "base": args.base, "base_commit": base_rev, "head": args.head,
-         "prompts": Path(args.prompts).name, "first": args.first, "num_prompts": args.num_prompts,
-         "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians,
-         "mismatches": bad}, indent=1))
-    (out / "revisions.md").write_text(md + "\n")
+    from mlx_dflash.utils import write_atomic, write_json
+
+    write_json(out / "revisions.json", {
+        "date": datetime.date.today().isoformat(), "base": args.base, "base_commit": base_rev, "head": args.head,
+        "prompts": Path(args.prompts).name, "first": args.first, "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians, "mismatches": bad})
+    write_atomic(out / "revisions.md", md + "\n")
     print(md)
     return 1 if bad else 0
 
