@@ -22,7 +22,8 @@ from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_ta
                            observe_cost, probe_verify_costs, read_cost_table, running, table_context_costs, table_costs)
 
 QUANTIZED_MAX_WIDTH = 5
-# Every entry point's default: at one request, at long contexts and under load it beats width 16 (docs/benchmarks.md).
+# Every entry point's default: a fixed width that is best on short prompts loses most at long contexts and under
+# load, where auto keeps up with the target alone (docs/benchmarks.md).
 DEFAULT_WIDTH = "auto"
 # The chance that looked-up draft k+1 is kept once the ones before it were, under prompt lookup's rule
 # (decoding/lookup.py), rounded from
