@@ -33,6 +33,7 @@ def grouped(name: str, build, *decorators):
             return f(**values, **{name: build(**mine)})
 
         command = options(*decorators)(command)
+        # each click.option appends the Parameter it makes to the function's __click_params__: these are ours
         names = [p.name for p in command.__click_params__[-len(decorators):]]
         return command
     return apply
@@ -67,6 +68,14 @@ class KVOptions:
             target.quantize_kv(self.bits, self.group_size, self.start)
 
 
+def sampling_from_flags(temp, top_p, top_k, min_p) -> SamplingParams:
+    """The sampling flags as SamplingParams; bad values are refused naming the flags (before anything loads)."""
+    if problem := sampling_problem(temp, top_p, top_k, min_p, FLAGS):
+        raise DFlashError(problem)
+    return SamplingParams(temp, top_p, top_k, min_p)
+
+
+
 class Width(click.ParamType):
     """A verify width: a number of rows, or "auto"."""
 
@@ -91,7 +100,7 @@ pair_options = options(
                       "(default: the drafter's own context_window, else all)."),
 )
 sampling_options = grouped(
-    "sampling", lambda **flags: sampling_from_flags(**flags),
+    "sampling", sampling_from_flags,
     click.option("--temp", default=0.0, show_default=True, type=float, help="0 means greedy."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="1 disables top-p."),
     click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
@@ -100,7 +109,7 @@ sampling_options = grouped(
                       "--temp act as in mlx_lm.generate."),
 )
 width_options = grouped(
-    "widths", lambda **flags: WidthOptions(**flags),
+    "widths", WidthOptions,
     click.option("--width", default=None, type=Width(),
                  help="Verify width: rows the target checks per round, anchor included, up to the drafter's trained "
                       "block; or auto (the default): per round, the width with the most expected tokens per "
@@ -133,13 +142,6 @@ kv_options = grouped(
     click.option("--quantized-kv-start", default=5000, show_default=True, type=int,
                  help="Quantize a cache once it holds more than this many tokens (with --kv-bits)."),
 )
-
-
-def sampling_from_flags(temp, top_p, top_k, min_p) -> SamplingParams:
-    """The sampling flags as SamplingParams; bad values are refused naming the flags (before anything loads)."""
-    if problem := sampling_problem(temp, top_p, top_k, min_p, FLAGS):
-        raise DFlashError(problem)
-    return SamplingParams(temp, top_p, top_k, min_p)
 
 
 def check_seed(seed, name: str = "--seed") -> None:

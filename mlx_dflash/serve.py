@@ -74,8 +74,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/responses, /v1/messages).
 
-    --max-tokens and the sampling flags are the defaults of requests that leave those fields out. The verify width defaults to
-    --width auto (batched, D-cut: one width for the whole batch each round).
+    --max-tokens and the sampling flags are the defaults of requests that leave those fields out. The verify
+    width defaults to --width auto (batched, D-cut: one width for the whole batch each round).
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
@@ -186,7 +186,7 @@ def _max_batch(asked, shard, notes: list) -> int:
 
     size = asked or (8 if metal_available() else 4)
     if shard and size > 1:
-        notes.append("note: --shard (the ranks decode one request at a time, in step): serving one request at a time")
+        notes.append("note: --shard: serving one request at a time (the ranks decode in step)")
         return 1
     return size
 

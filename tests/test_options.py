@@ -68,4 +68,4 @@ def test_serve_batches_with_a_quantized_kv_cache_and_serves_a_sharded_target_one
     assert _max_batch(None, ShardOptions(), notes) == (8 if metal_available() else 4) and notes == []
     assert _max_batch(3, ShardOptions(), notes) == 3 and notes == []
     assert _max_batch(3, ShardOptions("tensor"), notes) == 1 and notes == [
-        "note: --shard (the ranks decode one request at a time, in step): serving one request at a time"]
+        "note: --shard: serving one request at a time (the ranks decode in step)"]
