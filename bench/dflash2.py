@@ -73,7 +73,7 @@ def main(argv=None):
         d, cache = drafters[name]
         mx.random.seed(0)
         tic = clock()
-        result = d.draft(5, new_row, cache, 16, 16, sampling)  # one new context row, as after a rejection
+        result = d.draft([5], [new_row], cache, 16, 16, [sampling])  # one new context row, as after a rejection
         mx.eval(result.confidence)
         return clock() - tic
 

@@ -65,10 +65,10 @@ def draft_seconds(drafter, target, ids: list, widths, repeats: int, sizes: dict,
             drafter.set_draft_vocab(sizes[name])
             for w in widths:
                 draft_cache = drafter.make_cache()
-                mx.eval(drafter.draft(anchor, context, draft_cache, drafter.block_size, 2, greedy).confidence)
+                mx.eval(drafter.draft([anchor], [context], draft_cache, drafter.block_size, 2, [greedy]).confidence)
                 one = context[:, -1:]
                 tic = time.perf_counter()
-                mx.eval(drafter.draft(anchor, one, draft_cache, drafter.block_size, w, greedy).confidence)
+                mx.eval(drafter.draft([anchor], [one], draft_cache, drafter.block_size, w, [greedy]).confidence)
                 times[name][w].append(time.perf_counter() - tic)
     return {name: {w: statistics.median(t[1:]) for w, t in per.items()} for name, per in times.items()}
 

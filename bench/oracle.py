@@ -113,14 +113,16 @@ class OracleDrafter(nn.Module):
     def read_context(self, context, cache: list):
         self._seen += context.shape[1]
 
-    def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
+    def draft(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+              keys=None) -> Draft:
         tic = time.perf_counter()
+        (context,) = contexts  # one request
         if context is not None:
             self._seen += context.shape[1]
         start = self._seen - self._prompt_len + 1  # generated index of block position 1
         tokens = self._continuation[start:start + width - 1]
         tokens += [0] * (width - 1 - len(tokens))  # past the continuation: never reached by a capped width
-        draft = Draft(mx.array(tokens, dtype=mx.int32), mx.ones((width - 1,)))
+        draft = Draft(mx.array([tokens], dtype=mx.int32), mx.ones((1, width - 1)))
         self.draft_seconds += time.perf_counter() - tic
         self.draft_calls += 1
         return draft

@@ -212,25 +212,28 @@ class Ranks(SingleProcess):
         """Rank 0's `array` on every rank (the others pass zeros of the same shape and dtype)."""
         return self._timed(mx.distributed.all_sum(array, group=self.group))
 
-    def agree(self, drafts: mx.array, confidence: list) -> tuple:
+    def agree(self, drafts: mx.array, confidence) -> tuple:
+        """Rank 0's drafts [1, n] and the confidence it read (None: none), on every rank: the ranks decode one
+        request in step, a row."""
         # Token ids travel as float32: exact up to 2**24, far past any vocabulary.
-        drafts = drafts.tolist()
-        n, m = len(drafts), len(confidence)
-        got = self._from_rank0([n, m, *drafts, *confidence])
+        (ids,) = drafts.tolist()
+        read = confidence[0] if confidence is not None else []
+        got = self._from_rank0([len(ids), len(read), *ids, *read])
         if got[0] < 0:  # rank 0 sent stop() in place of this round's drafts
             raise GenerationStopped()
         n, m = int(got[0]), int(got[1])
-        return mx.array([int(t) for t in got[2 : 2 + n]], dtype=mx.int32), got[2 + n : 2 + n + m]
+        return mx.array([[int(t) for t in got[2 : 2 + n]]], dtype=mx.int32), [got[2 + n : 2 + n + m]] if m else None
 
     def stop(self):
         """On rank 0, after a round, to end the generation early: the other ranks, which have gone on to
         the next round, get it in place of that round's drafts (`agree` raises GenerationStopped)."""
         self._from_rank0([-1])
 
-    def settle(self, accepted: int, token: int) -> tuple:
-        """Rank 0's number of kept drafts and next token (after the verify, or the prefill's token)."""
-        got = self._from_rank0([accepted, token])
-        return int(got[0]), int(got[1])
+    def settle(self, accepted: list, tokens: list) -> tuple:
+        """Rank 0's number of kept drafts and next token of its one row (after the verify, or the prefill's
+        token)."""
+        got = self._from_rank0([accepted[0], tokens[0]])
+        return [int(got[0])], [int(got[1])]
 
     def whole_features(self, rows: mx.array) -> mx.array:
         """The drafter's context rows with every captured layer filled: under pipeline sharding each rank

@@ -61,11 +61,13 @@ class OracleDrafter:
     def read_context(self, context, cache: list):
         self.seen += context.shape[1]
 
-    def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
+    def draft(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+              keys=None) -> Draft:
+        (context,) = contexts  # one request
         self.seen += 0 if context is None else context.shape[1]
         start = self.seen - self.prompt_len + 1  # generated index of block position 1 (the anchor is one before)
         tokens = planted(self.continuation, self.errors, self.config.vocab_size, start, width - 1)
-        return Draft(mx.array(tokens, dtype=mx.int32), mx.full((width - 1,), self.confidence))
+        return Draft(mx.array([tokens], dtype=mx.int32), mx.full((1, width - 1), self.confidence))
 
 
 class OracleDFlash2(DFlash2DraftModel):
@@ -96,7 +98,7 @@ class OracleDFlash2(DFlash2DraftModel):
 
 
 class Recorder:
-    """A drafter that keeps every draft `drafter` returns, in `drafts`."""
+    """A drafter that keeps every draft `drafter` returns for one request, in `drafts`."""
 
     def __init__(self, drafter: DraftModel):
         self.drafter, self.drafts = drafter, []
@@ -121,7 +123,7 @@ class Recorder:
 
     def draft(self, *args) -> Draft:
         d = self.drafter.draft(*args)
-        self.drafts.append(d)
+        self.drafts.append(d.row(0))  # one request's: its one row
         return d
 
 
@@ -138,3 +140,15 @@ def expected_acceptance(n_tokens: int, width: int, errors: set) -> list:
         out.append(accepted)
         produced += accepted + 1
     return out
+
+
+def cut_one(policy, width: int, confidence: list, looked_up: int = 0) -> int:
+    """A policy's cut for one request (a one-row round)."""
+    return policy.cut(width, [confidence], [looked_up], [width])
+
+
+def observe_one(policy, confidence: list, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                looked_up: int = 0):
+    """A policy's observation of a one-row round (confidence [] when the round read none)."""
+    policy.observe([confidence] if confidence else None, [drafted], [accepted], 1, drafted + 1, draft_seconds,
+                   verify_seconds, [looked_up])

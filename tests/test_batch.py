@@ -13,7 +13,7 @@ from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
 from mlx_dflash.policies.width import WidthOptions
-from mlx_dflash.policies.dcut import (BatchPolicy, DCutPolicy, batch_cost_rows, build_batch_policy, probe_batch_costs,
+from mlx_dflash.policies.dcut import (DCutPolicy, batch_cost_rows, build_batch_policy, probe_batch_costs,
                              read_batch_costs)
 from mlx_dflash.decoding.decoder import DecodeState
 from mlx_dflash.errors import DFlashError
@@ -98,7 +98,7 @@ def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their
     state.extend([1, 2, 3], target.read(mx.array([1, 2, 3]), state.cache))
     short.join(0, state, 4, SamplingParams(), 20)
     assert type(short.cache[0]) is RaggedKVCache
-    while short.rows[0].remaining > 0 and len(short.rows[0].tokens) <= 16:
+    while short.rows[0].remaining > 0 and len(short.rows[0].state.tokens) <= 16:
         short.round()
     assert type(short.cache[0]) is RaggedQuantizedKVCache  # the row passed the start
 
@@ -278,7 +278,7 @@ def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
         states.append(state)
     firsts, nexts = [], []
     for trial in range(300):
-        batch = Batch(target, drafter, BatchPolicy(drafter.block_size, 4, prompt_lookup=False))
+        batch = Batch(target, drafter, WidthPolicy(drafter.block_size, 4, prompt_lookup=False))
         batch.join("s", copy.deepcopy(states[0]), ids[0][-1], params, 8, seed=trial, first_key=mx.random.key(0))
         batch.join("g", copy.deepcopy(states[1]), ids[1][-1], SamplingParams(), 8)
         firsts.append({h: rnd.tokens for h, rnd in batch.round()})

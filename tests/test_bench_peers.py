@@ -32,10 +32,10 @@ def test_oracle_reads_its_position_from_the_context_rows(tiny_chat_pair):
     orc.set_continuation(5, list(range(100, 130)))
     orc.make_cache()
     rows = lambda n: mx.zeros((1, n, 4))  # noqa: E731 (only the row count matters)
-    assert orc.draft(7, rows(5), None, 8, 4, None).tokens == [101, 102, 103]  # anchor = generated token 0
-    assert orc.draft(7, None, None, 8, 2, None).tokens == [101]  # no new context: same position
-    assert orc.draft(7, rows(3), None, 8, 5, None).tokens == [104, 105, 106, 107]  # 3 rows accepted
-    assert orc.draft(7, rows(27), None, 8, 3, None).tokens == [0, 0]  # past the continuation
+    assert orc.draft([7], [rows(5)], None, 8, 4, [None]).row(0).tokens == [101, 102, 103]  # anchor = generated token 0
+    assert orc.draft([7], [None], None, 8, 2, [None]).row(0).tokens == [101]  # no new context: same position
+    assert orc.draft([7], [rows(3)], None, 8, 5, [None]).row(0).tokens == [104, 105, 106, 107]  # 3 rows accepted
+    assert orc.draft([7], [rows(27)], None, 8, 3, [None]).row(0).tokens == [0, 0]  # past the continuation
     assert orc.draft_calls == 4 and orc.draft_seconds > 0
     assert orc.is_bound and orc.block_size == 8 and orc.mask_token_id == drafter.mask_token_id
     fresh = Target(target.model)

@@ -5,6 +5,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import chat_ids, mlx_lm_greedy
+from oracles import cut_one, observe_one
 from mlx_dflash.decoding.batch_decoder import batch_generate
 from mlx_dflash.policies.dcut import DCutPolicy
 from mlx_dflash.decoding.decoder import speculative_rounds
@@ -89,9 +90,9 @@ def test_auto_width_verifies_narrower_at_a_long_context():
     policy.draft_seconds = 0.01
     confidence = [0.8] * 15
     policy.at_context(200)
-    short = policy.cut(16, confidence)
+    short = cut_one(policy, 16, confidence)
     policy.at_context(8000)
-    long = policy.cut(16, confidence)
+    long = cut_one(policy, 16, confidence)
     assert long < short
 
 
@@ -99,7 +100,7 @@ def test_an_observation_at_a_long_context_is_averaged_in_as_its_short_context_co
     policy = CostAwarePolicy(16, 16, {1: 0.05, 16: 0.05}, context_costs=ContextCosts(MEASURED, 16))
     policy.at_context(4096)
     before = policy.verify_seconds[16]
-    policy.observe([0.9] * 15, drafted=15, accepted=0, draft_seconds=0.01, verify_seconds=0.4)
+    observe_one(policy, [0.9] * 15, drafted=15, accepted=0, draft_seconds=0.01, verify_seconds=0.4)
     a = CostAwarePolicy.SMOOTHING
     assert policy.verify_seconds[16] == pytest.approx((1 - a) * before + a * 0.4 / 4.0)
 
@@ -107,9 +108,9 @@ def test_an_observation_at_a_long_context_is_averaged_in_as_its_short_context_co
 def test_without_context_costs_the_policy_is_unchanged_by_the_context():
     policy = CostAwarePolicy(16, 16, MEASURED[256])
     policy.draft_seconds = 0.01
-    before = policy.cut(16, [0.8] * 15)
+    before = cut_one(policy, 16, [0.8] * 15)
     policy.at_context(100_000)
-    assert policy.cut(16, [0.8] * 15) == before
+    assert cut_one(policy, 16, [0.8] * 15) == before
     make_policy(16, 4).at_context(100_000)  # fixed widths ignore it
 
 

@@ -186,7 +186,7 @@ def test_draft_confidence_is_the_selector_probability_of_the_chosen_candidate(gl
     target, _ = glimmer
     context = target.prefill(mx.array(PROMPT), target.make_cache())[1]
     mx.random.seed(0)
-    draft = drafter.draft(7, context, drafter.make_cache(), 16, 12, sampling)
+    draft = drafter.draft([7], [context], drafter.make_cache(), 16, 12, [sampling]).row(0)
     hidden = drafter.hidden(mx.array([[7] + [drafter.mask_token_id] * 15]), context, drafter.make_cache())
     walk = drafter.walk(hidden[:, 1:12], mx.array([7]))
     if sampling.greedy:

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
+from oracles import cut_one, observe_one
 from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import CostAwarePolicy, make_policy
@@ -16,17 +17,17 @@ from mlx_dflash.decoding.sampling import SamplingParams, next_token
 def test_p_min_cuts_before_the_first_low_confidence_position():
     policy = make_policy(16, 8, p_min=0.5)
     confidence = [0.9, 0.8, 0.45, 0.99, 0.99, 0.99, 0.99]
-    assert policy.cut(8, confidence) == 3  # drafts 1-2 survive; 3 is below 0.5
-    assert policy.cut(8, [0.9] * 7) == 8
-    assert policy.cut(8, [0.1] * 7) == 1
-    assert policy.cut(3, confidence) == 3  # the width bound comes first
+    assert cut_one(policy, 8, confidence) == 3  # drafts 1-2 survive; 3 is below 0.5
+    assert cut_one(policy, 8, [0.9] * 7) == 8
+    assert cut_one(policy, 8, [0.1] * 7) == 1
+    assert cut_one(policy, 3, confidence) == 3  # the width bound comes first
 
 
 def test_n_min_verifies_nothing_when_too_few_drafts_survive():
     policy = make_policy(16, 8, p_min=0.5, n_min=3)
-    assert policy.cut(8, [0.9, 0.8, 0.45, 0.9, 0.9, 0.9, 0.9]) == 1  # 2 survive < 3
-    assert policy.cut(8, [0.9, 0.8, 0.7, 0.45, 0.9, 0.9, 0.9]) == 4  # 3 survive
-    assert make_policy(16, 8, n_min=8).cut(8, [1.0] * 7) == 1  # 7 possible drafts < 8
+    assert cut_one(policy, 8, [0.9, 0.8, 0.45, 0.9, 0.9, 0.9, 0.9]) == 1  # 2 survive < 3
+    assert cut_one(policy, 8, [0.9, 0.8, 0.7, 0.45, 0.9, 0.9, 0.9]) == 4  # 3 survive
+    assert cut_one(make_policy(16, 8, n_min=8), 8, [1.0] * 7) == 1  # 7 possible drafts < 8
 
 
 @pytest.mark.parametrize("kwargs", [dict(p_min=1.0), dict(p_min=-0.1), dict(n_min=16), dict(n_min=-1)])
@@ -62,7 +63,7 @@ def test_auto_width_picks_the_analytically_best_depth(profile, table):
     policy.draft_seconds = 0.01
     # No observations yet: calibration returns the raw probabilities.
     want = brute_force_best(confidence, policy.verify_seconds, 0.01, 16)
-    assert policy.cut(16, confidence) == want
+    assert cut_one(policy, 16, confidence) == want
 
 
 def test_auto_width_calibrates_on_observed_acceptance():
@@ -71,12 +72,12 @@ def test_auto_width_calibrates_on_observed_acceptance():
     policy = CostAwarePolicy(16, 16, cost)
     policy.draft_seconds = 0.01
     confidence = [0.95] * 15
-    assert policy.cut(16, confidence) > 8
+    assert cut_one(policy, 16, confidence) > 8
     for round_ in range(200):  # verify 4 drafts; the first is accepted one round in five
-        policy.observe(confidence, drafted=4, accepted=1 if round_ % 5 == 0 else 0,
+        observe_one(policy, confidence, drafted=4, accepted=1 if round_ % 5 == 0 else 0,
                        draft_seconds=0.01, verify_seconds=cost[5])
     assert abs(policy.calibration.calibrated(0.95) - 0.2) < 0.05
-    assert policy.cut(16, confidence) <= 2
+    assert cut_one(policy, 16, confidence) <= 2
 
 
 def test_cost_tables_interpolate_and_extend():
@@ -112,22 +113,22 @@ def test_auto_width_stops_drafting_while_it_does_not_pay():
     assert policy.plain_steps(100) == 4 and policy.plain_steps(100) == 4
     policy.observe_plain(4, 0.4)
     assert policy.plain_rate == pytest.approx(10)
-    assert policy.plain_steps(100) == 0 and policy.width(100) == 16
-    policy.observe([0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
+    assert policy.plain_steps(100) == 0 and policy.width(1, 100) == 16
+    observe_one(policy, [0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
     # Unconfident drafts: the best width is 1 row, 1 token in 0.2 s, half the plain steps' 10 tokens/s.
     before = policy.drafting_rate
-    assert policy.cut(16, [0.05] * 15) == 1
+    assert cut_one(policy, 16, [0.05] * 15) == 1
     assert policy.drafting_rate == before  # cut only chooses; the round's observation moves the rates
-    policy.observe([0.05] * 15, drafted=0, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
+    observe_one(policy, [0.05] * 15, drafted=0, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
     assert policy.drafting_rate == pytest.approx(running(before, 1 / 0.2, policy.SMOOTHING))
     # Plain steps, then one drafting probe, while drafting loses; each losing probe doubles the skip up
     # to 31 steps; never more steps than remain.
     assert [policy.plain_steps(100) for _ in range(10)] == [7, 0, 15, 0, 31, 0, 31, 0, 31, 0]
     assert policy.plain_steps(3) == 3
-    assert policy.plain_steps(3) == 0 and policy.width(3) == 3
+    assert policy.plain_steps(3) == 0 and policy.width(1, 3) == 3
     for _ in range(6):  # confident probes: the expected rate of drafting climbs past the plain steps'
-        width = policy.cut(16, [0.99] * 15)
-        policy.observe([0.99] * 15, width - 1, width - 1, draft_seconds=0.1, verify_seconds=cost[width])
+        width = cut_one(policy, 16, [0.99] * 15)
+        observe_one(policy, [0.99] * 15, width - 1, width - 1, draft_seconds=0.1, verify_seconds=cost[width])
     assert policy.drafting_rate > policy.plain_rate
     # Drafting pays again: keep drafting, re-measuring the plain rate once every 64 rounds.
     assert [policy.plain_steps(100) for _ in range(65)] == [0] * 64 + [4]
@@ -175,10 +176,10 @@ def test_drafting_off_runs_only_plain_steps():
 def test_auto_width_costs_stay_non_decreasing_in_width():
     """A probe that put width 4 above width 8: observing width 8 caps 4..7; observing width 2 lifts 3+."""
     policy = CostAwarePolicy(16, 16, {1: 0.07, 2: 0.09, 4: 0.13, 8: 0.12, 16: 0.15})
-    policy.observe([0.9] * 7, drafted=7, accepted=0, draft_seconds=0.01, verify_seconds=0.10)
+    observe_one(policy, [0.9] * 7, drafted=7, accepted=0, draft_seconds=0.01, verify_seconds=0.10)
     costs = policy.verify_seconds
     assert all(costs[v] <= costs[8] for v in range(1, 8)) and costs[8] < 0.12
-    policy.observe([0.9], drafted=1, accepted=0, draft_seconds=0.01, verify_seconds=0.2)
+    observe_one(policy, [0.9], drafted=1, accepted=0, draft_seconds=0.01, verify_seconds=0.2)
     assert all(costs[v] >= costs[2] for v in range(3, 17))
     assert [costs[w] for w in sorted(costs)] == sorted(costs.values())
 

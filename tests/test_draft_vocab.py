@@ -117,7 +117,7 @@ def test_drafts_are_the_argmax_inside_the_draft_vocabulary(pair):
     best = set(full.argmax(-1).tolist())
     vocab = np.array([t for t in range(49151, 0, -3) if t not in best])  # without the full argmaxes
     drafter.set_draft_vocab(vocab)
-    draft = drafter.draft(ids[-1], context, drafter.make_cache(), 8, 8, SamplingParams())
+    draft = drafter.draft([ids[-1]], [context], drafter.make_cache(), 8, 8, [SamplingParams()]).row(0)
     want = vocab[np.argmax(full[:, vocab], axis=-1)]
     assert draft.tokens == want.tolist()
     assert not set(want.tolist()) & best

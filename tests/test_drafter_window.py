@@ -99,9 +99,9 @@ def test_the_prompts_features_reach_the_drafter_as_the_prompt_is_read(tiny_chat_
             calls.append(("read", context.shape[1]))
             model.read_context(context, cache)
 
-        def draft(self, anchor, context, *args):
-            calls.append(("draft", 0 if context is None else context.shape[1]))
-            return model.draft(anchor, context, *args)
+        def draft(self, anchors, contexts, *args):
+            calls.append(("draft", 0 if contexts[0] is None else contexts[0].shape[1]))
+            return model.draft(anchors, contexts, *args)
 
     rounds = list(speculative_rounds(target, Watching(), mx.array(ids), make_policy(8, 8), SamplingParams(), 12))
     assert calls[:2] == [("read", len(ids) - 1), ("draft", 1)]

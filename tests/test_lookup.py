@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS, WORD_PROBLEMS, chat_ids, mlx_lm_greedy
+from oracles import cut_one, observe_one
 from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.models.base import Draft
 from mlx_dflash.models.loader import drafter_from_dir
@@ -48,22 +49,31 @@ def test_nothing_is_proposed_without_an_earlier_occurrence():
 
 
 def draft_of(ids, confidence):
-    return Draft(mx.array(ids, dtype=mx.int32), mx.array(confidence, dtype=mx.float32))
+    """A draft of one row."""
+    return Draft(mx.array([ids], dtype=mx.int32), mx.array([confidence], dtype=mx.float32))
 
 
 def test_lookup_replaces_the_leading_drafts_only_where_the_drafter_is_unsure():
-    unsure = with_lookup(draft_of([5, 6, 7, 8], [0.3, 0.9, 0.9, 0.9]), [1, 2])
-    assert unsure.ids.tolist() == [1, 2, 7, 8] and unsure.looked_up.item() == 2
-    assert np.allclose(unsure.confidence.tolist(), [1, 1, 0.9, 0.9])
-    sure = with_lookup(draft_of([5, 6, 7, 8], [0.7, 0.2, 0.2, 0.2]), [1, 2])
-    assert sure.ids.tolist() == [5, 6, 7, 8] and sure.looked_up.item() == 0
-    longer = with_lookup(draft_of([5, 6], [0.1, 0.1]), [1, 2, 3, 4])
-    assert longer.ids.tolist() == [1, 2] and longer.looked_up.item() == 2
+    unsure = with_lookup(draft_of([5, 6, 7, 8], [0.3, 0.9, 0.9, 0.9]), [[1, 2]])
+    assert unsure.ids.tolist() == [[1, 2, 7, 8]] and unsure.looked_up.tolist() == [2]
+    assert np.allclose(unsure.confidence.tolist(), [[1, 1, 0.9, 0.9]])
+    sure = with_lookup(draft_of([5, 6, 7, 8], [0.7, 0.2, 0.2, 0.2]), [[1, 2]])
+    assert sure.ids.tolist() == [[5, 6, 7, 8]] and sure.looked_up.tolist() == [0]
+    longer = with_lookup(draft_of([5, 6], [0.1, 0.1]), [[1, 2, 3, 4]])
+    assert longer.ids.tolist() == [[1, 2]] and longer.looked_up.tolist() == [2]
     nothing = draft_of([5, 6], [0.1, 0.1])
-    assert with_lookup(nothing, []) is nothing and nothing.looked_up is None
+    assert with_lookup(nothing, [[]]) is nothing and nothing.looked_up is None
     # Drafts sampled over candidate sets carry their q, which a copied token would not match.
-    sampled = Draft(nothing.ids, nothing.confidence, proposal=(mx.zeros((2, 4)), mx.zeros((2, 4))))
-    assert with_lookup(sampled, [1, 2]) is sampled
+    sampled = Draft(nothing.ids, nothing.confidence, proposal=(mx.zeros((1, 2, 4)), mx.zeros((1, 2, 4))))
+    assert with_lookup(sampled, [[1, 2]]) is sampled
+
+
+def test_each_row_looks_up_its_own_context():
+    """Rows of a batch: each is replaced by its own copy, and only where its own first draft is unsure."""
+    rows = Draft(mx.array([[5, 6, 7], [8, 9, 10], [11, 12, 13]], dtype=mx.int32),
+                 mx.array([[0.3, 0.9, 0.9], [0.9, 0.9, 0.9], [0.1, 0.1, 0.1]]))
+    got = with_lookup(rows, [[1, 2], [3, 4], []])
+    assert got.ids.tolist() == [[1, 2, 7], [8, 9, 10], [11, 12, 13]] and got.looked_up.tolist() == [2, 0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +164,7 @@ def test_auto_learns_looked_up_acceptance_apart_from_the_drafters():
     before = policy.calibration.calibrated(0.99)
     assert policy.calibration.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
     for _ in range(50):  # looked-up drafts at confidence 1: kept at positions 1-2, the third rejected
-        policy.observe([1.0, 1.0, 1.0, 0.4], drafted=4, accepted=2, draft_seconds=0.01, verify_seconds=0.1,
+        observe_one(policy, [1.0, 1.0, 1.0, 0.4], drafted=4, accepted=2, draft_seconds=0.01, verify_seconds=0.1,
                        looked_up=3)
     assert policy.calibration.calibrated(0.99) == before  # the drafter's calibration is untouched
     assert policy.calibration.looked_up_acceptance(0) > 0.9 and policy.calibration.looked_up_acceptance(2) < 0.1

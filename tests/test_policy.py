@@ -48,7 +48,7 @@ def test_block_size_outside_the_trained_range_is_refused(block_size):
 
 def test_width_never_exceeds_what_may_still_be_emitted():
     policy = make_policy(16, 8)
-    assert [policy.width(r) for r in (1, 3, 8, 100)] == [1, 3, 8, 8]
+    assert [policy.width(1, r) for r in (1, 3, 8, 100)] == [1, 3, 8, 8]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Several requests decoding together: the DFlash round (decoding/decoder.py) for a batch whose rows come and go.
+"""Several requests decoding together: the DFlash round (decoding/decoder.py `speculative_round`, written over
+rows) for a batch whose rows come and go.
 
 Each round, one drafter pass drafts a block for every row, one target forward verifies [anchor, drafts]
 for every row, and every row keeps its own number of drafts and rolls back alone (models/batch_cache.py:
@@ -11,7 +12,7 @@ when it finishes or its client goes: nobody waits for the batch to drain.
 
 Every row verifies the same number of rows, the round's width W (a batch forward pads its rows to the
 longest, and MLX has no ragged batches: per-row RoPE offsets, not per-token positions), less where a row
-has fewer tokens left. The width comes from the batch policy (policies/width.py `BatchPolicy`): fixed, or chosen
+has fewer tokens left. The width comes from the policy (policies/width.py `WidthPolicy`): fixed, or chosen
 each round from every row's drafter confidence and the cost of a W-row verify of this many rows (D-cut).
 Greedy rows keep the longest matching prefix; sampled rows (each with its own settings and, when seeded,
 its own random stream) accept by rejection sampling, as a single request does.
@@ -27,34 +28,11 @@ from typing import Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..models.base import Draft
 from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
-from .decoder import DecodeState, Round, log_softmax, read
-from .lookup import PromptLookup, with_lookup
+from .decoder import DecodeState, Row, speculative_round
+from .lookup import PromptLookup
 from .prompt_cache import checkpoint, rungs
-from .sampling import SamplingParams, accept_rows
-
-
-@dataclass
-class Row:
-    """One request in the batch."""
-
-    handle: object  # the caller's name for it
-    anchor: int  # the next token to read, not yet in the caches: the last emitted (or the prompt's last)
-    tokens: list  # token ids in the target's cache (for the prefix cache)
-    history: PromptLookup
-    sampling: SamplingParams
-    remaining: int  # tokens it may still emit
-    context: Optional[mx.array] = None  # feature rows its drafter row has not read
-    key: Optional[mx.array] = None  # its own random stream (a seeded request), else the global one
-    first: bool = True  # `anchor` is its prompt's last token: the next round picks its first token only
-    first_key: Optional[mx.array] = None  # the key that first token is drawn with (a seeded request)
-
-    def next_key(self) -> Optional[mx.array]:
-        if self.key is None:
-            return None
-        self.key, use = mx.random.split(self.key)
-        return use
+from .sampling import SamplingParams
 
 
 class Batch:
@@ -74,87 +52,34 @@ class Batch:
              seed: Optional[int] = None, first_key: Optional[mx.array] = None):
         """A request joins as the last row: `state` holds its prompt but the last token, `anchor`, which the
         next round reads and from whose logits it picks the first token (drawn with `first_key`, when given).
-        seed: the row's own random stream, for every later draw."""
+        seed: the row's own random stream, for every later draw. Its caches move into the batch's."""
         self.policy.prepare_context(len(state.tokens) + 1)  # probes a long prompt may need, once, before it decodes
         if self.policy.max_width > 1:  # on the row's own cache, not padded to the batch's longest
             state.hand_context_to(self.drafter)
         add_row(self.cache, state.cache)
         add_row(self.draft_cache, state.draft_cache)
-        history = PromptLookup(state.tokens + [anchor])
+        state.cache = state.draft_cache = None
         key = None if seed is None else mx.random.key(seed)
-        self.rows.append(Row(handle, anchor, list(state.tokens), history, sampling, max_tokens, state.context, key,
-                             first_key=first_key))
+        self.rows.append(Row(state, anchor, sampling, max_tokens, PromptLookup(state.tokens + [anchor]), handle,
+                             key, first=True, first_key=first_key))
 
     def leave(self, handles: set) -> list:
-        """Take these rows out; returns (handle, DecodeState) of each, for the prefix cache to keep."""
+        """Take these rows out; returns (handle, DecodeState) of each, its caches its own again, for the
+        prefix cache to keep."""
         gone = [(b, r) for b, r in enumerate(self.rows) if r.handle in handles]
-        states = [(r.handle, DecodeState(row_of(self.cache, b), row_of(self.draft_cache, b), r.tokens, r.context))
-                  for b, r in gone]
+        for b, r in gone:
+            r.state.cache, r.state.draft_cache = row_of(self.cache, b), row_of(self.draft_cache, b)
         stay = [b for b, r in enumerate(self.rows) if r.handle not in handles]
         keep_rows(self.cache, stay)
         keep_rows(self.draft_cache, stay)
         self.rows = [self.rows[b] for b in stay]
-        return states
+        return [(r.handle, r.state) for _, r in gone]
 
     def round(self) -> list:
         """One round for every row: [(handle, Round)]. A row with nothing left to emit must have left."""
-        rows, policy = self.rows, self.policy
-        most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
-        policy.at_context(max(len(r.tokens) for r in rows))  # rows are padded to the longest
-        width = policy.width(len(rows), max(most))
-        tic = time.perf_counter()
-        drafts, proposal, confidence, looked_up = None, None, None, None
-        if width > 1:
-            # a row draws from its own stream only when it drafts: what it samples never depends on its neighbours
-            keys = [r.next_key() if n > 1 else None for r, n in zip(rows, most)] \
-                if any(r.key is not None for r in rows) else None
-            draft = self.drafter.draft_rows([r.anchor for r in rows], [r.context for r in rows], self.draft_cache,
-                                            self.drafter.block_size, width, [r.sampling for r in rows], keys)
-            draft = self._with_lookup(draft, width)
-            for r in rows:
-                r.context = None  # the drafter's cache holds it now
-            drafts, proposal, looked_up = draft.ids, draft.proposal, draft.looked_up
-            if policy.uses_confidence:
-                confidence, copied = read(draft.confidence, looked_up)
-                width = policy.cut(width, confidence, copied, most)
-                drafts = drafts[:, : width - 1]
-        draft_seconds = time.perf_counter() - tic
-
-        # Verify: every row's [anchor, drafts] in one forward; a row verifies fewer where it has fewer left.
-        anchors = mx.array([[r.anchor] for r in rows], mx.int32)
-        block = anchors if width == 1 else mx.concatenate([anchors, drafts.astype(mx.int32)], axis=1)
-        logits, features = self.target.forward(block, self.cache)
-        self.width = width
-        limits = [min(width - 1, n - 1) for n in most]
-        # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
-        keys = [None if r.sampling.greedy else r.first_key if r.first else r.next_key() for r in rows]
-        accepted, bonus = accept_rows(block[:, 1:], logits, [r.sampling for r in rows], limits, proposal, keys)
-        values = read(block[:, 1:], accepted, bonus, looked_up if looked_up is not None else mx.zeros(len(rows)))
-        block_drafts, accepted, bonus, copied = values
-        self.target.trim_rows(self.cache, [width - 1 - a for a in accepted])
-        policy.observe(confidence, limits, accepted, len(rows), width, draft_seconds,
-                       time.perf_counter() - tic - draft_seconds, copied)
-
-        out = []
-        for b, r in enumerate(rows):
-            kept = block_drafts[b][: accepted[b]]
-            new = kept + [bonus[b]]
-            rows_features = features[b : b + 1, : accepted[b] + 1]
-            r.context = rows_features if r.context is None else mx.concatenate([r.context, rows_features], axis=1)
-            r.tokens += [r.anchor] + kept
-            r.history.extend(new)
-            r.anchor, r.remaining, r.first = bonus[b], r.remaining - len(new), False
-            looked = min(int(copied[b]), limits[b]) if width > 1 else 0
-            out.append((r.handle, Round(new, limits[b], accepted[b], looked, log_softmax(logits[b, : accepted[b] + 1]))))
-        return out
-
-    def _with_lookup(self, draft: Draft, width: int) -> Draft:
-        """Prompt lookup row by row (decoding/lookup.py): each row's own history proposes."""
-        if not self.policy.prompt_lookup:
-            return draft
-        rows = [with_lookup(draft.row(b), r.history.propose(width - 1)) for b, r in enumerate(self.rows)]
-        looked = mx.stack([mx.array(0, mx.int32) if d.looked_up is None else d.looked_up for d in rows])
-        return Draft(mx.stack([d.ids for d in rows]), mx.stack([d.confidence for d in rows]), draft.proposal, looked)
+        rounds, self.width = speculative_round(self.target, self.drafter, self.cache, self.draft_cache, self.rows,
+                                               self.policy)
+        return [(r.handle, rnd) for r, rnd in zip(self.rows, rounds)]
 
 
 @dataclass

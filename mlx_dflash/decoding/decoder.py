@@ -1,6 +1,7 @@
 """The DFlash decoding loop (DFlash paper, arXiv 2602.06036, section 3): prefill, then rounds of draft,
-verify, accept, roll back. `speculative_rounds` is the whole algorithm; `generate.py` wraps it in the
-tokenizer, stop handling, streaming text and statistics.
+verify, accept, roll back. `speculative_round` is one round, written once over rows: one request is its
+one-row case (`speculative_rounds`, which `generate.py` wraps in the tokenizer, stop handling, streaming
+text and statistics), and a batch of requests decoding together its many-row case (decoding/batch_decoder.py).
 
 Host round trips: the loop reads the device back through `read` only, once per round where it can.
 - Every round: the drafts, the number kept, the next token and prompt lookup's count come back
@@ -33,11 +34,13 @@ class SingleProcess:
     comm_seconds = 0.0
     lockstep = False  # ranks must take every round together (no pipelined plain steps)
 
-    def agree(self, drafts: mx.array, confidence: list) -> tuple:
+    def agree(self, drafts: mx.array, confidence) -> tuple:
+        """The rows' drafts [B, n] and the confidence read of them (None: none), as rank 0 made them."""
         return drafts, confidence
 
-    def settle(self, accepted: int, token: int) -> tuple:
-        return accepted, token
+    def settle(self, accepted: list, tokens: list) -> tuple:
+        """Each row's kept drafts and next token, as rank 0 judged them."""
+        return accepted, tokens
 
     def whole_features(self, rows: mx.array) -> mx.array:
         return rows
@@ -106,6 +109,95 @@ def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+@dataclass
+class Row:
+    """One request decoding: its state (its caches, or while it is in a batch its row of the batch's), the
+    token it reads next, and what it may still emit and how."""
+
+    state: DecodeState
+    anchor: int  # the next token to read, not yet in the caches: the last emitted (or the prompt's last)
+    sampling: SamplingParams
+    remaining: int  # tokens it may still emit
+    history: PromptLookup  # the prompt and every emitted token, for prompt lookup
+    handle: object = None  # the caller's name for it
+    key: Optional[mx.array] = None  # its own random stream (a seeded request in a batch), else the global one
+    first: bool = False  # `anchor` is its prompt's last token: the next round picks its first token only
+    first_key: Optional[mx.array] = None  # the key that first token is drawn with (a seeded request)
+
+    def next_key(self) -> Optional[mx.array]:
+        if self.key is None:
+            return None
+        self.key, use = mx.random.split(self.key)
+        return use
+
+
+def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_cache: list, rows: list,
+                      policy: WidthPolicy, ranks: SingleProcess = SingleProcess()) -> tuple:
+    """One round for every row: returns ([Round] in row order, the width verified).
+
+    cache, draft_cache: the rows' caches (one request's own at one row; a batch's, models/batch_cache.py).
+    Every row verifies the same width W, less where it has fewer tokens left: a batch forward pads its rows
+    to the longest, so a row verifying fewer drafts would cost the same and keep fewer. A row with nothing
+    left to emit must not be here."""
+    most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
+    policy.at_context(max(len(r.state.tokens) for r in rows))  # what the verify attends to (rows padded to the longest)
+    width = policy.width(len(rows), max(most))
+
+    # Draft: one drafter pass over [anchor, MASK...] per row proposes block positions 1..width-1; where a row's
+    # first draft is unsure, prompt lookup's copy of its context may replace it. A sampled draft brings its
+    # proposal q. Nothing is evaluated here unless the policy cuts on the confidence: otherwise the drafter
+    # runs in the same evaluation as the verify below.
+    tic = time.perf_counter()
+    # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
+    drafts, proposal, confidence = mx.zeros((len(rows), 0), dtype=mx.int32), None, None
+    looked_up = mx.zeros(len(rows), dtype=mx.int32)
+    if width > 1:
+        # a row draws from its own stream only when it drafts: what it samples never depends on its neighbours
+        keys = [r.next_key() if n > 1 else None for r, n in zip(rows, most)] \
+            if any(r.key is not None for r in rows) else None
+        draft = drafter.draft([r.anchor for r in rows], [r.state.context for r in rows], draft_cache,
+                              policy.block_size, width, [r.sampling for r in rows], keys)
+        if policy.prompt_lookup:
+            draft = with_lookup(draft, [r.history.propose(width - 1) for r in rows])
+        for r in rows:
+            r.state.context = None  # the drafter's cache holds it now
+        drafts, proposal = draft.ids.astype(mx.int32), draft.proposal
+        if draft.looked_up is not None:
+            looked_up = draft.looked_up
+        if policy.uses_confidence:
+            confidence, copied = read(draft.confidence, looked_up)
+            width = policy.cut(width, confidence, copied, most)
+            drafts = drafts[:, : width - 1]
+    drafts, confidence = ranks.agree(drafts, confidence)
+    width = drafts.shape[1] + 1  # rank 0's, under a sharded target
+    draft_seconds = time.perf_counter() - tic
+
+    # Verify: the target scores every row's [anchor, drafts] in one forward; row i judges drafts[i].
+    block = mx.concatenate([mx.array([[r.anchor] for r in rows], dtype=mx.int32), drafts], axis=1)
+    logits, features = target.forward(block, cache)
+    limits = [min(width - 1, n - 1) for n in most]
+    # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
+    keys = [None if r.sampling.greedy else r.first_key if r.first else r.next_key() for r in rows]
+    accepted, bonus = accept_rows(drafts, logits, [r.sampling for r in rows], limits, proposal, keys)
+    drafts, accepted, bonus, copied = read(drafts, accepted, bonus, looked_up)
+    accepted, bonus = ranks.settle(accepted, bonus)
+    policy.observe(confidence, limits, accepted, len(rows), width, draft_seconds,
+                   time.perf_counter() - tic - draft_seconds, copied)
+
+    # Roll back: each row's cache keeps its anchor and accepted drafts, whose features join its context.
+    target.trim_rows(cache, [width - 1 - a for a in accepted])
+    rounds = []
+    for b, r in enumerate(rows):
+        kept = drafts[b][: accepted[b]]
+        r.state.extend([r.anchor] + kept, ranks.whole_features(features[b : b + 1, : accepted[b] + 1]))
+        new = kept + [bonus[b]]
+        r.history.extend(new)
+        r.anchor, r.remaining, r.first = bonus[b], r.remaining - len(new), False
+        looked = min(copied[b], limits[b])
+        rounds.append(Round(new, limits[b], accepted[b], looked, log_softmax(logits[b, : accepted[b] + 1])))
+    return rounds, width
+
+
 def speculative_rounds(
     target: Target,
     drafter: DraftModel,
@@ -118,7 +210,7 @@ def speculative_rounds(
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     state: Optional[DecodeState] = None,
 ) -> Iterator[Round]:
-    """Yield the tokens of each round; the first round is the prefill's token (nothing drafted).
+    """One request: yield the tokens of each round; the first round is the prefill's token (nothing drafted).
 
     state: where to start (a prefix cache's state holding a prefix of the prompt); it is kept up to date
     as rounds run, for the prefix cache to keep afterwards. ranks: under a sharded target every rank
@@ -126,82 +218,35 @@ def speculative_rounds(
     features whole (`whole_features`); a single process passes everything through (distributed.py).
     """
     state = state or DecodeState.fresh(target, drafter)
-    cache, draft_cache = state.cache, state.draft_cache
-    history = PromptLookup(prompt.tolist())  # prompt + emitted tokens, indexed for lookup
 
     # Prefill: the target reads the prompt (past what the state holds) and picks the first token. The
     # features of every prompt position are context the drafter has not seen yet.
     done = len(state.tokens)
-    logits, features = target.prefill(prompt[done:], cache, prefill_step, prefill_progress)
+    logits, features = target.prefill(prompt[done:], state.cache, prefill_step, prefill_progress)
     (anchor,) = read(next_token(logits, sampling))
-    _, anchor = ranks.settle(0, anchor)  # every rank takes rank 0's first token
+    _, (anchor,) = ranks.settle([0], [anchor])  # every rank takes rank 0's first token
     state.extend(prompt[done:].tolist(), ranks.whole_features(features))
     if policy.max_width > 1:
         state.hand_context_to(drafter)
     yield Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
-    history.extend([anchor])
-    produced = 1
+    row = Row(state, anchor, sampling, max_tokens - 1, PromptLookup(prompt.tolist() + [anchor]))
 
-    while produced < max_tokens:
+    while row.remaining > 0:
         # The policy may skip the drafter for a while: plain target steps, overlapped as mlx-lm's own.
-        plain = 0 if ranks.lockstep else policy.plain_steps(remaining=max_tokens - produced)
+        plain = 0 if ranks.lockstep else policy.plain_steps(row.remaining)
         if plain:
             tic = time.perf_counter()
-            for token, logprobs, features in plain_steps(target, cache, anchor, plain, sampling):
+            for token, logprobs, features in plain_steps(target, state.cache, row.anchor, plain, sampling):
                 # the row of the token before entered the cache; drafting off keeps no features
-                state.extend([anchor], features if policy.max_width > 1 else None)
+                state.extend([row.anchor], features if policy.max_width > 1 else None)
                 yield Round([token], drafted=0, accepted=0, logprobs=logprobs, plain=True)
-                history.extend([token])
-                anchor = token
+                row.history.extend([token])
+                row.anchor = token
             policy.observe_plain(plain, time.perf_counter() - tic)
-            produced += plain
+            row.remaining -= plain
             continue
-
-        policy.at_context(len(state.tokens))  # what the verify attends to: every token before the anchor
-        width = policy.width(remaining=max_tokens - produced)
-
-        # Draft: one drafter pass over [anchor, MASK...] proposes block positions 1..width-1; where
-        # its first draft is unsure, prompt lookup's copy of the context may replace it. A sampled
-        # draft brings its proposal q. Nothing is evaluated here unless the policy cuts on the
-        # confidence: otherwise the drafter runs in the same evaluation as the verify below.
-        tic = time.perf_counter()
-        # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
-        drafts, confidence, proposal = mx.zeros((0,), dtype=mx.int32), [], None
-        looked_up = mx.array(0, dtype=mx.int32)
-        if width > 1:
-            draft = drafter.draft(anchor, state.context, draft_cache, policy.block_size, width, sampling)
-            if policy.prompt_lookup:
-                draft = with_lookup(draft, history.propose(width - 1))
-            state.context = None  # the drafter's cache holds it now
-            drafts, proposal = draft.ids, draft.proposal
-            if draft.looked_up is not None:
-                looked_up = draft.looked_up
-            if policy.uses_confidence:
-                confidence, copied = read(draft.confidence, looked_up)
-                drafts = drafts[: policy.cut(width, confidence, copied) - 1]
-        drafts, confidence = ranks.agree(drafts, confidence)
-        draft_seconds = time.perf_counter() - tic
-
-        # Verify: the target scores [anchor, drafts] in one forward; row i judges drafts[i].
-        block = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])
-        logits, features = target.forward(block[None], cache)
-        accepted, bonus = accept_rows(drafts[None], logits, [sampling], [drafts.shape[0]],
-                                      None if proposal is None else tuple(a[None] for a in proposal))
-        drafts, accepted, bonus, looked_up = read(drafts, accepted[0], bonus[0], looked_up)
-        accepted, bonus = ranks.settle(accepted, bonus)
-        looked_up = min(looked_up, len(drafts))
-        policy.observe(confidence, len(drafts), accepted, draft_seconds, time.perf_counter() - tic - draft_seconds,
-                       looked_up)
-
-        # Roll back: the cache keeps anchor + accepted drafts; their features join the context.
-        target.trim(cache, len(drafts) - accepted)
-        state.extend([anchor] + drafts[:accepted], ranks.whole_features(features[:, : accepted + 1]))
-
-        new_tokens = drafts[:accepted] + [bonus]
-        produced += len(new_tokens)
-        yield Round(new_tokens, len(drafts), accepted, looked_up, log_softmax(logits[0, : accepted + 1]))
-        history.extend(new_tokens)
-        anchor = bonus  # the next round's anchor; it enters the cache with the next verify
+        (rnd,), _ = speculative_round(target, drafter, state.cache, state.draft_cache, [row], policy, ranks)
+        yield rnd
 
 
 def plain_steps(target: Target, cache: list, anchor: int, n: int, sampling: SamplingParams) -> Iterator[tuple]:

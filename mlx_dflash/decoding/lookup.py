@@ -50,21 +50,21 @@ class PromptLookup:
         return []
 
 
-def with_lookup(draft: Draft, proposal: list, below: float = LOOKUP_BELOW) -> Draft:
-    """The drafter's draft with its leading positions replaced by `proposal` when its first draft's
-    confidence is below `below`. Decided on the device, so nothing is read back before the verify;
-    `looked_up` (how many positions were replaced) is read with the round's results. Looked-up
-    positions carry confidence 1 (they have no probability; p-min never cuts them).
+def with_lookup(draft: Draft, proposals: list, below: float = LOOKUP_BELOW) -> Draft:
+    """The drafter's drafts [B, n] with each row's leading positions replaced by proposals[b] (its copy of its
+    own context) when its first draft's confidence is below `below`. Decided on the device, so nothing is
+    read back before the verify; `looked_up` (how many positions each row replaced) is read with the
+    round's results. Looked-up positions carry confidence 1 (they have no probability; p-min never cuts them).
 
     Drafts sampled over candidate sets (DFlash 2 at temperature > 0) carry their proposal q, which a
     copied token would not match: those are returned unchanged."""
-    n = draft.ids.size
-    if not proposal or n == 0 or draft.proposal is not None:
+    n = draft.ids.shape[1]
+    if not any(proposals) or n == 0 or draft.proposal is not None:
         return draft
-    m = min(len(proposal), n)
-    looked_up = mx.where(draft.confidence[0] < below, m, 0)
-    copied = mx.arange(n) < looked_up
-    padded = mx.array(proposal[:m] + [0] * (n - m), dtype=draft.ids.dtype)
+    counts = [min(len(p), n) for p in proposals]
+    looked_up = mx.where(draft.confidence[:, 0] < below, mx.array(counts, dtype=mx.int32), 0)
+    copied = mx.arange(n)[None] < looked_up[:, None]
+    padded = mx.array([p[:m] + [0] * (n - m) for p, m in zip(proposals, counts)], dtype=draft.ids.dtype)
     return Draft(
         ids=mx.where(copied, padded, draft.ids),
         confidence=mx.where(copied, 1.0, draft.confidence),

@@ -15,12 +15,12 @@ class Draft:
     """One drafter pass: proposals for block positions 1..n. Arrays stay lazy: unless someone reads them
     first, the decoder evaluates the drafter together with the verify that judges its drafts."""
 
-    ids: mx.array  # [n] drafted token ids
-    confidence: mx.array  # [n] the drafter's probability of each drafted token
-    # (candidates [n, k], q [n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
+    ids: mx.array  # [B, n] drafted token ids ([n]: one row of them, `row`)
+    confidence: mx.array  # [B, n] the drafter's probability of each drafted token
+    # (candidates [B, n, k], q [B, n, k]) when token j was drawn from q[j] over candidates[j] (q is 0 elsewhere);
     # None when every draft is a point mass (argmax proposals).
     proposal: Optional[tuple] = None
-    looked_up: Optional[mx.array] = None  # leading positions copied by prompt lookup (decoding/lookup.py), lazy
+    looked_up: Optional[mx.array] = None  # [B] leading positions copied by prompt lookup (decoding/lookup.py), lazy
 
     @property
     def tokens(self) -> list:
@@ -53,13 +53,9 @@ class DraftModel(Protocol):
         """Take target feature rows into `cache` without drafting (the decoder hands over a prompt's as
         part of reading it, so that no decoding round pays for them)."""
 
-    def draft(self, anchor: int, context: Optional[mx.array], cache: list, block_size: int, width: int,
-              sampling) -> Draft:
-        """Drafts for block positions 1..width-1 after `anchor`; `context` holds the target feature rows
-        new since the last call, which join `cache`."""
-
-    def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
-                   keys=None) -> Draft:
-        """`draft` for B rows decoding together (decoding/batch_decoder.py): row b drafts after anchors[b] from
-        its new context rows contexts[b] ([1, c_b, F] or None) on its row of the batch cache (RaggedKVCache
-        layers); ids and confidence [B, width-1]. keys: each row's own random stream, or None."""
+    def draft(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+              keys=None) -> Draft:
+        """Drafts for block positions 1..width-1 of B rows in one pass (B = 1: one request): row b drafts after
+        anchors[b]; contexts[b] ([1, c_b, F] or None) holds its target feature rows new since its last draft,
+        which join its row of `cache` (one request's cache at B = 1, a batch's RaggedKVCache layers otherwise);
+        ids and confidence [B, width-1]. keys: each row's own random stream, or None (MLX's global one)."""

@@ -213,6 +213,11 @@ class RaggedQuantizedKVCache(RaggedKVCache):
         return out
 
 
+def is_ragged(cache: list) -> bool:
+    """Whether `cache` is a batch's (RaggedKVCache layers) rather than one sequence's."""
+    return any(isinstance(c, RaggedKVCache) for c in cache)
+
+
 def batched(single: list) -> list:
     """A batch cache with no rows, of the same kinds as a single sequence's cache (`Target.make_cache()`)."""
     return [ArraysCache(len(c.cache)) if isinstance(c, ArraysCache) else RaggedKVCache() for c in single]

@@ -23,6 +23,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import DFlashError
 from .base import Draft
+from .batch_cache import is_ragged
 from .config import DFlashConfig
 
 # Keys some early uploads carried; the drafter uses the target's embedding and head instead.
@@ -294,13 +295,6 @@ class DFlashDraftModel(nn.Module):
         """Draft logits for block rows 1..L-1 (row j proposes the token at block position j)."""
         return self.logits(self.hidden(block_ids, context, cache)[:, 1:])
 
-    def draft(self, anchor: int, context, cache: list, block_size: int, width: int, sampling) -> Draft:
-        """Drafts for block positions 1..width-1 from one pass over [anchor, MASK * (block_size - 1)];
-        `context` (the target feature rows new since the last call) joins the cache: `draft_rows` for one
-        row, on a single sequence's cache."""
-        block = mx.array([[anchor] + [self.mask_token_id] * (block_size - 1)])
-        return self.drafts(self.hidden(block, context, cache)[:, 1:width], [anchor], [sampling]).row(0)
-
     def batch_hidden(self, anchors: list, contexts: list, cache: list, block_size: int, width: int) -> mx.array:
         """Final-norm hidden rows 1..width-1 of B blocks in one pass, one block per batch row: row b drafts
         after anchors[b], reading its new context rows contexts[b] ([1, c_b, F] or None) into its row of the
@@ -318,11 +312,16 @@ class DFlashDraftModel(nn.Module):
             c.shorten(starts)  # each row's own new context, not the padding
         return hidden[:, 1:width]
 
-    def draft_rows(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
-                   keys=None) -> Draft:
-        """`draft` for a batch (see batch_hidden): ids and confidence [B, width-1]. keys: each row's own random
-        stream (None: MLX's global one), for drafters that sample their drafts."""
-        return self.drafts(self.batch_hidden(anchors, contexts, cache, block_size, width), anchors, samplings, keys)
+    def draft(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
+              keys=None) -> Draft:
+        """Drafts of B rows from one pass over [anchor, MASK * (block_size - 1)] each (models/base.py
+        `DraftModel.draft`): on one request's cache (B = 1) or a batch's (`batch_hidden`)."""
+        if is_ragged(cache):
+            hidden = self.batch_hidden(anchors, contexts, cache, block_size, width)
+        else:
+            block = mx.array([[anchors[0]] + [self.mask_token_id] * (block_size - 1)])
+            hidden = self.hidden(block, contexts[0], cache)[:, 1:width]
+        return self.drafts(hidden, anchors, samplings, keys)
 
     def drafts(self, hidden: mx.array, anchors: list, samplings: list, keys=None) -> Draft:
         """The drafts of draft rows `hidden` [B, n, H]. v1 proposes its argmax whatever each row's sampling

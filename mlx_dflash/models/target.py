@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache
+from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache, is_ragged
 from .config import DFlashConfig
 from ..errors import DFlashError
 from .rollback import find_recurrent, taping
@@ -257,7 +257,10 @@ class Target:
         mx.eval([tape.rewind(rows - n) for tape in tapes])  # frees the round's tapes now
 
     def trim_rows(self, cache: list, drop: list):
-        """A batch's rollback: forget the last drop[b] positions of row b's last forward (models/batch_cache.py)."""
+        """Forget the last drop[b] positions of row b's last forward: a batch's rows each their own
+        (models/batch_cache.py), or one request's cache as its one row."""
+        if not is_ragged(cache):
+            return self.trim(cache, drop[0])
         pending, self._pending = self._pending, None
         for c in cache:
             if c.is_trimmable():

@@ -1,7 +1,7 @@
 """Verify depth under load: how many rows a batch of requests verifies each round (decoding/batch_decoder.py).
 
-`BatchPolicy` is the fixed width, with llama.cpp's draft controls (p-min, n-min) taken over the batch.
-`DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for MLX's padded batches: each round verifies
+A fixed width is policies/width.py's `WidthPolicy`, whose draft controls (p-min, n-min) take every row into
+account. `DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for MLX's padded batches: each round verifies
 the width W that maximises the batch's expected tokens per second,
 
     sum over rows r of E_r(W)  /  (draft time + cost(B, W)),
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 import mlx.core as mx
@@ -44,51 +44,12 @@ from ..errors import DFlashError
 from ..models.batch_cache import add_row, batched
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, interpolate_costs,
                            read_cost_table, running, table_costs)
-from .width import Calibration, WidthOptions, build_policy, has_quantized_layers
+from .width import Calibration, WidthOptions, WidthPolicy, build_policy, has_quantized_layers
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-@dataclass
-class BatchPolicy:
-    """A fixed verify width for the batch, cut by p-min (each row's first unsure draft; the batch verifies
-    the longest row's prefix) and n-min (fewer drafts than that anywhere: a plain round)."""
-
-    block_size: int
-    max_width: int
-    notes: list = field(default_factory=list)
-    p_min: float = 0.0
-    n_min: int = 0
-    prompt_lookup: bool = True
-
-    @property
-    def uses_confidence(self) -> bool:
-        return self.p_min > 0
-
-    def width(self, batch: int, most_remaining: int) -> int:
-        """Rows to draft for (and verify at most) this round."""
-        return max(1, min(self.max_width, self.block_size, most_remaining))
-
-    def cut(self, width: int, confidence: list, copied: list, remaining: list) -> int:
-        drafts = 0
-        for conf, lookup in zip(confidence, copied):
-            cut = width - 1
-            if self.p_min > 0:
-                cut = next((k for k, c in enumerate(conf[: width - 1]) if k >= lookup and c < self.p_min), cut)
-            drafts = max(drafts, cut)
-        return 1 if drafts < self.n_min else drafts + 1
-
-    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied):
-        """What a round showed (D-cut learns from it; fixed widths ignore it)."""
-
-    def prepare_context(self, context: int):
-        """A row of `context` tokens joins: D-cut measures what costs it lacks for it (between rounds, once)."""
-
-    def at_context(self, context: int):
-        """The next round's longest row attends to `context` tokens (D-cut costs widths by it)."""
-
-
-class DCutPolicy(BatchPolicy):
+class DCutPolicy(WidthPolicy):
     SMOOTHING = 0.2
     FIRST_SKIP, MAX_SKIP = 7, 31
     REACH_ROUNDS, REACH_MARGIN = 32, 2  # the drafter reads out the widest width of the last 32 rounds, + 2
@@ -241,7 +202,7 @@ def batch_sizes(max_batch: int) -> list:
     return sizes + [max_batch]
 
 
-def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Optional[dict] = None) -> BatchPolicy:
+def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Optional[dict] = None) -> WidthPolicy:
     """The batch policy for this pair: a fixed width (as `build_policy` fixes one request's), or "auto"
     (D-cut), costed by `costs` ({rows: {width: seconds}}) or a start-up probe of batches up to max_batch.
     The quantized-verification rule and the draft controls apply as for one request."""
@@ -253,9 +214,8 @@ def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Opt
     # quantized model its cells decide the width; a fixed width keeps the clamp (docs/models.md).
     single = build_policy(target, drafter, replace(options, width=None if options.auto else options.width,
                                                    cost_table=None), quantized_rule=not options.auto)
-    p_min, n_min, prompt_lookup = options.p_min, options.n_min, options.prompt_lookup
     if not options.auto:
-        return BatchPolicy(single.block_size, single.max_width, single.notes, p_min, n_min, prompt_lookup)
+        return single
     source, measured = "the given table", {}  # a table's clock may not be the probe's: the probe measures growth
     if costs is not None:  # a table's widths, and one of one row's costs only, cover every width and batch size
         costs = {b: interpolate_costs(row, single.max_width) for b, row in costs.items()}
@@ -268,8 +228,8 @@ def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Opt
     if has_quantized_layers(target.model) or has_quantized_layers(drafter):
         notes.append(f"quantized model: D-cut verifies up to {single.max_width} rows a request, each round's width "
                      "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
-    return DCutPolicy(single.block_size, single.max_width, costs, notes, p_min, n_min, prompt_lookup, context_costs,
-                      max_batch)
+    return DCutPolicy(single.block_size, single.max_width, costs, notes, options.p_min, options.n_min,
+                      options.prompt_lookup, context_costs, max_batch)
 
 
 def batch_cost_rows(costs: dict) -> dict:

@@ -40,11 +40,12 @@ def has_quantized_layers(model: nn.Module) -> bool:
 
 @dataclass
 class WidthPolicy:
-    """Fixed widths, with llama.cpp's draft controls on top.
+    """Fixed widths, with llama.cpp's draft controls on top; the protocol every width policy keeps, for one
+    request (one row) or a batch of them (decoding/decoder.py `speculative_round`).
 
-    p_min: cut the draft before the first position whose top-1 draft probability is below p_min (each
-        position's own probability, not a running product); the positions before it are verified.
-    n_min: if fewer than n_min drafted tokens survive the cut, verify none (a plain target step).
+    p_min: cut each row's draft before its first position whose top-1 draft probability is below p_min (each
+        position's own probability, not a running product); the round verifies the longest surviving prefix.
+    n_min: if fewer than n_min drafted tokens survive the cut in every row, verify none (a plain round).
     prompt_lookup: where the drafter's first draft is unsure, draft from the context (decoding/lookup.py).
     """
 
@@ -57,40 +58,45 @@ class WidthPolicy:
 
     @property
     def uses_confidence(self) -> bool:
+        """Whether `cut` reads the drafter's confidence (which costs a round trip before the verify)."""
         return self.p_min > 0
 
-    def width(self, remaining: int) -> int:
-        """Most rows to verify this round, when at most `remaining` more tokens may be emitted."""
-        return max(1, min(self.max_width, self.block_size, remaining))
+    def width(self, rows: int, most_remaining: int) -> int:
+        """Positions to draft for (and rows to verify at most) this round of `rows` requests, the one with the
+        most left able to emit `most_remaining` more tokens."""
+        return max(1, min(self.max_width, self.block_size, most_remaining))
 
     def plain_steps(self, remaining: int) -> int:
-        """How many plain target steps (no drafter) to take now instead of a round; 0: a round.
-        Drafting off (width 1) is plain steps all the way."""
+        """How many plain target steps (no drafter, pipelined) one request takes now instead of a round; 0: a
+        round. Drafting off (width 1) is plain steps all the way."""
         return remaining if self.max_width == 1 else 0
 
     def observe_plain(self, tokens: int, seconds: float):
         """What a run of plain steps cost."""
 
     def prepare_context(self, context: int):
-        """A prompt of `context` tokens is about to be read: the adaptive policy measures what costs it lacks
+        """A prompt of `context` tokens is about to decode: an adaptive policy measures what costs it lacks
         for it now, before any clock of the generation starts, never between rounds."""
 
     def at_context(self, context: int):
-        """The next round's verify attends to `context` tokens (the adaptive policy costs widths by it)."""
+        """The next round's longest row attends to `context` tokens (adaptive policies cost widths by it)."""
 
-    def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
-        """The width after the confidence controls; confidence[k] is the top-1 probability of draft k+1
-        (1 for the first `looked_up` drafts, which prompt lookup proposed)."""
-        drafts = width - 1
-        if self.p_min > 0:
-            drafts = next((k for k, c in enumerate(confidence[:drafts]) if c < self.p_min), drafts)
-        if drafts < self.n_min:
-            drafts = 0
-        return drafts + 1
+    def cut(self, width: int, confidence: list, looked_up: list, remaining: list) -> int:
+        """The width after the confidence controls. confidence[b][k] is the top-1 probability of row b's draft
+        k+1 (1 for its first looked_up[b] drafts, which prompt lookup proposed); remaining[b]: the tokens row b
+        may still emit."""
+        drafts = 0
+        for conf, lookup in zip(confidence, looked_up):
+            cut = width - 1
+            if self.p_min > 0:
+                cut = next((k for k, c in enumerate(conf[: width - 1]) if k >= lookup and c < self.p_min), cut)
+            drafts = max(drafts, cut)
+        return 1 if drafts < self.n_min else drafts + 1
 
-    def observe(self, confidence: list, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                looked_up: int = 0):
-        """What a round showed (the adaptive policy learns from it; fixed widths ignore it)."""
+    def observe(self, confidence, limits: list, accepted: list, rows: int, width: int, draft_seconds: float,
+                verify_seconds: float, looked_up: list):
+        """What a round showed: the confidence it read (None: none), each row's drafts verified (`limits`) and
+        kept, the round's rows and width, its times, and each row's looked-up drafts. Fixed widths ignore it."""
 
 
 def make_policy(
@@ -184,7 +190,8 @@ class Calibration:
 
 
 class CostAwarePolicy(WidthPolicy):
-    """`--width auto`: each round, the verify width with the most expected tokens per second.
+    """`--width auto` for one request (one row; a batch's is D-cut, policies/dcut.py): each round, the verify
+    width with the most expected tokens per second.
 
     A round verifying width w (w - 1 drafts) emits 1 + A(w) tokens in expectation, where
     A(w) = sum_{k<w} prod_{j<=k} a_j and a_j is the chance that draft j is accepted once the drafts
@@ -278,20 +285,22 @@ class CostAwarePolicy(WidthPolicy):
         expected = self.calibration.expected_tokens(confidence, width, looked_up)
         return expected / (self.draft_seconds + self.verify_seconds[width] * self.growth[width])
 
-    def cut(self, width: int, confidence: list, looked_up: int = 0) -> int:
-        width = super().cut(width, confidence, looked_up)  # p_min / n_min first, when given
-        return max(range(1, width + 1), key=lambda w: self.expected_rate(confidence, w, looked_up))
+    def cut(self, width: int, confidence: list, looked_up: list, remaining: list) -> int:
+        width = super().cut(width, confidence, looked_up, remaining)  # p_min / n_min first, when given
+        (conf,), (lookup,) = confidence, looked_up  # one request's costs: one row
+        return max(range(1, width + 1), key=lambda w: self.expected_rate(conf, w, lookup))
 
-    def observe(self, confidence, drafted, accepted, draft_seconds, verify_seconds, looked_up=0):
-        a = self.SMOOTHING
-        if confidence:  # a drafting round: the rate it expected of the width it chose, before the costs move
-            self.drafting_rate = running(self.drafting_rate, self.expected_rate(confidence, drafted + 1, looked_up), a)
-        if not confidence:  # a one-row round that did not draft (one token left)
-            self.plain_rate = running(self.plain_rate, (accepted + 1) / (draft_seconds + verify_seconds), a)
+    def observe(self, confidence, limits, accepted, rows, width, draft_seconds, verify_seconds, looked_up):
+        (drafted,), (kept,), (lookup,) = limits, accepted, looked_up
+        conf, lookup, a = confidence[0] if confidence is not None else [], min(lookup, drafted), self.SMOOTHING
+        if conf:  # a drafting round: the rate it expected of the width it chose, before the costs move
+            self.drafting_rate = running(self.drafting_rate, self.expected_rate(conf, drafted + 1, lookup), a)
+        else:  # a one-row round that did not draft (one token left)
+            self.plain_rate = running(self.plain_rate, (kept + 1) / (draft_seconds + verify_seconds), a)
         if drafted:
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
         observe_cost(self.verify_seconds, drafted + 1, verify_seconds / self.growth[drafted + 1], a)
-        self.calibration.record(confidence, drafted, accepted, looked_up)
+        self.calibration.record(conf, drafted, kept, lookup)
 
 
 @dataclass(frozen=True)
