@@ -360,6 +360,17 @@ def test_dcut_drafts_two_positions_past_the_widest_width_chosen_lately():
     assert policy.width(2, 48) == 16 and policy.width(2, 4) == 4
 
 
+def test_dcut_skips_the_drafter_while_drafting_does_not_pay_and_probes_ever_more_rarely():
+    policy = DCutPolicy(16, 16, {1: {w: 0.05 + 0.01 * w for w in range(1, 17)}})
+    policy.gain = 0.5  # drafting rounds expected at half the rate of plain rounds
+    widths = [policy.width(1, 48) for _ in range(1 + 7 + 1 + 15 + 1 + 31 + 1 + 31)]
+    assert widths == [16] + [1] * 7 + [16] + [1] * 15 + [16] + [1] * 31 + [16] + [1] * 31
+    policy.gain = 1.5  # a probe that pays: drafting every round again, and the next skip short again
+    assert policy.width(1, 48) == 16
+    policy.gain = 0.5
+    assert [policy.width(1, 48) for _ in range(9)] == [16] + [1] * 7 + [16]
+
+
 def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(pairs, tmp_path):
     target, drafter, _ = pairs["dense"]
     costs = probe_batch_costs(target, [1, 2], 6, context=16, repeats=1)

@@ -24,7 +24,7 @@ its longest row's context (every row is padded to it), with the one-row growth o
 verify_costs.ContextCosts, and its timing is divided by that growth before it joins its cell.
 
 Drafting must pay too: while the rounds' expected rate stays below plain rounds' (B tokens in cost(B, 1)),
-the drafter is skipped, re-probed after 7, 15, then every 31 rounds. And the drafter reads out only the
+the drafter is skipped, re-probed after 7, 15, then every 31 rounds (policies/width.py `Backoff`). And the drafter reads out only the
 positions the chooser has lately wanted (two past the widest width of the last 32 rounds; the whole block
 again once a round wants every position it was given): its forward is the same, but each position read
 out costs logits and a confidence (docs/batching.md has it measured).
@@ -44,14 +44,13 @@ from ..errors import DFlashError
 from ..models.batch_cache import add_row, batched
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, interpolate_costs,
                            read_cost_table, running, table_costs)
-from .width import Calibration, WidthOptions, WidthPolicy, build_policy, has_quantized_layers
+from .width import Backoff, Calibration, WidthOptions, WidthPolicy, build_policy, has_quantized_layers
 
 PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 class DCutPolicy(WidthPolicy):
     SMOOTHING = 0.2
-    FIRST_SKIP, MAX_SKIP = 7, 31
     REACH_ROUNDS, REACH_MARGIN = 32, 2  # the drafter reads out the widest width of the last 32 rounds, + 2
     EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
@@ -68,7 +67,7 @@ class DCutPolicy(WidthPolicy):
         self.calibration = Calibration(block_size)
         self.draft_seconds = 0.0
         self.gain = None  # running ratio of drafting rounds' expected rate to plain rounds'
-        self.skip, self.skipping = self.FIRST_SKIP, 0  # plain rounds before the next probe, and still to go
+        self.backoff, self.skipping = Backoff(), 0  # plain rounds between probes, and still to go
         self.chosen = deque(maxlen=self.REACH_ROUNDS)  # the widths drafting rounds chose lately
         self.drafted = 0  # positions the last width() gave the drafter (anchor included)
         self.cuts = 0
@@ -102,12 +101,13 @@ class DCutPolicy(WidthPolicy):
     def width(self, batch: int, most_remaining: int) -> int:
         widest = min(super().width(batch, most_remaining), self.reach())
         if self.gain is None or self.gain >= 1:
-            self.skip, self.skipping = self.FIRST_SKIP, 0
+            self.skipping = 0
+            self.backoff.reset()
         elif self.skipping:  # drafting has not paid: plain rounds
             self.skipping -= 1
             return 1
         else:  # a probe drafts; the plain rounds after it last longer each time it loses
-            self.skipping, self.skip = self.skip, min(2 * self.skip + 1, self.MAX_SKIP)
+            self.skipping = self.backoff.take()
         self.drafted = widest
         return widest
 

@@ -189,6 +189,26 @@ class Calibration:
                 self.hits[b] += k < accepted
 
 
+class Backoff:
+    """How long to skip the drafter while drafting does not pay: 7 target steps, then 15, then 31 each time,
+    with one drafting round between to re-measure, so a drafter that never pays costs about one round in 32.
+    Both auto policies keep one: one request's skips plain steps, a batch's plain rounds."""
+
+    FIRST, MOST = 7, 31
+
+    def __init__(self):
+        self.next = self.FIRST
+
+    def take(self) -> int:
+        """The next skip; the one after it is about twice as long."""
+        steps, self.next = self.next, min(2 * self.next + 1, self.MOST)
+        return steps
+
+    def reset(self):
+        """Drafting pays again: the next skip is short again."""
+        self.next = self.FIRST
+
+
 class CostAwarePolicy(WidthPolicy):
     """`--width auto` for one request (one row; a batch's is D-cut, policies/dcut.py): each round, the verify
     width with the most expected tokens per second.
@@ -215,8 +235,7 @@ class CostAwarePolicy(WidthPolicy):
     every REFRESH_EVERY rounds (a guess from the probe's one-row verify, which is not a pipelined step,
     would never be corrected while it favoured drafting, so a drafter slightly worse than the target
     alone would go on drafting). While drafting is the slower of the two, the policy skips the drafter
-    for 7 plain steps, then drafts one round to re-measure; each probe that loses again doubles the
-    skip, up to MAX_SKIP steps, so a drafter that never pays costs about one round in MAX_SKIP + 1.
+    for plain steps, drafting one round between to re-measure, each skip about twice the last (`Backoff`).
 
     Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
     the context changes a verify's cost as the measured growth says (the running averages follow the rest).
@@ -225,7 +244,6 @@ class CostAwarePolicy(WidthPolicy):
     SMOOTHING = 0.2  # weight of a new timing in the running averages
     MEASURE_STEPS = 4  # plain steps that measure the plain rate
     REFRESH_EVERY = 64  # while drafting pays, re-measure the plain rate after this many rounds
-    FIRST_SKIP, MAX_SKIP = 7, 31  # plain steps between drafting probes while drafting does not pay
 
     def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0,
                  prompt_lookup=True, context_costs: Optional[ContextCosts] = None):
@@ -238,7 +256,7 @@ class CostAwarePolicy(WidthPolicy):
         self.drafting_rate = None  # tokens/s expected of rounds that run the drafter
         self.plain_rate = None  # tokens/s of plain target steps, as observed
         self.probe_next = False  # the last call planned plain steps: draft once now
-        self.skip = self.FIRST_SKIP  # the next skip while drafting does not pay
+        self.backoff = Backoff()  # plain steps between drafting probes while drafting does not pay
         self.rounds_since_plain = 0
 
     @property
@@ -254,9 +272,10 @@ class CostAwarePolicy(WidthPolicy):
         elif self.drafting_rate is not None and self.drafting_rate < self.plain_rate:
             self.probe_next = not self.probe_next
             if self.probe_next:
-                steps, self.skip = self.skip, min(2 * self.skip + 1, self.MAX_SKIP)
+                steps = self.backoff.take()
         else:
-            self.probe_next, self.skip = False, self.FIRST_SKIP
+            self.probe_next = False
+            self.backoff.reset()
             self.rounds_since_plain += 1
             if self.rounds_since_plain > self.REFRESH_EVERY:
                 steps = self.MEASURE_STEPS
