@@ -12,7 +12,7 @@ import pytest
 from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
-from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.policies.width import WidthOptions, WidthPolicy
 from mlx_dflash.policies.dcut import (DCutPolicy, batch_cost_rows, build_batch_policy, probe_batch_costs,
                              read_batch_costs)
 from mlx_dflash.decoding.decoder import DecodeState

@@ -32,21 +32,14 @@ out costs logits and a confidence (docs/batching.md has it measured).
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from dataclasses import replace
 from typing import Optional
 
-import mlx.core as mx
-import numpy as np
-
 from ..errors import DFlashError
-from ..models.batch_cache import add_row, batched
-from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, filled_cache, interpolate_costs,
+from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, interpolate_costs, probe_costs,
                            read_cost_table, running, table_costs)
 from .width import Backoff, Calibration, WidthOptions, WidthPolicy, build_policy, has_quantized_layers
-
-PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 class DCutPolicy(WidthPolicy):
@@ -171,26 +164,12 @@ def between(costs: dict, batch: int, width: int) -> float:
     return a + (b - a) * (batch - lo) / (hi - lo)
 
 
-def probe_batch_costs(target, batches: list, max_width: int, context: int = 256, repeats: int = 2) -> dict:
-    """{rows: {width: verify seconds}} for a batch of `rows` sequences of `context` tokens each, timed in
-    turns (after one warm-up turn; each pair's median); widths between the probed ones are interpolated, as
-    for one sequence (policy.interpolate_costs)."""
-    widths = sorted({min(w, max_width) for w in PROBE_WIDTHS})
-    times = {(b, w): [] for b in batches for w in widths}
-    caches = {}
-    for b in batches:
-        caches[b] = batched(target.make_cache())
-        for _ in range(b):
-            add_row(caches[b], filled_cache(target, context))
-    for turn in range(repeats + 1):
-        for b in batches:
-            for w in widths:
-                tic = time.perf_counter()
-                mx.eval(target.forward(mx.zeros((b, w), dtype=mx.int32), caches[b])[0])
-                target.trim_rows(caches[b], [w] * b)
-                if turn:
-                    times[b, w].append(time.perf_counter() - tic)
-    return {b: interpolate_costs({w: float(np.median(times[b, w])) for w in widths}, max_width) for b in batches}
+def probe_batch_costs(target, batches: list, max_width: int, context: int = PROBE_CONTEXTS[0], repeats: int = 2) -> dict:
+    """{rows: {width: verify seconds}} for batches of `rows` sequences of `context` tokens (the cost probe,
+    verify_costs.probe_costs), every width up to max_width interpolated between the probed ones. Cells are
+    not made to grow with the width (module docstring)."""
+    probed = probe_costs(target, batches, max_width, context, repeats=repeats)
+    return {b: interpolate_costs(row, max_width) for b, row in probed.items()}
 
 
 def batch_sizes(max_batch: int) -> list:

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache
 from ..errors import DFlashError
 from ..kernels.wide_qmm import WideQuantizedLinear
 from ..machine import machine_info
+from ..models.batch_cache import add_row, batched
 
 
 def observe_cost(costs: dict, width: int, seconds: float, weight: float):
@@ -134,6 +135,7 @@ def cost_table_note(table: dict, path, target) -> Optional[str]:
 
 
 PROBE_CONTEXTS = (256, 1024, 4096, 16384, 65536)  # context lengths a verify's cost is measured at, as needed
+PROBE_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # widths a probe times (the others are interpolated)
 
 
 class ContextCosts:
@@ -227,25 +229,41 @@ def filled_cache(target, length: int, seed: int = 0) -> list:
     return cache
 
 
-def probe_verify_costs(target, max_width: int, context: int = PROBE_CONTEXTS[0], widths=(1, 2, 3, 4, 6, 8, 12, 16),
-                       repeats: int = 3) -> dict:
-    """A quick start-up estimate of {width: verify seconds}, for `--width auto` when no cost table was
-    measured; the decoder refines it from observed rounds.
+def filled_batch(target, rows: int, length: int) -> list:
+    """A batch cache (models/batch_cache.py) of `rows` sequences of `length` random positions each."""
+    cache = batched(target.make_cache())
+    for _ in range(rows):
+        add_row(cache, filled_cache(target, length))
+    return cache
 
-    The widths are timed in turns (after one warm-up turn), so a slow moment of a shared machine
-    spreads over all of them, and each width keeps its median; then the costs are made non-decreasing
-    in width (more rows never cost less). Timed back to back instead, a slow moment falls on one width,
+
+def probe_costs(target, rows: list, max_width: int, context: int = PROBE_CONTEXTS[0], widths=PROBE_WIDTHS,
+                repeats: int = 3) -> dict:
+    """The cost probe: {rows: {width: seconds}} of a verify of `width` tokens in each of `rows` sequences of
+    `context` tokens (one row: one request's cache; more: a batch's), at the widths asked (up to max_width).
+
+    The cells are timed in turns (after one warm-up turn), so a slow moment of a shared machine spreads over
+    all of them, and each keeps its median. Timed back to back instead, a slow moment falls on one width,
     which can then look dearer than a wider one, and auto would shun a width it never tries."""
-    cache = filled_cache(target, context)
     chosen = sorted({min(w, max_width) for w in widths})
-    times = {w: [] for w in chosen}
+    caches = {b: filled_cache(target, context) if b == 1 else filled_batch(target, b, context) for b in rows}
+    times = {(b, w): [] for b in rows for w in chosen}
     for turn in range(repeats + 1):
-        for w in chosen:
-            seconds = timed(lambda: target.forward(mx.zeros((1, w), dtype=mx.int32), cache)[0])[0]
-            target.trim(cache, w)
-            if turn:
-                times[w].append(seconds)
-    return non_decreasing({w: float(np.median(t)) for w, t in times.items()})
+        for b in rows:
+            for w in chosen:
+                seconds = timed(lambda: target.forward(mx.zeros((b, w), dtype=mx.int32), caches[b])[0])[0]
+                target.trim_rows(caches[b], [w] * b)
+                if turn:
+                    times[b, w].append(seconds)
+    return {b: {w: float(np.median(times[b, w])) for w in chosen} for b in rows}
+
+
+def probe_verify_costs(target, max_width: int, context: int = PROBE_CONTEXTS[0], widths=PROBE_WIDTHS,
+                       repeats: int = 3) -> dict:
+    """One request's {width: verify seconds} (the cost probe at one row), for `--width auto` when no cost table
+    was measured, made non-decreasing in width (one row's more rows never cost less); the policy refines it
+    from observed rounds."""
+    return non_decreasing(probe_costs(target, [1], max_width, context, widths, repeats)[1])
 
 
 def non_decreasing(costs: dict) -> dict:
