@@ -20,7 +20,8 @@ Configurations (each row; with --quantize 4 each again on the target quantized i
 * width auto: `build_policy(target, drafter, WidthOptions("auto", cost_table=...))` with --cost-table (or
   --quantized-cost-table) else the decoder's start-up probe (clamped like p-min on a quantized target);
 * width auto (D-cut): the batch's auto policy at one row (`build_batch_policy(target, drafter, 1, ...)`),
-  through the same one-request decoder: it skips the drafter with one-row rounds, not pipelined steps;
+  through the same one-request decoder: it skips the drafter with one-row rounds, not pipelined steps; on a
+  quantized target it is not clamped to 5 rows (its measured cells decide, as in a batch);
 * width 2/4/8/auto (drafter only): the same without prompt lookup (`prompt_lookup=False`), which the
   other rows use (decoding/lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
   vocabulary, drafter only) also drop the vocabulary: what each lever buys, in the same run;

@@ -10,9 +10,11 @@
 // the keys are split over ceil(S / SPLIT) threadgroups per kv head whatever L, and each K/V element is
 // read from device memory once per kv head (shared by its G query heads), staged in threadgroup memory.
 //
-// Inputs: q (B, HQ, L, D), k / v (B, HKV, >= S, D), any strides (a KV cache buffer or a slice of it is
-// read in place), scale (float), S (int32: keys to attend), SPLIT (int32: keys per threadgroup, a
-// multiple of CH; runtime, so a growing cache does not make new template instantiations). Outputs: o_part
+// Inputs: q (B, HQ, L, D), k / v (B, HKV, >= max S, D), any strides (a KV cache buffer or a slice of it is
+// read in place), scale (float), lengths (B int32: S, the keys batch row b attends, its block the last L of
+// them; rows of a batch cache each have their own, the rest of the buffer being padding), SPLIT (int32: keys
+// per threadgroup, a multiple of CH; runtime, so a growing cache does not make new template instantiations).
+// A chunk past a row's S computes nothing (m = -inf, l = 0) and weighs 0 in pass 2. Outputs: o_part
 // (B * HQ * L, NC, D) float32, ml (B * HQ * L, NC, 2) float32 (m, l). Template: T, L, G (= HQ / HKV), D
 // (64 or 128), HKV, CH (keys per staged tile), NS (simdgroups).
 // Grid (32 * NS, B * HKV, NC) threads, threadgroup (32 * NS, 1, 1).
@@ -36,6 +38,7 @@
   const int bh = int(threadgroup_position_in_grid.y);  // b * HKV + kv head
   const int b = bh / HKV;
   const int hkv = bh % HKV;
+  const int S = lengths[b];
   const int c = int(threadgroup_position_in_grid.z);
   const int nc = int(threadgroups_per_grid.z);
   const int k_lo = c * SPLIT;

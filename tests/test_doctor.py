@@ -110,8 +110,8 @@ def mlx_qmm(x, w, s, b, gs, bits):
     return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
 
 
-def mlx_attention(q, k, v, scale, keys=None):
-    return attn.reference_attention(q, k, v, scale, keys)
+def mlx_attention(q, k, v, scale, keys=None, lengths=None):
+    return attn.reference_attention(q, k, v, scale, keys, lengths)
 
 
 def test_the_mac_checks_with_kernels_that_agree(quick, monkeypatch):

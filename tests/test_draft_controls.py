@@ -220,3 +220,9 @@ def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_conf
         assert any(drafted for _, drafted, _ in seen), name
         # Every round with room for a draft (the last token is a one-row round that drafts nothing).
         assert all(n == per_round for before, _, n in seen[1:] if before + 1 < 24), (name, seen)
+
+
+def test_one_requests_auto_refuses_a_batch_and_names_the_batch_policy():
+    policy = CostAwarePolicy(16, 16, {w: 0.1 for w in range(1, 17)})
+    with pytest.raises(DFlashError, match="D-cut"):
+        policy.cut(16, [[0.9] * 15] * 2, [0, 0], [9, 9])

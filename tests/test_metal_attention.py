@@ -30,17 +30,17 @@ def make(rows, hkv, groups, d, keys, alloc, dt, seed=0):
     return q, k, v
 
 
-def emulate(q, k, v, keys, kernels=None, traffic_=False):
-    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys)
+def emulate(q, k, v, keys, kernels=None, traffic_=False, lengths=None):
+    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys, lengths)
     k1, k2 = kernels or (k1, k2)
     first = run_kernel(k1, **c1, traffic=traffic_)
     second = run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}, traffic=traffic_)
     return second.outputs[0].reshape(q.shape), first, second, (c1, c2)
 
 
-def oracle(q, k, v, keys):
+def oracle(q, k, v, keys, lengths=None):
     f = mx.float32
-    return attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), q.shape[-1] ** -0.5, keys)
+    return attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), q.shape[-1] ** -0.5, keys, lengths)
 
 
 def check(rows, hkv, groups, d, keys, alloc, dt):
@@ -84,12 +84,53 @@ def test_block_attention_grid_matches_sdpa(rows, hkv, groups, d, keys, alloc, dt
     check(rows, hkv, groups, d, keys, alloc, dt)
 
 
+def batch_of(lengths, rows, hkv, groups, d, dt, padding=9):
+    """q, k, v of a batch cache: row b's keys are its first lengths[b] (the rest of the buffer is padding)."""
+    a, b, c = mx.random.split(mx.random.key(sum(lengths) + rows), 3)
+    dtype, batch, alloc = DTYPES[dt], len(lengths), max(lengths) + padding
+    q = mx.random.normal((batch, hkv * groups, rows, d), key=a).astype(dtype)
+    k = mx.random.normal((batch, hkv, alloc, d), key=b).astype(dtype)
+    v = mx.random.normal((batch, hkv, alloc, d), key=c).astype(dtype)
+    return q, k, v
+
+
+# (row lengths, rows, kv heads, GQA, head dim, dtype): a row shorter than the first key chunk beside longer ones
+RAGGED = [([600, 250, 520], 4, 1, 4, 64, "f32"), ([37, 16, 40], 16, 2, 2, 128, "bf16")]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("lengths,rows,hkv,groups,d,dt", RAGGED, ids=str)
+def test_each_batch_row_attends_its_own_length(lengths, rows, hkv, groups, d, dt):
+    """A batch cache's rows of different lengths: row b's queries are the last of its lengths[b] keys, and
+    the keys past them (padding, another row's longer past) are never seen."""
+    q, k, v = batch_of(lengths, rows, hkv, groups, d, dt)
+    keys = max(lengths)
+    y, _, _, (c1, _) = emulate(q, k, v, keys, lengths=lengths)
+    want = oracle(q, k, v, keys, lengths)
+    err = np.abs(np.array(y.astype(mx.float32)) - np.array(want))
+    assert np.isfinite(err).all() and err.max() <= ATOL[dt], err.max()
+    if dt == "f32":  # the case with several key chunks, one of which the short row cannot see
+        assert min(lengths) <= c1["inputs"][5] * (c1["grid"][2] - 1)  # its last chunk starts past the short row
+    as_if_all_long = oracle(q, k, v, keys)
+    assert not np.allclose(np.array(y.astype(mx.float32)), np.array(as_if_all_long), atol=1e-3)
+
+
+@pytest.mark.emulator
+def test_planted_one_length_for_every_row_is_caught():
+    lengths, rows, hkv, groups, d, dt = RAGGED[0]
+    q, k, v = batch_of(lengths, rows, hkv, groups, d, dt)
+    planted = _planted("mr_attention_partial.metal", "const int S = lengths[b];", "const int S = lengths[0];")
+    y = emulate(q, k, v, max(lengths), kernels=(planted, attn.combine_kernel()), lengths=lengths)[0]
+    assert not np.allclose(np.array(y), np.array(oracle(q, k, v, max(lengths), lengths)), atol=1e-3)
+
+
 def _planted(file, old, new):
     header, body = attn.read_metal_file(file)
     assert body.count(old) == 1, old
     if "partial" in file:
         return mx.fast.metal_kernel(
-            name="planted_partial", input_names=["q", "k", "v", "scale", "S", "SPLIT"], output_names=["o_part", "ml"],
+            name="planted_partial", input_names=["q", "k", "v", "scale", "lengths", "SPLIT"],
+            output_names=["o_part", "ml"],
             source=body.replace(old, new), header=header, ensure_row_contiguous=False)
     return mx.fast.metal_kernel(name="planted_combine", input_names=["o_part", "ml", "NC"], output_names=["out"],
                                 source=body.replace(old, new), header=header, ensure_row_contiguous=False)
@@ -178,9 +219,9 @@ def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
 
     ran = []
 
-    def stand_in(q, k, v, scale, keys):
+    def stand_in(q, k, v, scale, keys, lengths=None):
         ran.append(q.shape[2])
-        return attn.reference_attention(q, k, v, scale, keys)
+        return attn.reference_attention(q, k, v, scale, keys, lengths)
 
     gate = RaceGate(tmp_path / "v.json", timer=Timer())
     monkeypatch.setattr(attn, "metal_available", lambda: True)

@@ -69,14 +69,16 @@ def tiny_model(family):
     return _models[family]
 
 
-def numpy_block_attention(q, k, v, scale, keys):
-    """An independent float64 reference of the kernel's contract (not MLX's SDPA)."""
+def numpy_block_attention(q, k, v, scale, keys, lengths=None):
+    """An independent float64 reference of the kernel's contract (not MLX's SDPA): batch row b attends its
+    first lengths[b] keys (default: `keys`), its queries the last of them."""
     q64, k64, v64 = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (q, k[:, :, :keys], v[:, :, :keys]))
     b, hq, rows, d = q64.shape
     g = hq // k64.shape[1]
     k64, v64 = np.repeat(k64, g, axis=1), np.repeat(v64, g, axis=1)
     s = np.einsum("bhld,bhsd->bhls", q64, k64) * scale
-    s = np.where(np.arange(keys)[None, :] <= keys - rows + np.arange(rows)[:, None], s, -np.inf)
+    last = np.array(lengths or [keys] * b)[:, None, None, None] - rows + np.arange(rows)[:, None]  # [B, 1, L, 1]
+    s = np.where(np.arange(keys)[None, None, None, :] <= last, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     return mx.array(np.einsum("bhls,bhsd->bhld", p / p.sum(-1, keepdims=True), v64)).astype(q.dtype)
 
@@ -100,9 +102,9 @@ def forced(monkeypatch, tmp_path):
     monkeypatch.setattr(attn, "metal_available", lambda: True)
     state = dict(calls=[], kernel=numpy_block_attention, gate=Gate(tmp_path / "verdicts.json", ours_faster=True))
 
-    def stand_in(q, k, v, scale, keys=None):
+    def stand_in(q, k, v, scale, keys=None, lengths=None):
         state["calls"].append(q.shape[2])
-        return state["kernel"](q, k, v, scale, k.shape[2] if keys is None else keys)
+        return state["kernel"](q, k, v, scale, k.shape[2] if keys is None else keys, lengths)
 
     monkeypatch.setattr(attn, "multi_row_attention", stand_in)
     monkeypatch.setattr(attn, "race_gate", lambda: state["gate"])
@@ -130,8 +132,8 @@ def test_which_calls_are_routed():
     assert va.why_not_routed(q, k, k, None, "causal", None) is None
     assert va.why_not_routed(q, k, k, None, "causal", mx.zeros(4)) == "attention sinks"
     assert va.why_not_routed(q, k, k, QuantizedKVCache(), "causal", None) == "quantized KV cache"
-    assert va.why_not_routed(q, k, k, None, mx.ones((8, 40), dtype=mx.bool_), None) == "not the plain causal mask"
-    assert va.why_not_routed(q, k, k, None, None, None) == "not the plain causal mask"
+    assert va.why_not_routed(q, k, k, None, mx.ones((8, 40), dtype=mx.bool_), None).startswith("not a causal mask")
+    assert va.why_not_routed(q, k, k, None, None, None).startswith("not a causal mask")
     assert "rows=1" in va.why_not_routed(q[:, :, :1], k, k, None, "causal", None)
     assert "rows=17" in va.why_not_routed(mx.zeros((1, 4, 17, 64)), k, k, None, "causal", None)
     assert "head dim 256" in va.why_not_routed(mx.zeros((1, 4, 8, 256)), mx.zeros((1, 1, 40, 256)),
@@ -169,29 +171,56 @@ def test_routed_verify_logits_equal_the_unrouted(forced, family):
     assert forced["gate"].races == 0
 
 
-def test_a_batched_verify_of_rows_of_one_length_is_routed(forced):
-    """The batch cache at one row (and at rows of one length) gives the plain causal mask, so the server's
-    batched engine verifies through our kernel too; rows of different lengths keep MLX's masked path."""
+def test_a_batched_verify_is_routed_with_each_row_its_own_length(forced):
+    """The batch cache at one row (and at rows of one length) gives the plain causal mask; rows of different
+    lengths an array mask that the kernel computes from their lengths: the server's batched engine verifies
+    through our kernel either way, with the logits of each row's own forward."""
     plain, plain_cache, _ = prefilled("llama")
     target, single, _ = prefilled("llama", "dflash")
     other, other_single, _ = prefilled("llama")
     other.forward(mx.array([[7, 7, 7]]), other_single)  # three positions longer
+    _, longer, _ = prefilled("llama")
+    other.forward(mx.array([[7, 7, 7]]), longer)
     ids = mx.array([[3, 1, 4, 1, 5]])
     want, _ = plain.forward(ids, plain_cache)
-    for rows in ([single], [single, single]):
+    want_other, _ = other.forward(ids, longer)
+    for rows, wants in (([single], [want]), ([single, single], [want, want]),
+                        ([single, other_single], [want, want_other]), ([other_single, single], [want_other, want])):
         cache = batched(target.make_cache())
         for row in rows:
             add_row(cache, row)
         forced["calls"].clear()
         got, _ = target.forward(mx.concatenate([ids] * len(rows)), cache)
-        assert all(mx.allclose(got[b : b + 1], want, atol=1e-4, rtol=1e-4) for b in range(len(rows)))
+        assert all(mx.allclose(got[b : b + 1], w, atol=1e-4, rtol=1e-4) for b, w in enumerate(wants))
         assert forced["calls"] == [5, 5]  # both layers, through the stand-in
-    ragged = batched(target.make_cache())
-    add_row(ragged, single)
-    add_row(ragged, other_single)
-    forced["calls"].clear()
-    got, _ = target.forward(mx.concatenate([ids, ids]), ragged)
-    assert mx.allclose(got[:1], want, atol=1e-4, rtol=1e-4) and forced["calls"] == []  # MLX's, with padding hidden
+    assert va.why_not_routed(mx.zeros((2, 4, 5, 64)), mx.zeros((2, 1, 20, 64)), mx.zeros((2, 1, 20, 64)), None,
+                             mx.ones((2, 1, 5, 20), dtype=mx.bool_), None).startswith("not a causal mask")
+
+
+def test_ragged_batched_decoding_through_the_kernel_is_lossless(forced):
+    """Two requests of different lengths decoding together, every verify through the stand-in kernel with each
+    row's own length: each gets mlx-lm's greedy output."""
+    from mlx_dflash.decoding.batch_decoder import Batch
+    from mlx_dflash.decoding.decoder import DecodeState
+
+    model = tiny_model("llama")
+    target = Target(model)
+    drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=8, num_target_features=1),
+                           seed=1).bind(target)
+    target.install_attention_kernel("dflash")
+    prompts = [PROMPT, PROMPT[:5] + [77, 78]]
+    batch = Batch(target, drafter, make_policy(drafter.block_size, 6, prompt_lookup=False))
+    for i, p in enumerate(prompts):
+        state = DecodeState.fresh(target, drafter)
+        state.extend(p[:-1], target.read(mx.array(p[:-1]), state.cache))
+        batch.join(i, state, p[-1], SamplingParams(), 16)
+    got = [[], []]
+    while batch.rows:
+        for handle, rnd in batch.round():
+            got[handle] += rnd.tokens
+        batch.leave({r.handle for r in batch.rows if r.remaining <= 0})
+    assert got == [mlx_lm_greedy(model, p, 16) for p in prompts]
+    assert forced["calls"] and set(forced["calls"]) <= set(range(2, 7))
 
 
 @pytest.mark.parametrize("ours_faster", [True, False])
@@ -212,7 +241,7 @@ def test_race_verdict_routes_the_verify(forced, ours_faster):
 
 
 def test_a_wrong_kernel_loses_the_race(forced):
-    forced["kernel"] = lambda q, k, v, scale, keys: numpy_block_attention(q, k, v, scale * 1.5, keys)
+    forced["kernel"] = lambda q, k, v, scale, keys, lengths: numpy_block_attention(q, k, v, scale * 1.5, keys, lengths)
     plain, plain_cache, _ = prefilled("llama")
     target, cache, _ = prefilled("llama", "auto")
     ids = mx.array([[3, 1, 4, 1, 5]])
@@ -272,8 +301,8 @@ def test_the_kernel_source_in_the_verify_forward(forced):
     """The stand-in is the Metal source itself, run by the CPU emulator, inside a real verify forward."""
     from metal_emulator import run_kernel
 
-    def emulated(q, k, v, scale, keys):
-        (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, scale, keys)
+    def emulated(q, k, v, scale, keys, lengths=None):
+        (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, scale, keys, lengths)
         first = run_kernel(k1, **c1)
         return run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}).outputs[0].reshape(q.shape)
 

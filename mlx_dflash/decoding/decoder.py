@@ -136,6 +136,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     """One round for every row: returns ([Round] in row order, the width verified).
 
     cache, draft_cache: the rows' caches (one request's own at one row; a batch's, models/batch_cache.py).
+    ranks: a sharded target's (distributed.py), whose ranks decode one request in step: one row.
     Every row verifies the same width W, less where it has fewer tokens left: a batch forward pads its rows
     to the longest, so a row verifying fewer drafts would cost the same and keep fewer. A row with nothing
     left to emit must not be here."""

@@ -2,9 +2,11 @@
 
 ``metal_kernels/mr_attention_partial.metal`` splits the keys over threadgroups (each K/V element read once
 per kv head, shared by its GQA query heads), ``mr_attention_combine.metal`` merges the chunks. Causal
-within the block: query row i of L sees keys 0 .. S - L + i.
+within the block: query row i of L sees keys 0 .. S - L + i, where S is the keys of its batch row: the same
+for every row of one sequence's cache, each row's own length in a batch cache (``lengths``; the buffer past
+a row's length is padding, never read).
 
-* ``attention_calls(q, k, v, scale, keys)``: the two launches (kernel, call) - shared by Metal and the
+* ``attention_calls(q, k, v, scale, keys, lengths)``: the two launches (kernel, call) - shared by Metal and the
   CPU emulator; pass 2's inputs are pass 1's outputs.
 * ``multi_row_attention`` runs them (Metal only).
 * ``block_attention`` is the routed entry point: ours where Metal runs, the race gate picked it and the
@@ -39,7 +41,7 @@ def _kernel(name: str, file: str, inputs: list[str], outputs: list[str]):
 
 @functools.lru_cache(maxsize=None)
 def partial_kernel():
-    return _kernel("dflash_mr_attention_partial", "mr_attention_partial.metal", ["q", "k", "v", "scale", "S", "SPLIT"],
+    return _kernel("dflash_mr_attention_partial", "mr_attention_partial.metal", ["q", "k", "v", "scale", "lengths", "SPLIT"],
                    ["o_part", "ml"])
 
 
@@ -60,8 +62,9 @@ def key_chunks(rows_total: int, kv_heads_total: int, keys: int, d: int, x_bytes:
     return -(-keys // split), split
 
 
-def check_supported(q, k, v, keys: int) -> str | None:
-    """Why the kernel cannot take this call (None when it can)."""
+def check_supported(q, k, v, keys: int, lengths: list | None = None) -> str | None:
+    """Why the kernel cannot take this call (None when it can). lengths: each batch row's keys (default: all
+    `keys`)."""
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         return "expected q (B, Hq, L, D), k and v (B, Hkv, S, D)"
     b, hq, rows, d = q.shape
@@ -73,15 +76,18 @@ def check_supported(q, k, v, keys: int) -> str | None:
         return "query heads must be a multiple of kv heads (same batch)"
     if not rows <= keys <= k.shape[2]:
         return f"keys={keys} must be in {rows}..{k.shape[2]}"
+    if lengths is not None and (len(lengths) != b or not rows <= min(lengths) <= max(lengths) <= keys):
+        return f"row lengths {lengths} must be one per batch row, each in {rows}..{keys}"
     if q.dtype not in (mx.float16, mx.bfloat16, mx.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} not supported (q, k, v must share it)"
     return None
 
 
-def attention_calls(q, k, v, scale: float, keys: int | None = None) -> list[tuple]:
-    """[(kernel, call)] of pass 1 and pass 2 for ``softmax(q k[:keys]^T * scale + block mask) v[:keys]``."""
+def attention_calls(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None) -> list[tuple]:
+    """[(kernel, call)] of pass 1 and pass 2 for ``softmax(q k[:keys]^T * scale + block mask) v[:keys]``, batch
+    row b over its first lengths[b] keys (default: `keys`, the most any row has)."""
     keys = k.shape[2] if keys is None else keys
-    reason = check_supported(q, k, v, keys)
+    reason = check_supported(q, k, v, keys, lengths)
     if reason is not None:
         raise ValueError(f"multi_row_attention: {reason}")
     b, hq, rows, d = q.shape
@@ -92,7 +98,7 @@ def attention_calls(q, k, v, scale: float, keys: int | None = None) -> list[tupl
     simdgroups = min(16, groups * rows)
     tile = 2048 // d  # keys per staged tile: K and V tiles of 8 KiB each
     first = dict(
-        inputs=[q, k, v, float(scale), keys, split],
+        inputs=[q, k, v, float(scale), mx.array(lengths or [keys] * b, dtype=mx.int32), split],
         template=[("T", q.dtype), ("L", rows), ("G", groups), ("D", d), ("HKV", hkv), ("CH", tile),
                   ("NS", simdgroups)],
         grid=(32 * simdgroups, b * hkv, chunks), threadgroup=(32 * simdgroups, 1, 1),
@@ -106,25 +112,29 @@ def attention_calls(q, k, v, scale: float, keys: int | None = None) -> list[tupl
     return [(partial_kernel(), first), (combine_kernel(), second)]
 
 
-def multi_row_attention(q, k, v, scale: float, keys: int | None = None):
+def multi_row_attention(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None):
     """The two-pass kernel on Metal; out (B, Hq, L, D) in q's dtype."""
     if not metal_available():
         raise RuntimeError("multi_row_attention needs Metal; use mx.fast.scaled_dot_product_attention")
-    (k1, c1), (k2, c2) = attention_calls(q, k, v, scale, keys)
+    (k1, c1), (k2, c2) = attention_calls(q, k, v, scale, keys, lengths)
     o_part, ml = k1(**c1)
     (out,) = k2(**{**c2, "inputs": [o_part, ml, c2["inputs"][2]]})
     return out.reshape(q.shape)
 
 
-def block_mask(rows: int, keys: int):
-    """Boolean (rows, keys) mask: row i sees keys 0 .. keys - rows + i."""
-    return mx.arange(keys)[None, :] <= (keys - rows + mx.arange(rows))[:, None]
+def block_mask(rows: int, keys: int, lengths: list | None = None):
+    """Boolean mask of who sees what: row i sees keys 0 .. S - rows + i, with S = keys, (rows, keys); or with
+    each batch row's own S = lengths[b], (B, 1, rows, keys)."""
+    if lengths is None:
+        return mx.arange(keys)[None, :] <= (keys - rows + mx.arange(rows))[:, None]
+    last = mx.array(lengths)[:, None, None, None] - rows + mx.arange(rows)[:, None]
+    return mx.arange(keys)[None, None, None, :] <= last
 
 
-def reference_attention(q, k, v, scale: float, keys: int | None = None):
+def reference_attention(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None):
     keys = k.shape[2] if keys is None else keys
     return mx.fast.scaled_dot_product_attention(q, k[:, :, :keys], v[:, :, :keys], scale=scale,
-                                                mask=block_mask(q.shape[2], keys))
+                                                mask=block_mask(q.shape[2], keys, lengths))
 
 
 def race_key(q, k, keys: int) -> str:
@@ -135,21 +145,22 @@ def race_key(q, k, keys: int) -> str:
     return f"{chip_name()}|mr_attention|{dtype}|B{b}|Hq{hq}|Hkv{k.shape[1]}|D{d}|keys<={bucket}|rows{rows}"
 
 
-def block_attention(q, k, v, scale: float, keys: int | None = None, route: str = "auto"):
+def block_attention(q, k, v, scale: float, keys: int | None = None, route: str = "auto", lengths: list | None = None):
     """Causal block attention, routed: ours (Metal, 2..16 rows, head dim 64/128) when ``route`` is
     ``"dflash"`` or the race gate picked it for this (chip, shape, rows, cache size), else MLX's SDPA.
-    Routed calls are recorded (routes.py)."""
+    lengths: each batch row's keys (a batch cache's rows), else `keys` for all. Routed calls are recorded
+    (routes.py)."""
     keys = k.shape[2] if keys is None else keys
-    if route == "mlx" or not metal_available() or check_supported(q, k, v, keys) is not None:
-        return reference_attention(q, k, v, scale, keys)
+    if route == "mlx" or not metal_available() or check_supported(q, k, v, keys, lengths) is not None:
+        return reference_attention(q, k, v, scale, keys, lengths)
     key = race_key(q, k, keys)
     if route == "auto":
         gate = race_gate()
-        route = gate.route(key, lambda: multi_row_attention(q, k, v, scale, keys),
-                           lambda: reference_attention(q, k, v, scale, keys), q.dtype)
+        route = gate.route(key, lambda: multi_row_attention(q, k, v, scale, keys, lengths),
+                           lambda: reference_attention(q, k, v, scale, keys, lengths), q.dtype)
         routes.record(key, route, gate.describe(key), fallback=gate.disagreed(key))
     else:
         routes.record(key, route, f"route {route!r} forced")
     if route == OURS:
-        return multi_row_attention(q, k, v, scale, keys)
-    return reference_attention(q, k, v, scale, keys)
+        return multi_row_attention(q, k, v, scale, keys, lengths)
+    return reference_attention(q, k, v, scale, keys, lengths)

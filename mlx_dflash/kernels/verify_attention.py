@@ -11,9 +11,10 @@ process, and this one outside the verify forward (prefill, mlx-lm's own generate
 
 ``routed_sdpa`` sends a call to ``attention_kernels.block_attention`` (whose race gate picks ours or MLX's
 per chip, shape, rows and cache-size bin, verdict cached on disk) only when the call is what the kernel
-computes: the plain causal mask (``"causal"``: query row i of L sees keys 0 .. S - L + i), no attention
-sinks, an unquantized cache, and a shape ``check_supported`` accepts (2..16 rows, head dim 64/128, GQA,
-one dtype). Anything else - array masks (sliding windows, padded batches), sinks (gpt-oss), quantized KV
+computes: a causal mask (the plain ``"causal"``: query row i of L sees keys 0 .. S - L + i; or the array a
+batch cache built for rows of different lengths, each row then its own S, ``note_ragged_causal``), no
+attention sinks, an unquantized cache, and a shape ``check_supported`` accepts (2..16 rows, head dim 64/128,
+GQA, one dtype). Anything else - other array masks (sliding windows), sinks (gpt-oss), quantized KV
 caches, other head dims (e.g. 256) - goes to mlx-lm's own function, unchanged.
 
 Families whose attention calls that function from a decoder layer's direct child are routed (llama,
@@ -71,15 +72,36 @@ def attention_sites(layers) -> list[tuple[nn.Module, str]]:
             for name, child in layer.items() if isinstance(child, nn.Module) and _calls_base_sdpa(type(child))]
 
 
+# The last causal mask a batch cache built for rows of different lengths (models/batch_cache.py) and the keys
+# each row attends under it. Our kernel computes exactly that mask from the lengths, so a call given this very
+# array is routed: an identity test, nothing read back from the device.
+_ragged_causal: tuple = (None, ())
+
+
+def note_ragged_causal(mask, lengths: list):
+    """A batch cache built `mask`: batch row b's queries are the last of its lengths[b] keys, each seeing the
+    row's keys up to itself (no window)."""
+    global _ragged_causal
+    _ragged_causal = (mask, tuple(lengths))
+
+
+def ragged_lengths(mask) -> list | None:
+    """Each batch row's keys when `mask` is the ragged causal mask a batch cache built; None otherwise."""
+    noted, lengths = _ragged_causal
+    return list(lengths) if mask is not None and mask is noted else None
+
+
 def why_not_routed(queries, keys, values, cache, mask, sinks) -> str | None:
     """Why this SDPA call stays with MLX (None when our kernel computes exactly it)."""
     if sinks is not None:
         return "attention sinks"
     if hasattr(cache, "bits"):
         return "quantized KV cache"
-    if not (isinstance(mask, str) and mask == "causal"):
-        return "not the plain causal mask"
-    return attn.check_supported(queries, keys, values, keys.shape[2])
+    plain = isinstance(mask, str) and mask == "causal"
+    lengths = None if plain else ragged_lengths(mask)
+    if not plain and lengths is None:
+        return "not a causal mask (plain, or a batch cache's rows of their own lengths)"
+    return attn.check_supported(queries, keys, values, keys.shape[2], lengths)
 
 
 def routed_sdpa(route: str):
@@ -88,7 +110,7 @@ def routed_sdpa(route: str):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         reason = why_not_routed(queries, keys, values, cache, mask, sinks)
         if reason is None:
-            return attn.block_attention(queries, keys, values, scale, route=route)
+            return attn.block_attention(queries, keys, values, scale, route=route, lengths=ragged_lengths(mask))
         if queries.ndim == 4 and attn.MIN_ROWS <= queries.shape[2] <= attn.MAX_ROWS:  # a verify our kernel could take
             routes.record(attn.race_key(queries, keys, keys.shape[2]), MLX, reason, fallback=True)
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
 
+from ..kernels.verify_attention import note_ragged_causal
+
 
 class RaggedKVCache(_BaseCache):
     step = 256
@@ -96,14 +98,16 @@ class RaggedKVCache(_BaseCache):
         position lengths[b] + i and sees columns up to itself (and within the window, if any). Rows of one
         length (one request, always) have no padding to hide: then the mask is what mlx-lm's KVCache
         gives, None for one query and the plain "causal" otherwise, which MLX's attention takes without an
-        array and our multi-row verify kernel serves (kernels/verify_attention.py)."""
+        array. Both that and the array of rows of different lengths (no window) are what our multi-row
+        verify kernel computes (kernels/verify_attention.py)."""
         if window_size is None and not return_array and len(set(self.sizes)) <= 1:
             return None if N == 1 else "causal"
         query = self.lengths[:, None, None, None] + mx.arange(N)[:, None]  # [B, 1, N, 1]
         column = mx.arange(self.max_length + N)[None, None, None]  # [1, 1, 1, S]
         mask = column <= query
         if window_size:
-            mask = mask & (query - column < window_size)
+            return mask & (query - column < window_size)
+        note_ragged_causal(mask, [n + N for n in self.sizes])  # our verify kernel computes it from the lengths
         return mask
 
     def shorten(self, sizes: list):

@@ -260,6 +260,8 @@ class Target:
         """Forget the last drop[b] positions of row b's last forward: a batch's rows each their own
         (models/batch_cache.py), or one request's cache as its one row."""
         if not is_ragged(cache):
+            if len(drop) != 1:
+                raise DFlashError(f"one sequence's cache rolls back one row, not {len(drop)}")
             return self.trim(cache, drop[0])
         pending, self._pending = self._pending, None
         for c in cache:

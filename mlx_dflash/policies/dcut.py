@@ -168,7 +168,7 @@ def probe_batch_costs(target, batches: list, max_width: int, context: int = PROB
     """{rows: {width: verify seconds}} for batches of `rows` sequences of `context` tokens (the cost probe,
     verify_costs.probe_costs), every width up to max_width interpolated between the probed ones. Cells are
     not made to grow with the width (module docstring)."""
-    probed = probe_costs(target, batches, max_width, context, repeats=repeats)
+    probed = probe_costs(target, batches, max_width, context, repeats=repeats, batch=True)
     return {b: interpolate_costs(row, max_width) for b, row in probed.items()}
 
 

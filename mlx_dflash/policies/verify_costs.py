@@ -238,15 +238,16 @@ def filled_batch(target, rows: int, length: int) -> list:
 
 
 def probe_costs(target, rows: list, max_width: int, context: int = PROBE_CONTEXTS[0], widths=PROBE_WIDTHS,
-                repeats: int = 3) -> dict:
+                repeats: int = 3, batch: bool = False) -> dict:
     """The cost probe: {rows: {width: seconds}} of a verify of `width` tokens in each of `rows` sequences of
-    `context` tokens (one row: one request's cache; more: a batch's), at the widths asked (up to max_width).
+    `context` tokens, at the widths asked (up to max_width): on a batch cache (more than one row, or `batch`:
+    what a batch of one decodes on), else on one request's own cache.
 
     The cells are timed in turns (after one warm-up turn), so a slow moment of a shared machine spreads over
     all of them, and each keeps its median. Timed back to back instead, a slow moment falls on one width,
     which can then look dearer than a wider one, and auto would shun a width it never tries."""
     chosen = sorted({min(w, max_width) for w in widths})
-    caches = {b: filled_cache(target, context) if b == 1 else filled_batch(target, b, context) for b in rows}
+    caches = {b: filled_batch(target, b, context) if batch or b > 1 else filled_cache(target, context) for b in rows}
     times = {(b, w): [] for b in rows for w in chosen}
     for turn in range(repeats + 1):
         for b in rows:

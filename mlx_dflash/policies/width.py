@@ -306,7 +306,10 @@ class CostAwarePolicy(WidthPolicy):
 
     def cut(self, width: int, confidence: list, looked_up: list, remaining: list) -> int:
         width = super().cut(width, confidence, looked_up, remaining)  # p_min / n_min first, when given
-        (conf,), (lookup,) = confidence, looked_up  # one request's costs: one row
+        if len(confidence) != 1:
+            raise DFlashError("CostAwarePolicy chooses one request's width; a batch's auto is D-cut "
+                              "(policies/dcut.py build_batch_policy)")
+        (conf,), (lookup,) = confidence, looked_up
         return max(range(1, width + 1), key=lambda w: self.expected_rate(conf, w, lookup))
 
     def observe(self, confidence, limits, accepted, rows, width, draft_seconds, verify_seconds, looked_up):
