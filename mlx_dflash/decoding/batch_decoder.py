@@ -31,7 +31,7 @@ from ..errors import DFlashError
 from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
 from .decoder import DecodeState, Row, speculative_round
 from .lookup import PromptLookup
-from .prompt_cache import checkpoint, rungs
+from .prompt_cache import read_chunk, rungs
 from .sampling import SamplingParams
 
 
@@ -202,12 +202,8 @@ class Scheduler:
             # the time goes with it: this step reads its first chunk (maybe its first token) before returning
             p.started = time.perf_counter()
             events.append((p.request.handle, "admitted", (p.cached, p.started)))
-        ids, state, done = p.request.ids, p.state, len(p.state.tokens)
-        end = min([done + self.prefill_step, len(ids) - 1] + [m for m in p.marks if m > done])
-        if end > done:
-            state.extend(ids[done:end], self.target.read(mx.array(ids[done:end]), state.cache, self.prefill_step))
-            if end in p.marks:
-                p.checkpoints[end] = checkpoint(state.cache)
+        ids, state = p.request.ids, p.state
+        end = read_chunk(self.target, state, ids, len(ids) - 1, p.marks, p.checkpoints, self.prefill_step)
         if end < len(ids) - 1:
             self.reading.append(p)
             return events

@@ -400,15 +400,28 @@ def rungs(prompt_tokens: int, boundaries=()) -> list:
     return sorted(b for b in marks if 0 < b < prompt_tokens)
 
 
+def read_chunk(target, state: DecodeState, ids: list, stop: int, marks: list, checkpoints: dict,
+               step: int) -> int:
+    """Read the prompt `ids` into `state` from where it holds on, to the first of: `step` tokens on, `stop`,
+    the next of `marks` (rungs) past it, where the recurrent layers are checkpointed (into `checkpoints`).
+    Returns the prompt position read to. One request reads chunk after chunk (`read_to_rungs`); a batch's
+    scheduler reads one chunk of a prompt per step, in turn with the others (decoding/batch_decoder.py)."""
+    done = len(state.tokens)
+    end = min([done + step, stop] + [m for m in marks if m > done])
+    if end > done:
+        state.extend(ids[done:end], target.read(mx.array(ids[done:end]), state.cache, step))
+        if end in marks:
+            checkpoints[end] = checkpoint(state.cache)
+    return end
+
+
 def read_to_rungs(target, state: DecodeState, ids: list, checkpoints: dict, boundaries=(), step: int = 2048,
                   progress=None) -> DecodeState:
-    """For a target whose state cannot be trimmed: read the prompt into `state` up to each rung past what it
-    holds, checkpointing the recurrent layers at each (into `checkpoints`); the decoder reads the rest."""
-    for mark in rungs(len(ids), boundaries):
-        start = len(state.tokens)
-        if mark <= start:
-            continue
-        report = None if progress is None else (lambda done, _, start=start: progress(start + done, len(ids)))
-        state.extend(ids[start:mark], target.read(mx.array(ids[start:mark]), state.cache, step, report))
-        checkpoints[mark] = checkpoint(state.cache)
+    """For a target whose state cannot be trimmed: read the prompt into `state` up to its last rung,
+    checkpointing the recurrent layers at each (into `checkpoints`); the decoder reads the rest."""
+    marks = rungs(len(ids), boundaries)
+    while marks and len(state.tokens) < marks[-1]:
+        done = read_chunk(target, state, ids, marks[-1], marks, checkpoints, step)
+        if progress is not None:
+            progress(done, len(ids))
     return state
