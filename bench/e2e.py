@@ -320,7 +320,7 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
 
 def is_fixed_width(s: dict) -> bool:
     """One of our fixed-width rows as shipped (not auto, not the comparisons without lookup or vocabulary)."""
-    return (s["kind"] == "dflash" and s["name"].startswith("width ") and s["name"] != "width auto"
+    return (s["kind"] == "dflash" and s["name"].startswith("width ") and not s["name"].startswith("width auto")
             and "drafter only" not in s["name"])
 
 
