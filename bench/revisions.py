@@ -33,6 +33,11 @@ CONFIGS = ("mlx-lm alone", "width auto", "width 4", "width 16", "batch, width au
 WIDTHS = {"width auto": "auto", "width 4": 4, "width 16": 16}
 
 
+def commit_of(revision: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", revision], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def child(spec: dict) -> dict:
     """One configuration on the revision this process imports (PYTHONPATH): {"tokens": per prompt, "tps"}."""
     import mlx.core as mx
@@ -128,6 +133,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     ids = prompt_ids(args.prompts, args.first, args.num_prompts)
     revisions = [args.base, args.head or "working tree"]
+    # resolved now: HEAD may move while the revisions run
+    commits = [commit_of(args.base), commit_of(args.head) if args.head else "working tree"]
     with tempfile.TemporaryDirectory() as folder:
         trees = [checkout(args.base, Path(folder)), checkout(args.head, Path(folder))]
         try:
@@ -150,12 +157,11 @@ def main(argv=None) -> int:
     md = table(medians, revisions)
     out = ROOT / "bench/results" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    base_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], capture_output=True,
-                              text=True).stdout.strip()
     from mlx_dflash.utils import write_atomic, write_json
 
     write_json(out / "revisions.json", {
-        "date": datetime.date.today().isoformat(), "base": args.base, "base_commit": base_rev, "head": args.head,
+        "date": datetime.date.today().isoformat(), "base": args.base, "base_commit": commits[0], "head": args.head,
+        "head_commit": commits[1],
         "prompts": Path(args.prompts).name, "first": args.first, "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians, "mismatches": bad})
     write_atomic(out / "revisions.md", md + "\n")
