@@ -108,14 +108,17 @@ class Prefill:
 
 
 class Scheduler:
-    """Continuous batching: requests wait, are read a chunk per step (so a long prompt never stalls the
+    """Continuous batching: requests wait, are read a chunk at a time (so a long prompt never stalls the
     rows decoding), join the batch once all but their last token is read (the round that step reads that
     token and picks their first), and leave it at once when done.
 
-    Several prompts are read at once, as many as the batch has rows free for, in turn: each step reads one
+    Several prompts are read at once, as many as the batch has rows free for, in turn: a step reads one
     chunk of the next in line, which then goes to the back; a prompt just admitted goes ahead of those that
     have had a turn. A short prompt arriving during a long one's read waits for the chunk being read, not for
-    the whole read.
+    the whole read. While rows decode, reading and rounds share the engine by time: after a chunk the rows
+    get rounds for as long as it took before the next chunk is read (a chunk of a long prompt can take many
+    rounds' time), so a request decoding during a long read keeps at least half the engine and is answered
+    long before that read ends, and the read itself takes at most about twice as long.
 
     step() returns events (handle, kind, value): ("admitted", (cached prompt tokens, perf_counter() when
     its prefill started)) at a request's first turn to be read, ("round", Round) for each of its rounds (the
@@ -128,6 +131,7 @@ class Scheduler:
         self.batch = Batch(target, drafter, policy)
         self.max_batch, self.stop_ids, self.prompt_cache = max_batch, set(stop_ids), prompt_cache
         self.prefill_step = prefill_step
+        self.read_debt = 0.0  # seconds of reading the decoding rows are owed rounds for
         self.waiting: deque = deque()
         self.reading: deque = deque()  # Prefills, the next to read first
         self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), for its state when it leaves
@@ -151,11 +155,17 @@ class Scheduler:
         while self.waiting and len(self.batch) + len(self.reading) < self.max_batch:
             fresh = sum(p.started is None for p in self.reading)  # those not read yet are at the front
             self.reading.insert(fresh, self._start(self.waiting.popleft()))
-        if self.reading:
+        if not self.batch.rows:
+            self.read_debt = 0.0
+        if self.reading and self.read_debt <= 0:
+            decoding, tic = bool(self.batch.rows), time.perf_counter()
             events += self._read_turn()
+            if decoding:  # the rows waited for this chunk: they get as much time before the next
+                self.read_debt += time.perf_counter() - tic
         if self.batch.rows:
-            rows = len(self.batch)
+            rows, tic = len(self.batch), time.perf_counter()
             rounds = self.batch.round()
+            self.read_debt = max(0.0, self.read_debt - (time.perf_counter() - tic))
             self.stats.count(rows, self.batch.width)
             for handle, rnd in rounds:
                 events.append((handle, "round", rnd))
