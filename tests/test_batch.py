@@ -196,16 +196,18 @@ def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_
 
 def test_while_rows_decode_a_long_read_takes_turns_with_them_by_time(pairs, monkeypatch):
     """A chunk of reading that took as long as 10 rounds is followed by 10 rounds before the next chunk (a
-    clock that reading advances by 10 and a round by 1): a short request decoding during a long read is
-    answered while that read is still going on, and the answers are the single-request ones."""
+    clock that reading advances by 10 and a round by 1), so a request decoding during a long read keeps half
+    the engine; a prompt arriving meanwhile is read at once; the answers are the single-request ones."""
     from types import SimpleNamespace
 
     from mlx_dflash.decoding import batch_decoder
 
     target, drafter, tokenizer = pairs["dense"]
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
-    short = prompts(tokenizer, 1)[0]
-    want = [generate(target, drafter, tokenizer, p, max_tokens=8, width=4).tokens for p in (long, short)]
+    short, late = prompts(tokenizer, 2)
+    limits = {"long": 8, "short": 60, "late": 8}
+    want = {h: generate(target, drafter, tokenizer, p, max_tokens=limits[h], width=2).tokens
+            for h, p in (("long", long), ("short", short), ("late", late))}
     clock = [0.0]
     monkeypatch.setattr(batch_decoder, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     for name, seconds in (("read", 10.0), ("forward", 1.0)):
@@ -213,9 +215,9 @@ def test_while_rows_decode_a_long_read_takes_turns_with_them_by_time(pairs, monk
             clock[0] += _s
             return _f(*args, **kw)
         monkeypatch.setattr(target, name, timed)
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2,
+    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 3, WidthOptions(2)), 3,
                           tokenizer.eos_token_ids, prefill_step=8)
-    out = {"long": [], "short": []}
+    out = {h: [] for h in limits}
 
     def step() -> bool:
         """One step; whether it read a chunk."""
@@ -225,20 +227,18 @@ def test_while_rows_decode_a_long_read_takes_turns_with_them_by_time(pairs, monk
                 out[h] += value.tokens
         return clock[0] - before >= 10
 
-    scheduler.submit(Request("short", short, 8))
+    scheduler.submit(Request("short", short, limits["short"]))
     while not out["short"]:
         step()
-    scheduler.submit(Request("long", long, 8))
-    reads = []
-    while any(r.handle == "short" for r in scheduler.batch.rows):
-        reads.append(step())
-    answered = len(reads)  # steps until the short request was answered
+    scheduler.submit(Request("long", long, limits["long"]))
+    # the short request decodes at most 2 tokens a round: 30 rounds at least, the long read goes on meanwhile
+    reads = [step() for _ in range(21)]
+    assert reads == [i % 10 == 0 for i in range(21)]  # a chunk, then 9 steps of rounds only, and again
+    scheduler.submit(Request("late", late, limits["late"]))
+    assert step()  # read at once, although the rows are owed rounds
     while scheduler.busy:
-        reads.append(step())
-    assert [out["long"], out["short"]] == want
-    # one chunk of the long prompt, then rounds only until the short request is done, well before the read is
-    assert reads[0] and not any(reads[1:answered]) and 2 <= answered <= 10
-    assert sum(reads) == -(-(len(long) - 1) // 8)  # every chunk of the long read still came
+        step()
+    assert out == want
 
 
 def test_a_prompt_cancelled_during_its_read_leaves_and_frees_its_place(pairs):

@@ -116,9 +116,10 @@ class Scheduler:
     chunk of the next in line, which then goes to the back; a prompt just admitted goes ahead of those that
     have had a turn. A short prompt arriving during a long one's read waits for the chunk being read, not for
     the whole read. While rows decode, reading and rounds share the engine by time: after a chunk the rows
-    get rounds for as long as it took before the next chunk is read (a chunk of a long prompt can take many
-    rounds' time), so a request decoding during a long read keeps at least half the engine and is answered
-    long before that read ends, and the read itself takes at most about twice as long.
+    get rounds for as long as it took before the next chunk of a prompt already being read (a chunk of a
+    long prompt can take many rounds' time), so a request decoding during a long read keeps at least half
+    the engine and is answered long before that read ends, and the read itself takes at most about twice as
+    long.
 
     step() returns events (handle, kind, value): ("admitted", (cached prompt tokens, perf_counter() when
     its prefill started)) at a request's first turn to be read, ("round", Round) for each of its rounds (the
@@ -155,9 +156,10 @@ class Scheduler:
         while self.waiting and len(self.batch) + len(self.reading) < self.max_batch:
             fresh = sum(p.started is None for p in self.reading)  # those not read yet are at the front
             self.reading.insert(fresh, self._start(self.waiting.popleft()))
-        if not self.batch.rows:
-            self.read_debt = 0.0
-        if self.reading and self.read_debt <= 0:
+        if not self.batch.rows or not self.reading:
+            self.read_debt = 0.0  # owed to rows while a read goes on; no debt outlives its rows or its reads
+        # a prompt not read yet goes first whatever the debt: it waits for the chunk being read, no more
+        if self.reading and (self.read_debt <= 0 or self.reading[0].started is None):
             decoding, tic = bool(self.batch.rows), time.perf_counter()
             events += self._read_turn()
             if decoding:  # the rows waited for this chunk: they get as much time before the next

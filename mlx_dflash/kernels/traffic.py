@@ -146,7 +146,8 @@ def attention_unavoidable_bytes(b: int, hq: int, hkv: int, rows: int, keys: int,
 
 
 def attention_ours(b: int, hq: int, hkv: int, rows: int, keys: int, d: int, x_bytes: int) -> dict:
-    """The two launches of the multi-row attention (metal_kernels/mr_attention_*.metal), summed."""
+    """The two launches of the multi-row attention (metal_kernels/mr_attention_*.metal), summed, every batch
+    row attending `keys` keys (for a batch's rows of different lengths: an upper bound)."""
     from .attention import key_chunks
 
     groups = hq // hkv

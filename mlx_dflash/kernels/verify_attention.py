@@ -91,26 +91,32 @@ def ragged_lengths(mask) -> list | None:
     return list(lengths) if mask is not None and mask is noted else None
 
 
-def why_not_routed(queries, keys, values, cache, mask, sinks) -> str | None:
-    """Why this SDPA call stays with MLX (None when our kernel computes exactly it)."""
+def routing_of(queries, keys, values, cache, mask, sinks) -> tuple:
+    """(why this SDPA call stays with MLX, None when our kernel computes exactly it; each batch row's keys when
+    the mask is a batch cache's ragged causal one, else None), the mask looked up once."""
     if sinks is not None:
-        return "attention sinks"
+        return "attention sinks", None
     if hasattr(cache, "bits"):
-        return "quantized KV cache"
+        return "quantized KV cache", None
     plain = isinstance(mask, str) and mask == "causal"
     lengths = None if plain else ragged_lengths(mask)
-    if not plain and lengths is None:
-        return "not a causal mask (plain, or a batch cache's rows of their own lengths)"
-    return attn.check_supported(queries, keys, values, keys.shape[2], lengths)
+    if not plain and (lengths is None or max(lengths) != keys.shape[2]):  # not one of this call's keys: not ours
+        return "not a causal mask (plain, or a batch cache's rows of their own lengths)", None
+    return attn.check_supported(queries, keys, values, keys.shape[2], lengths), lengths
+
+
+def why_not_routed(queries, keys, values, cache, mask, sinks) -> str | None:
+    """Why this SDPA call stays with MLX (None when our kernel computes exactly it)."""
+    return routing_of(queries, keys, values, cache, mask, sinks)[0]
 
 
 def routed_sdpa(route: str):
     """A drop-in for mlx-lm's ``scaled_dot_product_attention`` that sends fitting calls to ours."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        reason = why_not_routed(queries, keys, values, cache, mask, sinks)
+        reason, lengths = routing_of(queries, keys, values, cache, mask, sinks)
         if reason is None:
-            return attn.block_attention(queries, keys, values, scale, route=route, lengths=ragged_lengths(mask))
+            return attn.block_attention(queries, keys, values, scale, route=route, lengths=lengths)
         if queries.ndim == 4 and attn.MIN_ROWS <= queries.shape[2] <= attn.MAX_ROWS:  # a verify our kernel could take
             routes.record(attn.race_key(queries, keys, keys.shape[2]), MLX, reason, fallback=True)
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
