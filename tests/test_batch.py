@@ -67,6 +67,31 @@ def test_batched_greedy_output_equals_single_requests(pairs, name):
         assert got.token_ids == want and max(got.batch.rows) >= 4 and len(got.batch.widths) > 1
 
 
+class Alternating(WidthPolicy):
+    """Width 4, with runs of up to 3 plain steps between rounds, in turn (as an auto policy that skips the
+    drafter while it does not pay)."""
+
+    turn = False
+
+    def plain_steps(self, remaining: int) -> int:
+        self.turn = not self.turn
+        return min(3, remaining) if self.turn else 0
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_a_batch_takes_pipelined_plain_steps_where_its_policy_skips_the_drafter(pairs, name):
+    """Plain steps (drafting off, or between rounds) give every row its single-request output; a joining
+    row's first step picks its first token only, and rows come and go between runs."""
+    target, drafter, tokenizer = pairs[name]
+    ids = prompts(tokenizer, len(LIMITS))
+    want = [generate(target, drafter, tokenizer, p, max_tokens=n, width=1).tokens for p, n in zip(ids, LIMITS)]
+    off = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3, width=1)
+    assert off.token_ids == want and set(off.batch.widths) == {1} and max(off.batch.rows) == 3
+    mixed = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3,
+                           policy=Alternating(drafter.block_size, 4, prompt_lookup=False))
+    assert mixed.token_ids == want and {1, 4} <= set(mixed.batch.widths) and max(mixed.batch.rows) == 3
+
+
 def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their_own(pairs):
     """--kv-bits in a batch: once a row passes the quantization start its layer of the batch is quantized, every
     row stored as its own QuantizedKVCache stores it (a row leaves as one), and the batch's rounds equal one
@@ -409,13 +434,20 @@ def test_dcut_drafts_two_positions_past_the_widest_width_chosen_lately():
 
 def test_dcut_skips_the_drafter_while_drafting_does_not_pay_and_probes_ever_more_rarely():
     policy = DCutPolicy(16, 16, {1: {w: 0.05 + 0.01 * w for w in range(1, 17)}})
-    policy.gain = 0.5  # drafting rounds expected at half the rate of plain rounds
-    widths = [policy.width(1, 48) for _ in range(1 + 7 + 1 + 15 + 1 + 31 + 1 + 31)]
-    assert widths == [16] + [1] * 7 + [16] + [1] * 15 + [16] + [1] * 31 + [16] + [1] * 31
+    policy.gain = 0.5  # drafting rounds expected at half the rate of plain steps
+
+    def rounds(n, remaining=48):  # what a batch takes, round by round: plain steps, or a drafting width
+        return [("plain", steps) if (steps := policy.plain_steps(remaining)) else policy.width(1, remaining)
+                for _ in range(n)]
+
+    assert rounds(8) == [16, ("plain", 7), 16, ("plain", 15), 16, ("plain", 31), 16, ("plain", 31)]
+    assert rounds(2, remaining=5) == [5, ("plain", 5)] and rounds(1, remaining=5) == [("plain", 5)]
     policy.gain = 1.5  # a probe that pays: drafting every round again, and the next skip short again
-    assert policy.width(1, 48) == 16
+    assert rounds(2) == [16, 16]
     policy.gain = 0.5
-    assert [policy.width(1, 48) for _ in range(9)] == [16] + [1] * 7 + [16]
+    assert rounds(3) == [16, ("plain", 7), 16]
+    policy.observe_plain(7, 0.07, rows=1)  # pipelined plain steps time the one-token cell
+    assert policy.costs[1][1] == pytest.approx(0.01) and policy.timed[1][1] == 1
 
 
 def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(pairs, tmp_path):

@@ -140,7 +140,8 @@ def test_auto_width_stops_drafting_while_it_does_not_pay():
 
 def test_plain_steps_equal_rounds_of_width_one(tiny_chat_pair):
     """The pipelined plain steps give the tokens, features and cache of one-row verify rounds."""
-    from mlx_dflash.decoding.decoder import plain_steps
+    from mlx_dflash.decoding.decoder import DecodeState, Row, plain_rounds
+    from mlx_dflash.decoding.lookup import PromptLookup
 
     target, tokenizer, drafter = tiny_chat_pair
     ids = chat_ids(tokenizer, "Say hello.")
@@ -152,9 +153,11 @@ def test_plain_steps_equal_rounds_of_width_one(tiny_chat_pair):
             logits, _ = target.prefill(mx.array(ids), cache)
             anchor, tokens, features = 11, [], []
             if pipelined:
-                for token, _, f in plain_steps(target, cache, anchor, 12, sampling):
-                    tokens.append(token)
-                    features.append(f)
+                row = Row(DecodeState(cache, []), anchor, sampling, 12, PromptLookup(ids + [anchor]))
+                for (rnd,) in plain_rounds(target, cache, [row], 12, keep_features=True):
+                    tokens += rnd.tokens
+                assert row.remaining == 0 and row.anchor == tokens[-1] and row.state.tokens == [anchor] + tokens[:-1]
+                features = [row.state.context]
             else:
                 for _ in range(12):
                     logits, f = target.forward(mx.array([[anchor]]), cache)

@@ -14,6 +14,8 @@ Every row verifies the same number of rows, the round's width W (a batch forward
 longest, and MLX has no ragged batches: per-row RoPE offsets, not per-token positions), less where a row
 has fewer tokens left. The width comes from the policy (policies/width.py `WidthPolicy`): fixed, or chosen
 each round from every row's drafter confidence and the cost of a W-row verify of this many rows (D-cut).
+Where the policy skips the drafter (drafting off, or D-cut while drafting does not pay), the rows take a run of
+plain target steps instead, pipelined as one request's are (decoding/decoder.py `plain_rounds`).
 Greedy rows keep the longest matching prefix; sampled rows (each with its own settings and, when seeded,
 its own random stream) accept by rejection sampling, as a single request does.
 """
@@ -29,10 +31,15 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
-from .decoder import DecodeState, Row, speculative_round
+from .decoder import DecodeState, Row, plain_rounds, speculative_round
 from .lookup import PromptLookup
 from .prompt_cache import read_chunk, rungs
 from .sampling import SamplingParams
+
+
+# Plain steps a batch runs at most before the scheduler looks at its queue again (a joining request waits
+# for them): as many as the auto policies' longest skip of the drafter (policies/width.py `Backoff`).
+PLAIN_RUN = 32
 
 
 class Batch:
@@ -43,7 +50,8 @@ class Batch:
         self.cache = batched(target.make_cache())
         self.draft_cache = [RaggedKVCache() for _ in drafter.make_cache()]
         self.rows: list[Row] = []
-        self.width = 0  # the last round's verify width
+        self.width = 0  # the last round's verify width (1: plain steps)
+        self.steps = 0  # target forwards the last round took (a run of plain steps takes several)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,10 +84,20 @@ class Batch:
         return [(r.handle, r.state) for _, r in gone]
 
     def round(self) -> list:
-        """One round for every row: [(handle, Round)]. A row with nothing left to emit must have left."""
-        rounds, self.width = speculative_round(self.target, self.drafter, self.cache, self.draft_cache, self.rows,
-                                               self.policy)
-        return [(r.handle, rnd) for r, rnd in zip(self.rows, rounds)]
+        """One round for every row, or a run of plain steps where the policy skips the drafter: [(handle,
+        Round)], each row's in order. A row with nothing left to emit must have left."""
+        fewest = min(1 if r.first else r.remaining for r in self.rows)  # a joining row's round picks one token
+        plain = min(self.policy.plain_steps(fewest), PLAIN_RUN)
+        if not plain:
+            rounds, self.width = speculative_round(self.target, self.drafter, self.cache, self.draft_cache,
+                                                   self.rows, self.policy)
+            self.steps = 1
+            return [(r.handle, rnd) for r, rnd in zip(self.rows, rounds)]
+        tic = time.perf_counter()
+        steps = list(plain_rounds(self.target, self.cache, self.rows, plain, self.policy.max_width > 1))
+        self.policy.observe_plain(plain, time.perf_counter() - tic, len(self.rows))
+        self.width, self.steps = 1, plain
+        return [(r.handle, rnd) for rounds in steps for r, rnd in zip(self.rows, rounds)]
 
 
 @dataclass
@@ -168,7 +186,7 @@ class Scheduler:
             rows, tic = len(self.batch), time.perf_counter()
             rounds = self.batch.round()
             self.read_debt = max(0.0, self.read_debt - (time.perf_counter() - tic))
-            self.stats.count(rows, self.batch.width)
+            self.stats.count(rows, self.batch.width, self.batch.steps)
             for handle, rnd in rounds:
                 events.append((handle, "round", rnd))
                 if any(t in self.stop_ids for t in rnd.tokens):
@@ -279,16 +297,16 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
 
 @dataclass
 class BatchStats:
-    """What the batch did: rows per round and the widths it verified."""
+    """What the batch did: rows per round and the widths it verified (a plain step: a round of width 1)."""
 
     rounds: int = 0
     rows: Counter = field(default_factory=Counter)  # rows verified together: rounds
     widths: Counter = field(default_factory=Counter)  # verify width: rounds
 
-    def count(self, rows: int, width: int):
-        self.rounds += 1
-        self.rows[rows] += 1
-        self.widths[width] += 1
+    def count(self, rows: int, width: int, times: int = 1):
+        self.rounds += times
+        self.rows[rows] += times
+        self.widths[width] += times
 
 
 @dataclass

@@ -237,36 +237,45 @@ def speculative_rounds(
         plain = 0 if ranks.lockstep else policy.plain_steps(row.remaining)
         if plain:
             tic = time.perf_counter()
-            for token, logprobs, features in plain_steps(target, state.cache, row.anchor, plain, sampling):
-                # the row of the token before entered the cache; drafting off keeps no features
-                state.extend([row.anchor], features if policy.max_width > 1 else None)
-                yield Round([token], drafted=0, accepted=0, logprobs=logprobs, plain=True)
-                row.history.extend([token])
-                row.anchor = token
+            for (rnd,) in plain_rounds(target, state.cache, [row], plain, policy.max_width > 1):
+                yield rnd
             policy.observe_plain(plain, time.perf_counter() - tic)
-            row.remaining -= plain
             continue
         (rnd,), _ = speculative_round(target, drafter, state.cache, state.draft_cache, [row], policy, ranks)
         yield rnd
 
 
-def plain_steps(target: Target, cache: list, anchor: int, n: int, sampling: SamplingParams) -> Iterator[tuple]:
-    """n steps of the target alone from `anchor`: yields (token, log-probabilities [1, V], features of the
-    row that chose it).
+def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features: bool) -> Iterator[list]:
+    """n steps of the target alone for every row, no drafter: yields each step's [Round] in row order (one
+    token a row), the rows brought up to date as the speculative round does. keep_features: the rows'
+    feature rows join their contexts (the drafter drafts again later); otherwise they are dropped.
 
     As mlx-lm's generate_step does, each step's forward is built and started before the host reads the
-    token before it, so building the graph overlaps the computation. The last token is not run here: it
-    is the next anchor, and enters the cache with the next forward."""
+    tokens before it, so building the graph overlaps the computation. The last tokens are not run here:
+    they are the next anchors, and enter the cache with the next forward. Every row must have n tokens left."""
 
-    def step(token: mx.array) -> tuple:
-        logits, features = target.forward(token.reshape(1, 1), cache)
-        target.trim(cache, 0)  # nothing to roll back: drops a hybrid target's tapes
-        chosen = next_token(logits[0, -1], sampling)
+    no_drafts = mx.zeros((len(rows), 0), dtype=mx.int32)
+
+    def step(anchors: mx.array, first: bool) -> tuple:
+        logits, features = target.forward(anchors[:, None], cache)
+        target.trim_rows(cache, [0] * len(rows))  # nothing to roll back: drops a hybrid target's tapes
+        # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
+        keys = [None if r.sampling.greedy else r.first_key if first and r.first else r.next_key() for r in rows]
+        _, chosen = accept_rows(no_drafts, logits, [r.sampling for r in rows], [0] * len(rows), None, keys)
+        chosen = chosen.astype(mx.int32)
         mx.async_eval(chosen, features)
-        return chosen, log_softmax(logits[0]), features
+        return chosen, logits, features
 
-    current = step(mx.array([anchor]))
+    current = step(mx.array([r.anchor for r in rows], dtype=mx.int32), first=True)
     for i in range(n):
-        upcoming = step(current[0]) if i + 1 < n else None
-        yield read(current[0])[0], current[1], current[2]
+        upcoming = step(current[0], first=False) if i + 1 < n else None
+        chosen, logits, features = current
+        tokens, rounds = read(chosen)[0], []
+        for b, (r, token) in enumerate(zip(rows, tokens)):
+            # the row of the token before entered the cache; its features are the drafter's context
+            r.state.extend([r.anchor], features[b : b + 1] if keep_features else None)
+            r.history.extend([token])
+            r.anchor, r.remaining, r.first = token, r.remaining - 1, False
+            rounds.append(Round([token], drafted=0, accepted=0, logprobs=log_softmax(logits[b]), plain=True))
+        yield rounds
         current = upcoming

@@ -41,7 +41,8 @@ class RaggedKVCache(_BaseCache):
 
     def _single(self, keys: tuple, values: tuple, length: int):
         c = KVCache()
-        c.update_and_fetch(mx.array(keys[0]), mx.array(values[0]))
+        if length:  # else an empty row: a drafter's cache while drafting was off
+            c.update_and_fetch(mx.array(keys[0]), mx.array(values[0]))
         return c
 
     @property

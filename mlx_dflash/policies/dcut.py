@@ -23,8 +23,9 @@ Cells are kept at the probe's short context: a round over longer rows costs cell
 its longest row's context (every row is padded to it), with the one-row growth of
 verify_costs.ContextCosts, and its timing is divided by that growth before it joins its cell.
 
-Drafting must pay too: while the rounds' expected rate stays below plain rounds' (B tokens in cost(B, 1)),
-the drafter is skipped, re-probed after 7, 15, then every 31 rounds (policies/width.py `Backoff`). And the drafter reads out only the
+Drafting must pay too: while the rounds' expected rate stays below plain steps' (B tokens in cost(B, 1), a
+cell the pipelined plain steps time), the drafter is skipped for plain steps (decoding/decoder.py
+`plain_rounds`), re-probed after 7, 15, then every 31 steps (policies/width.py `Backoff`). And the drafter reads out only the
 positions the chooser has lately wanted (two past the widest width of the last 32 rounds; the whole block
 again once a round wants every position it was given): its forward is the same, but each position read
 out costs logits and a confidence (docs/batching.md has it measured).
@@ -91,15 +92,21 @@ class DCutPolicy(WidthPolicy):
         timed = self.costs[batch].get(width)
         return timed if timed is not None else self.guessed[batch][width] * self.scale[batch]
 
+    def plain_steps(self, remaining: int) -> int:
+        if self.max_width == 1:
+            return remaining
+        if self.gain is None or self.gain >= 1:
+            return 0
+        steps = min(self.skipping, remaining)  # drafting has not paid: plain steps
+        self.skipping -= steps
+        return steps
+
     def width(self, batch: int, most_remaining: int) -> int:
         widest = min(super().width(batch, most_remaining), self.reach())
         if self.gain is None or self.gain >= 1:
             self.skipping = 0
             self.backoff.reset()
-        elif self.skipping:  # drafting has not paid: plain rounds
-            self.skipping -= 1
-            return 1
-        else:  # a probe drafts; the plain rounds after it last longer each time it loses
+        elif not self.skipping:  # a probe drafts; the plain steps after it last longer each time it loses
             self.skipping = self.backoff.take()
         self.drafted = widest
         return widest
@@ -141,8 +148,15 @@ class DCutPolicy(WidthPolicy):
                 self.chosen.clear()
             else:
                 self.chosen.append(width)
+        self.time_cell(batch, width, verify_seconds)
+
+    def observe_plain(self, steps: int, seconds: float, rows: int = 1):
+        self.time_cell(rows, 1, seconds / steps)  # a plain step is what a round of plain steps costs
+
+    def time_cell(self, batch: int, width: int, seconds: float):
         if batch in self.costs:  # each cell on its own: more rows may cost less (module docstring)
-            short = verify_seconds / self.growth[width]  # what it would have cost at the cells' context
+            short = seconds / self.growth[width]  # what it would have cost at the cells' context
+            a = self.SMOOTHING
             self.costs[batch][width] = running(self.costs[batch].get(width), short, a)
             self.timed[batch][width] += 1
             self.scale[batch] = running(self.scale[batch], short / self.guessed[batch][width], a)

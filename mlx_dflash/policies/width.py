@@ -67,12 +67,13 @@ class WidthPolicy:
         return max(1, min(self.max_width, self.block_size, most_remaining))
 
     def plain_steps(self, remaining: int) -> int:
-        """How many plain target steps (no drafter, pipelined) one request takes now instead of a round; 0: a
-        round. Drafting off (width 1) is plain steps all the way."""
+        """How many plain target steps (no drafter, pipelined: decoding/decoder.py `plain_rounds`) the rows take
+        now instead of a round, the one with the fewest left able to emit `remaining` more; 0: a round.
+        Drafting off (width 1) is plain steps all the way."""
         return remaining if self.max_width == 1 else 0
 
-    def observe_plain(self, tokens: int, seconds: float):
-        """What a run of plain steps cost."""
+    def observe_plain(self, steps: int, seconds: float, rows: int = 1):
+        """What a run of `steps` plain steps of `rows` rows cost."""
 
     def prepare_context(self, context: int):
         """A prompt of `context` tokens is about to decode: an adaptive policy measures what costs it lacks
@@ -283,9 +284,9 @@ class CostAwarePolicy(WidthPolicy):
             self.rounds_since_plain = 0
         return min(steps, remaining)
 
-    def observe_plain(self, tokens: int, seconds: float):
-        weight = 1 - (1 - self.SMOOTHING) ** tokens  # as if each step were averaged in on its own
-        self.plain_rate = running(self.plain_rate, tokens / seconds, weight)
+    def observe_plain(self, steps: int, seconds: float, rows: int = 1):
+        weight = 1 - (1 - self.SMOOTHING) ** steps  # as if each step were averaged in on its own
+        self.plain_rate = running(self.plain_rate, steps / seconds, weight)
 
     def prepare_context(self, context: int):
         if self.context_costs is None:
