@@ -44,7 +44,8 @@ from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
+from mlx_dflash.policies.dcut import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions  # noqa: E402
 from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, ensure_smollm2  # noqa: E402
 
 PROMPTS = [

@@ -30,7 +30,8 @@ from long_context import HELD_OUT, code_prompt, decode_rate, gsm8k_prompt, ours 
 from mlx_dflash import load  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
+from mlx_dflash.policies.dcut import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions  # noqa: E402
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
 from mlx_dflash.utils import write_atomic  # noqa: E402
 

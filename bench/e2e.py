@@ -17,11 +17,9 @@ Configurations (each row; with --quantize 4 each again on the target quantized i
   quantized row verifies what it says (widths above the drafter's trained block size are left out);
 * p-min 0.3 / 0.7: the trained block size with the confidence cut (on a quantized target without wide
   kernels the decoder clamps this to 5 rows; the clamp is recorded);
-* width auto: `build_policy(target, drafter, WidthOptions("auto", cost_table=...))` with --cost-table (or
-  --quantized-cost-table) else the decoder's start-up probe (clamped like p-min on a quantized target);
-* width auto (D-cut): the batch's auto policy at one row (`build_batch_policy(target, drafter, 1, ...)`),
-  through the same one-request decoder: it skips the drafter with one-row rounds, not pipelined steps; on a
-  quantized target it is not clamped to 5 rows (its measured cells decide, as in a batch);
+* width auto: D-cut deciding one request's rounds, `build_policy(target, drafter, WidthOptions("auto",
+  cost_table=...))` with --cost-table (or --quantized-cost-table) else the decoder's start-up probe
+  (clamped like p-min on a quantized target);
 * width 2/4/8/auto (drafter only): the same without prompt lookup (`prompt_lookup=False`), which the
   other rows use (decoding/lookup.py); with a drafter that has a draft vocabulary, width 4/auto (whole
   vocabulary, drafter only) also drop the vocabulary: what each lever buys, in the same run;
@@ -75,8 +73,8 @@ from mlx_dflash.tuner.data import read_prompts  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
-from mlx_dflash.policies.dcut import build_batch_policy, read_batch_costs  # noqa: E402
+from mlx_dflash.policies.dcut import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
 from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
@@ -90,7 +88,6 @@ BASELINE = "target alone"
 NO_LOOKUP = " (drafter only)"
 FULL_VOCAB = " (whole vocabulary, drafter only)"
 PEER = "z-lab"
-DCUT = "width auto (D-cut)"
 
 
 def default_name() -> str:
@@ -211,9 +208,6 @@ def configurations(block_size: int, peer: bool = False, full_vocab: bool = False
               "auto": False} for p in P_MINS]
     rows += [{"name": "width auto", "kind": "dflash", "width": None, "force_width": False, "p_min": 0.0,
               "auto": True}]
-    # D-cut, the batch's auto, at one row: the candidate to be the one auto policy for both
-    rows += [{"name": DCUT, "kind": "dflash", "width": None, "force_width": False, "p_min": 0.0, "auto": True,
-              "dcut": True}]
     if peer:
         rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
                  for w in FIXED_WIDTHS if w <= block_size]
@@ -237,16 +231,12 @@ def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
                 width = "auto" if row["auto"] else row["width"]
                 options = WidthOptions(width, force_width=row["force_width"], p_min=row["p_min"], cost_table=table,
                                        prompt_lookup=row.get("prompt_lookup", True))
-                if row.get("dcut"):
-                    policy = build_batch_policy(pair["target"], pair["drafter"], 1, options,
-                                                read_batch_costs(table) if table else None)
-                else:
-                    policy = build_policy(pair["target"], pair["drafter"], options)
+                policy = build_policy(pair["target"], pair["drafter"], options)
                 cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
                            notes=list(policy.notes), policy_type=type(policy).__name__,
                            cost_table=table, build_seconds=time.perf_counter() - tic)
                 if row["auto"]:
-                    costs = policy.guessed[1] if row.get("dcut") else policy.verify_seconds
+                    costs = policy.guessed[1]
                     cfg["initial_verify_seconds"] = {str(k): v for k, v in costs.items()}
                 asked = row["width"] or policy.block_size
                 cfg["clamped"] = policy.max_width < asked

@@ -14,9 +14,8 @@ Per prompt: both sides read the whole prompt cold once, in alternating order (ml
 its first token; ours: `generate`'s prefill_seconds at width 4, which keeps the read state in a prefix cache).
 Then each configuration decodes `--max-tokens` from that read prompt, `--repeats` times, in a shuffled order
 per repeat: mlx-lm alone (`generate_step` from a copy of the same target cache), width 4, width 16 and width
-auto (a fresh policy per run, as one `generate --width auto` call; its start-up probe and the probes its
-prompt asks for run before the clock, and their seconds are recorded), and width auto (D-cut), the batch's
-auto policy (`build_batch_policy(target, drafter, 1, ...)`) deciding one request's rounds, built the same way. Decode tokens/s = (tokens - 1) /
+auto (D-cut; a fresh policy per run, as one `generate --width auto` call; its start-up probe and the probes
+its prompt asks for run before the clock, and their seconds are recorded). Decode tokens/s = (tokens - 1) /
 seconds from the first token to the last. Every greedy output must equal mlx-lm's (a mismatch is printed
 loudly and the exit status is 1). Writes long_context.json and long_context.png (speed-up over mlx-lm alone
 against the context length) into bench/results/<name>/, and prints a markdown table.
@@ -43,13 +42,13 @@ from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.plot import charts_available  # noqa: E402
-from mlx_dflash.policies.dcut import build_batch_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
+from mlx_dflash.policies.dcut import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions  # noqa: E402
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
 from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-long-context/1"
-CONFIGS = ("mlx-lm alone", "width 4", "width 16", "width auto", "width auto (D-cut)")
+CONFIGS = ("mlx-lm alone", "width 4", "width 16", "width auto")
 WIDTHS = {"width 4": 4, "width 16": 16, "width auto": "auto"}
 HELD_OUT = 7000  # GSM8K train lines before this one trained the shipped drafter
 
@@ -125,8 +124,7 @@ def measure_prompt(pair, ids: list, args, order_seed: int, log) -> dict:
                 tokens, _, seconds = mlx_lm_tokens(target.model, ids[-1:], state.cache, args.max_tokens, stop)
             else:
                 tic = time.perf_counter()
-                policy = build_batch_policy(target, drafter, 1, WidthOptions("auto")) if name == "width auto (D-cut)" \
-                    else build_policy(target, drafter, WidthOptions(WIDTHS[name]))
+                policy = build_policy(target, drafter, WidthOptions(WIDTHS[name]))
                 policy.prepare_context(len(ids))  # what stream_generate does first: the context's probes, if any
                 run["policy_seconds"] = time.perf_counter() - tic
                 tokens, _, seconds, stats = ours(pair, ids, args.max_tokens, policy, cache)
@@ -154,9 +152,9 @@ def summarize(prompts: list) -> tuple[list, int]:
 
 
 def markdown_table(rows: list) -> str:
-    head = ("| prompt | tokens | mlx-lm alone tok/s | width 4 | width 16 | width auto | width auto (D-cut) "
+    head = ("| prompt | tokens | mlx-lm alone tok/s | width 4 | width 16 | width auto "
             "| auto / best of the others | prompt read, ours / mlx-lm |")
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
         tps, up = r["decode_tps"], r["speedup"]
         lines.append(f"| {r['kind']} | {r['prompt_tokens']} | {tps['mlx-lm alone']:.2f} | "

@@ -54,7 +54,8 @@ from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.policies.verify_costs import timed  # noqa: E402
 from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
 from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions, build_policy  # noqa: E402
+from mlx_dflash.policies.dcut import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions  # noqa: E402
 from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target  # noqa: E402
 from mlx_dflash.models.base import Draft  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402

@@ -151,7 +151,8 @@ def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
     from .downloads import default_target, shipped_drafter_dir
     from .pair import load
     from .pitfalls import pair_warnings
-    from .policies.width import WidthOptions, build_policy
+    from .policies.dcut import build_policy
+    from .policies.width import WidthOptions
 
     if model_path is None and drafter_path is None and not _default_pair_cached():
         return Check("pair", "skipped", "the default target is not downloaded yet: run `mlx-dflash prepare`, or "

@@ -24,7 +24,8 @@ from .errors import DFlashError
 from .models.base import DraftModel
 from .models.target import Target
 from .options import check_seed, kv_options, pair_options, sampling_options, shard_options, width_options
-from .policies.width import WidthOptions, WidthPolicy, build_policy
+from .policies.dcut import build_policy
+from .policies.width import WidthOptions, WidthPolicy
 
 
 class GeneratedText(str):
@@ -60,7 +61,7 @@ def stream_generate(
 
     temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
     token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
-    (the default), unless a `policy` is given (`policy.build_policy`).
+    (the default), unless a `policy` is given (`policies.dcut.build_policy`).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
     the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); boundaries:
     prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the

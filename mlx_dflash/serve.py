@@ -8,7 +8,7 @@ import click
 
 from .errors import DFlashError
 from .options import kv_options, pair_options, sampling_options, shard_options, width_options
-from .policies.width import build_policy
+from .policies.dcut import build_policy, read_batch_costs
 
 
 @click.command("serve")
@@ -107,11 +107,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
     max_batch = _max_batch(max_batch, shard, launch_notes)
     widths = widths.with_default()
-    batch_costs = None
-    if widths.cost_table and max_batch > 1:  # read before anything loads, so a bad table is the only line
-        from .policies.dcut import read_batch_costs
-
-        batch_costs = read_batch_costs(widths.cost_table)
+    if widths.cost_table:  # read before anything loads, so a bad table is the only line
+        read_batch_costs(widths.cost_table)
     if blas := slow_blas_warning():
         click.echo(blas, err=True)
     rank = 0
@@ -129,12 +126,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         if drafter_window is not None:
             drafter.set_context_window(drafter_window or None)
         kv.apply(target)
-        if max_batch > 1:
-            from .policies.dcut import build_batch_policy
-
-            policy = build_batch_policy(target, drafter, max_batch, widths, batch_costs)
-        else:
-            policy = build_policy(target, drafter, widths)
+        policy = build_policy(target, drafter, widths, max_batch)
         policy.notes += pair_warnings(target, drafter, tokenizer)
         for note in policy.notes if rank == 0 else ():
             announce(note)  # once: each request's statistics keep them

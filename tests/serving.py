@@ -12,7 +12,7 @@ import urllib.request
 
 import openai
 
-from mlx_dflash.policies.width import build_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.server.app import Engine, ServerConfig
 from mlx_dflash.server.routes import uvicorn_server
 

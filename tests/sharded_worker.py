@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from mlx_dflash.generate import generate
-from mlx_dflash.policies.width import WidthOptions, build_policy
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.distributed import Ranks, load_sharded_pair
 
 

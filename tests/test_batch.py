@@ -13,7 +13,7 @@ from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
 from mlx_dflash.policies.width import WidthOptions, WidthPolicy
-from mlx_dflash.policies.dcut import (DCutPolicy, batch_cost_rows, build_batch_policy, probe_batch_costs,
+from mlx_dflash.policies.dcut import (DCutPolicy, batch_cost_rows, build_policy, probe_batch_costs,
                              read_batch_costs)
 from mlx_dflash.decoding.decoder import DecodeState
 from mlx_dflash.errors import DFlashError
@@ -103,7 +103,7 @@ def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their
     target, drafter, tokenizer = pairs["kv8"]
     ids = prompts(tokenizer, 2)
     want = [generate(target, drafter, tokenizer, p, max_tokens=6, width=4).tokens for p in ids]
-    batch = Batch(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)))
+    batch = Batch(target, drafter, build_policy(target, drafter, WidthOptions(4), 2))
     assert all(type(c) is RaggedKVCache for c in batch.cache)
     for i, p in enumerate(ids):
         state = DecodeState.fresh(target, drafter)
@@ -118,7 +118,7 @@ def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their
         left.update(batch.leave({r.handle for r in batch.rows if r.remaining <= 0}))
     assert got == want
     assert all(isinstance(c, QuantizedKVCache) and c.offset == len(s.tokens) for s in left.values() for c in s.cache)
-    short = Batch(target, drafter, build_batch_policy(target, drafter, 1, WidthOptions(4)))
+    short = Batch(target, drafter, build_policy(target, drafter, WidthOptions(4), 1))
     state = DecodeState.fresh(target, drafter)
     state.extend([1, 2, 3], target.read(mx.array([1, 2, 3]), state.cache))
     short.join(0, state, 4, SamplingParams(), 20)
@@ -132,7 +132,7 @@ def test_a_cancelled_row_leaves_and_the_others_go_on_unchanged(pairs):
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 3)
     want = [generate(target, drafter, tokenizer, p, max_tokens=16, width=4).tokens for p in ids]
-    policy = build_batch_policy(target, drafter, 3, WidthOptions(4))
+    policy = build_policy(target, drafter, WidthOptions(4), 3)
     scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
     for i, p in enumerate(ids):
         scheduler.submit(Request(i, p, 16))
@@ -170,7 +170,7 @@ def test_a_request_joins_and_gets_its_first_token_in_the_step_that_reads_its_pro
     step's one round, whose verify forward reads the last token beside the other rows' blocks."""
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 2)
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2,
+    scheduler = Scheduler(target, drafter, build_policy(target, drafter, WidthOptions(4), 2), 2,
                           tokenizer.eos_token_ids)
     calls = counted(monkeypatch, target)
     scheduler.submit(Request(0, ids[0], 16))
@@ -198,7 +198,7 @@ def test_a_short_prompt_is_read_in_turn_with_a_long_one_and_answered_before_its_
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
     want = [generate(target, drafter, tokenizer, p, max_tokens=8, width=4).tokens for p in (long, short)]
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 2, WidthOptions(4)), 2,
+    scheduler = Scheduler(target, drafter, build_policy(target, drafter, WidthOptions(4), 2), 2,
                           tokenizer.eos_token_ids, prefill_step=8)
     scheduler.submit(Request("long", long, 8))
     out, admitted, firsts, step = {"long": [], "short": []}, {}, {}, 0
@@ -240,7 +240,7 @@ def test_while_rows_decode_a_long_read_takes_turns_with_them_by_time(pairs, monk
             clock[0] += _s
             return _f(*args, **kw)
         monkeypatch.setattr(target, name, timed)
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 3, WidthOptions(2)), 3,
+    scheduler = Scheduler(target, drafter, build_policy(target, drafter, WidthOptions(2), 3), 3,
                           tokenizer.eos_token_ids, prefill_step=8)
     out = {h: [] for h in limits}
 
@@ -271,7 +271,7 @@ def test_a_prompt_cancelled_during_its_read_leaves_and_frees_its_place(pairs):
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
     short = prompts(tokenizer, 1)[0]
     want = generate(target, drafter, tokenizer, short, max_tokens=6, width=4).tokens
-    scheduler = Scheduler(target, drafter, build_batch_policy(target, drafter, 1, WidthOptions(4)), 1,
+    scheduler = Scheduler(target, drafter, build_policy(target, drafter, WidthOptions(4), 1), 1,
                           tokenizer.eos_token_ids, prefill_step=8)
     scheduler.submit(Request("long", long, 8))
     scheduler.submit(Request("short", short, 6))  # waits: the one row is the long prompt's
@@ -313,7 +313,7 @@ def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
     its answer independent of the rows decoding beside it."""
     target, drafter, tokenizer = pairs["dense"]
     ids = prompts(tokenizer, 3)
-    policy = build_batch_policy(target, drafter, 3, WidthOptions(4))
+    policy = build_policy(target, drafter, WidthOptions(4), 3)
 
     def run(requests):
         scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
@@ -461,7 +461,7 @@ def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(p
     assert read_batch_costs(path) == costs  # the same floats back (JSON keeps them exactly)
     path.write_text(json.dumps(one_row))  # one row's costs: the batch of one
     assert read_batch_costs(path) == {1: {1: 0.1, 2: 0.2, 4: 0.3}}
-    policy = build_batch_policy(target, drafter, 3, WidthOptions("auto"), read_batch_costs(path))
+    policy = build_policy(target, drafter, WidthOptions("auto"), 3, read_batch_costs(path))
     assert sorted(policy.guessed) == [1, 2, 3] and sorted(policy.guessed[3]) == list(range(1, drafter.block_size + 1))
     assert policy.guessed[1][3] == pytest.approx(0.25)  # between the measured widths
     for bad, words in [({"widths": [1]}, "'widths' and 'verify_seconds'"),
@@ -470,6 +470,6 @@ def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(p
         with pytest.raises(DFlashError, match=words):
             read_batch_costs(path)
     with pytest.raises(DFlashError, match="--max-batch must be at least 1"):
-        build_batch_policy(target, drafter, 0)
+        build_policy(target, drafter, None, 0)
     with pytest.raises(DFlashError, match="verify width 9 is out of range"):
-        build_batch_policy(target, drafter, 2, WidthOptions(9))
+        build_policy(target, drafter, WidthOptions(9), 2)

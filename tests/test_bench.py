@@ -311,7 +311,8 @@ def write_table(path, **fields):
 
 
 def auto_notes(pair, table) -> list:
-    from mlx_dflash.policies.width import WidthOptions, build_policy
+    from mlx_dflash.policies.dcut import build_policy
+    from mlx_dflash.policies.width import WidthOptions
 
     target, _, drafter = pair
     return [n for n in build_policy(target, drafter, WidthOptions("auto", cost_table=table)).notes if "cost table" in n]
@@ -368,7 +369,7 @@ def test_bench_widths_batch_writes_one_table_that_one_request_and_a_batch_both_r
 
     from mlx_dflash.cli import main
     from mlx_dflash.pair import load
-    from mlx_dflash.policies.dcut import build_batch_policy, read_batch_costs
+    from mlx_dflash.policies.dcut import build_policy, read_batch_costs
     from mlx_dflash.policies.verify_costs import load_cost_table
 
     target_dir, drafter_dir = tiny_pair_dirs
@@ -382,7 +383,7 @@ def test_bench_widths_batch_writes_one_table_that_one_request_and_a_batch_both_r
     rows = read_batch_costs(path)
     assert sorted(rows) == [1, 2] and sorted(rows[2]) == [1, 2, 3] and sorted(load_cost_table(path)) == [1, 2, 3]
     target, drafter, _ = load(str(target_dir), str(drafter_dir))
-    assert build_batch_policy(target, drafter, 2, WidthOptions("auto"), rows).guessed[2][3] == rows[2][3]
+    assert build_policy(target, drafter, WidthOptions("auto"), 2, rows).guessed[2][3] == rows[2][3]
 
 
 def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pair_dirs, tmp_path):
@@ -391,7 +392,8 @@ def test_bench_widths_context_axis_gives_the_policy_its_costs_by_context(tiny_pa
     from click.testing import CliRunner
 
     from mlx_dflash.cli import main
-    from mlx_dflash.policies.width import WidthOptions, build_policy
+    from mlx_dflash.policies.dcut import build_policy
+    from mlx_dflash.policies.width import WidthOptions
     from mlx_dflash.pair import load
 
     target_dir, drafter_dir = tiny_pair_dirs

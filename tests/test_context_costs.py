@@ -5,14 +5,14 @@ import mlx.core as mx
 import pytest
 
 from conftest import chat_ids, mlx_lm_greedy
-from oracles import cut_one, observe_one
+from oracles import cut_one
 from mlx_dflash.decoding.batch_decoder import batch_generate
 from mlx_dflash.policies.dcut import DCutPolicy
 from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policies.width import CostAwarePolicy, make_policy
+from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
-from mlx_dflash.policies.verify_costs import ContextCosts, table_context_costs
+from mlx_dflash.policies.verify_costs import ContextCosts, interpolate_costs, table_context_costs
 
 # One row's verify seconds as a CPU shows them: at a long context a wide verify gets much dearer than a narrow one.
 MEASURED = {256: {1: 0.05, 16: 0.10}, 4096: {1: 0.10, 16: 0.40}}
@@ -85,28 +85,8 @@ def test_a_table_with_several_lengths_is_used_as_it_is_and_one_length_leaves_it_
     assert calls == [256, 1024, 4096]
 
 
-def test_auto_width_verifies_narrower_at_a_long_context():
-    policy = CostAwarePolicy(16, 16, MEASURED[256], context_costs=ContextCosts(MEASURED, 16))
-    policy.draft_seconds = 0.01
-    confidence = [0.8] * 15
-    policy.at_context(200)
-    short = cut_one(policy, 16, confidence)
-    policy.at_context(8000)
-    long = cut_one(policy, 16, confidence)
-    assert long < short
-
-
-def test_an_observation_at_a_long_context_is_averaged_in_as_its_short_context_cost():
-    policy = CostAwarePolicy(16, 16, {1: 0.05, 16: 0.05}, context_costs=ContextCosts(MEASURED, 16))
-    policy.at_context(4096)
-    before = policy.verify_seconds[16]
-    observe_one(policy, [0.9] * 15, drafted=15, accepted=0, draft_seconds=0.01, verify_seconds=0.4)
-    a = CostAwarePolicy.SMOOTHING
-    assert policy.verify_seconds[16] == pytest.approx((1 - a) * before + a * 0.4 / 4.0)
-
-
 def test_without_context_costs_the_policy_is_unchanged_by_the_context():
-    policy = CostAwarePolicy(16, 16, MEASURED[256])
+    policy = DCutPolicy(16, 16, {1: interpolate_costs(MEASURED[256], 16)})
     policy.draft_seconds = 0.01
     before = cut_one(policy, 16, [0.8] * 15)
     policy.at_context(100_000)
@@ -145,7 +125,7 @@ def recording(policy_class):
     return Recording
 
 
-Recording, RecordingDCut = recording(CostAwarePolicy), recording(DCutPolicy)
+Recording = recording(DCutPolicy)
 
 
 def test_the_decoder_gives_each_round_its_context_and_stays_lossless_at_a_long_one(tiny_chat_pair):
@@ -154,7 +134,7 @@ def test_the_decoder_gives_each_round_its_context_and_stays_lossless_at_a_long_o
     target, tokenizer, drafter = tiny_chat_pair
     ids = chat_ids(tokenizer, "Tell me a story about a cat. " * 12)
     measured = {40: {1: 0.05, 8: 0.08}, 400: {1: 0.06, 8: 0.3}}
-    policy = Recording(drafter.block_size, drafter.block_size, measured[40],
+    policy = Recording(drafter.block_size, drafter.block_size, {1: interpolate_costs(measured[40], drafter.block_size)},
                        context_costs=ContextCosts(measured, drafter.block_size))
     rounds = list(speculative_rounds(target, drafter, mx.array(ids), policy, SamplingParams(), 40))
     tokens = [t for r in rounds for t in r.tokens][:40]
@@ -174,7 +154,8 @@ def test_a_generation_measures_its_prompts_costs_before_reading_it_and_never_bet
     assert 512 <= len(ids) < 1024
     calls, prober = probe_log()
     costs = ContextCosts({256: {1: 0.05, 8: 0.08}}, drafter.block_size, prober)
-    policy = Recording(drafter.block_size, drafter.block_size, {1: 0.05, 8: 0.08}, context_costs=costs)
+    policy = Recording(drafter.block_size, drafter.block_size, {1: interpolate_costs({1: 0.05, 8: 0.08}, 8)},
+                       context_costs=costs)
     out = generate(target, drafter, tokenizer, ids, 24, policy=policy)
     assert out.tokens == mlx_lm_greedy(target.model, ids, 24)
     assert calls == [1024] and any("1024 tokens of context" in n for n in out.stats.notes)
@@ -185,7 +166,7 @@ def test_batched_rounds_are_costed_at_their_longest_row(tiny_chat_pair):
     target, tokenizer, drafter = tiny_chat_pair
     ids = [chat_ids(tokenizer, "Hi."), chat_ids(tokenizer, "Tell me a long story about a dog. " * 6)]
     cells = {1: {w: 0.05 + 0.003 * w for w in range(1, 9)}, 2: {w: 0.06 + 0.004 * w for w in range(1, 9)}}
-    policy = RecordingDCut(drafter.block_size, drafter.block_size, cells)
+    policy = Recording(drafter.block_size, drafter.block_size, cells)
     out = batch_generate(target, drafter, tokenizer, ids, max_tokens=[6, 6], max_batch=2, policy=policy)
     assert out.token_ids == [mlx_lm_greedy(target.model, i, 6) for i in ids]
     together = out.batch.rows[2]  # rounds of both rows: costed at the long row's context

@@ -21,11 +21,12 @@ from mlx_dflash.cli import main
 from mlx_dflash.models.config import config_to_dict, parse_config
 from mlx_dflash.convert import convert_drafter
 from mlx_dflash.decoding.decoder import speculative_rounds
-from mlx_dflash.policies.width import build_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policies.width import CostAwarePolicy, make_policy
+from mlx_dflash.policies.dcut import DCutPolicy
+from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams, accept_rows, target_probs
 from mlx_dflash.models.target import Target
 
@@ -202,7 +203,7 @@ def test_draft_confidence_is_the_selector_probability_of_the_chosen_candidate(gl
 
 def test_width_auto_stays_lossless(glimmer, drafter):
     target, want = glimmer
-    policy = CostAwarePolicy(drafter.block_size, 16, {w: 0.01 + 0.001 * w for w in range(1, 17)})
+    policy = DCutPolicy(drafter.block_size, 16, {1: {w: 0.01 + 0.001 * w for w in range(1, 17)}})
     got, _ = run(target, drafter, policy)
     assert got == want
 

@@ -14,7 +14,8 @@ from mlx_lm import load
 
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
-from mlx_dflash.policies.width import WidthOptions, build_policy
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.distributed import check_shardable
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.errors import DFlashError

@@ -9,8 +9,9 @@ from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from oracles import cut_one, observe_one
 from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policies.width import CostAwarePolicy, make_policy
-from mlx_dflash.policies.verify_costs import interpolate_costs, running
+from mlx_dflash.policies.dcut import DCutPolicy
+from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.verify_costs import interpolate_costs
 from mlx_dflash.decoding.sampling import SamplingParams, next_token
 
 
@@ -59,17 +60,17 @@ def test_auto_width_picks_the_analytically_best_depth(profile, table):
         "metal_cliff": {w: 0.02 if w <= 5 else 0.045 for w in range(1, 17)},  # the quantized cliff at 6
         "flat": {w: 0.05 for w in range(1, 17)},
     }[table]
-    policy = CostAwarePolicy(16, 16, cost)
+    policy = DCutPolicy(16, 16, {1: cost})
     policy.draft_seconds = 0.01
     # No observations yet: calibration returns the raw probabilities.
-    want = brute_force_best(confidence, policy.verify_seconds, 0.01, 16)
+    want = brute_force_best(confidence, cost, 0.01, 16)
     assert cut_one(policy, 16, confidence) == want
 
 
 def test_auto_width_calibrates_on_observed_acceptance():
     """A drafter that claims 0.95 but is accepted a fifth of the time gets its confidence corrected."""
     cost = {w: 0.10 + 0.01 * w for w in range(1, 17)}
-    policy = CostAwarePolicy(16, 16, cost)
+    policy = DCutPolicy(16, 16, {1: cost})
     policy.draft_seconds = 0.01
     confidence = [0.95] * 15
     assert cut_one(policy, 16, confidence) > 8
@@ -91,7 +92,7 @@ CONTROLS = {
     "n_max_3": lambda d: make_policy(d.block_size, 4),
     "p_min_0.3": lambda d: make_policy(d.block_size, p_min=0.3),
     "p_min_0.9_n_min_2": lambda d: make_policy(d.block_size, p_min=0.9, n_min=2),
-    "auto": lambda d: CostAwarePolicy(d.block_size, d.block_size, {1: 0.1, 16: 0.25}),
+    "auto": lambda d: DCutPolicy(d.block_size, d.block_size, {1: interpolate_costs({1: 0.1, 16: 0.25}, d.block_size)}),
 }
 
 
@@ -104,38 +105,6 @@ def test_every_control_stays_lossless_on_the_real_model(smollm2, random_drafter,
         policy = CONTROLS[control](random_drafter)
         rounds = list(speculative_rounds(target, random_drafter, mx.array(ids), policy, SamplingParams(), 16))
         assert [t for r in rounds for t in r.tokens] == want, (control, prompt)
-
-
-def test_auto_width_stops_drafting_while_it_does_not_pay():
-    cost = {w: 0.10 + 0.02 * (w - 1) for w in range(1, 17)}
-    policy = CostAwarePolicy(16, 16, cost)
-    # The plain rate is measured before anything is drafted, never taken from the cost table.
-    assert policy.plain_steps(100) == 4 and policy.plain_steps(100) == 4
-    policy.observe_plain(4, 0.4)
-    assert policy.plain_rate == pytest.approx(10)
-    assert policy.plain_steps(100) == 0 and policy.width(1, 100) == 16
-    observe_one(policy, [0.5] * 15, drafted=15, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
-    # Unconfident drafts: the best width is 1 row, 1 token in 0.2 s, half the plain steps' 10 tokens/s.
-    before = policy.drafting_rate
-    assert cut_one(policy, 16, [0.05] * 15) == 1
-    assert policy.drafting_rate == before  # cut only chooses; the round's observation moves the rates
-    observe_one(policy, [0.05] * 15, drafted=0, accepted=0, draft_seconds=0.1, verify_seconds=0.1)
-    assert policy.drafting_rate == pytest.approx(running(before, 1 / 0.2, policy.SMOOTHING))
-    # Plain steps, then one drafting probe, while drafting loses; each losing probe doubles the skip up
-    # to 31 steps; never more steps than remain.
-    assert [policy.plain_steps(100) for _ in range(10)] == [7, 0, 15, 0, 31, 0, 31, 0, 31, 0]
-    assert policy.plain_steps(3) == 3
-    assert policy.plain_steps(3) == 0 and policy.width(1, 3) == 3
-    for _ in range(6):  # confident probes: the expected rate of drafting climbs past the plain steps'
-        width = cut_one(policy, 16, [0.99] * 15)
-        observe_one(policy, [0.99] * 15, width - 1, width - 1, draft_seconds=0.1, verify_seconds=cost[width])
-    assert policy.drafting_rate > policy.plain_rate
-    # Drafting pays again: keep drafting, re-measuring the plain rate once every 64 rounds.
-    assert [policy.plain_steps(100) for _ in range(65)] == [0] * 64 + [4]
-    assert policy.plain_steps(100) == 0
-    # Plain steps that turn faster make drafting lose again, and the skips start short again.
-    policy.observe_plain(7, 0.01)
-    assert policy.plain_rate > policy.drafting_rate and policy.plain_steps(100) == 7
 
 
 def test_plain_steps_equal_rounds_of_width_one(tiny_chat_pair):
@@ -176,17 +145,6 @@ def test_drafting_off_runs_only_plain_steps():
     assert make_policy(16, 2).plain_steps(40) == 0
 
 
-def test_auto_width_costs_stay_non_decreasing_in_width():
-    """A probe that put width 4 above width 8: observing width 8 caps 4..7; observing width 2 lifts 3+."""
-    policy = CostAwarePolicy(16, 16, {1: 0.07, 2: 0.09, 4: 0.13, 8: 0.12, 16: 0.15})
-    observe_one(policy, [0.9] * 7, drafted=7, accepted=0, draft_seconds=0.01, verify_seconds=0.10)
-    costs = policy.verify_seconds
-    assert all(costs[v] <= costs[8] for v in range(1, 8)) and costs[8] < 0.12
-    observe_one(policy, [0.9], drafted=1, accepted=0, draft_seconds=0.01, verify_seconds=0.2)
-    assert all(costs[v] >= costs[2] for v in range(3, 17))
-    assert [costs[w] for w in sorted(costs)] == sorted(costs.values())
-
-
 def test_probe_costs_are_made_non_decreasing():
     from mlx_dflash.policies.verify_costs import non_decreasing
 
@@ -198,7 +156,8 @@ def test_probe_costs_are_made_non_decreasing():
 
 def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_confidence(tiny_chat_pair, monkeypatch):
     """Host round trips per round, counted: one for fixed widths (greedy or sampled, prompt lookup on), two
-    for policies that cut on the drafter's confidence (p-min, auto)."""
+    for policies that cut on the drafter's confidence (p-min, auto), one for a plain step (auto's, where
+    drafting does not pay)."""
     from mlx_dflash.decoding import decoder
 
     target, tokenizer, drafter = tiny_chat_pair
@@ -206,8 +165,7 @@ def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_conf
     real_read = decoder.read
     monkeypatch.setattr(decoder, "read", lambda *arrays: (reads.append(len(arrays)), real_read(*arrays))[1])
     ids = mx.array(chat_ids(tokenizer, "Count to twenty."))
-    auto = CostAwarePolicy(drafter.block_size, drafter.block_size, {1: 0.01, 8: 0.01})  # wider is free
-    auto.plain_rate = 1e-6  # plain steps it never prefers: every round drafts
+    auto = DCutPolicy(drafter.block_size, drafter.block_size, {1: {w: 0.01 for w in range(1, 9)}})  # wider is free
     cases = [("fixed, greedy", make_policy(drafter.block_size, 4), SamplingParams(), 1),
              ("fixed, sampled", make_policy(drafter.block_size, 4), SamplingParams(0.8), 1),
              ("p-min", make_policy(drafter.block_size, p_min=0.01), SamplingParams(), 2),
@@ -216,16 +174,13 @@ def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_conf
         reads.clear()
         produced, seen = 0, []
         for rnd in decoder.speculative_rounds(target, drafter, ids, policy, sampling, max_tokens=24):
-            seen.append((produced, rnd.drafted, len(reads)))
+            seen.append((produced, rnd.drafted, len(reads), rnd.plain))
             produced += len(rnd.tokens)
             reads.clear()
         assert seen[0][2] == 1, name  # the prefill's token
-        assert any(drafted for _, drafted, _ in seen), name
+        assert any(drafted for _, drafted, _, _ in seen), name
         # Every round with room for a draft (the last token is a one-row round that drafts nothing).
-        assert all(n == per_round for before, _, n in seen[1:] if before + 1 < 24), (name, seen)
+        assert all(n == (1 if plain else per_round) for before, _, n, plain in seen[1:] if before + 1 < 24), \
+            (name, seen)
 
 
-def test_one_requests_auto_refuses_a_batch_and_names_the_batch_policy():
-    policy = CostAwarePolicy(16, 16, {w: 0.1 for w in range(1, 17)})
-    with pytest.raises(DFlashError, match="D-cut"):
-        policy.cut(16, [[0.9] * 15] * 2, [0, 0], [9, 9])

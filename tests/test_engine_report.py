@@ -162,7 +162,7 @@ def test_plain_steps_and_a_drafter_that_does_not_pay(tiny_chat_pair, capsys):
     calls = itertools.count()
 
     class Skipping(WidthPolicy):  # as --width auto once drafting paid less than the target alone
-        drafting_rate, plain_rate = 1.0, 2.0
+        drafting_loses = True
 
         def plain_steps(self, remaining):
             return 3 if next(calls) == 0 else 0

@@ -284,12 +284,12 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_work(tmp_path, m
     from conftest import save_tiny_pair
 
     generate = importlib.import_module("mlx_dflash.generate")  # the module (the package exports the function)
-    policy = importlib.import_module("mlx_dflash.policies.width")
+    policy = importlib.import_module("mlx_dflash.policies.dcut")
 
     def no_work(*args, **kwargs):
         raise AssertionError("work began before the prompt was checked against the context")
 
-    monkeypatch.setattr(policy, "probe_verify_costs", no_work)  # --width auto's start-up probe
+    monkeypatch.setattr(policy, "probe_batch_costs", no_work)  # --width auto's start-up probe
     monkeypatch.setattr(generate, "speculative_rounds", no_work)  # the prefill
     target, drafter = save_tiny_pair(tmp_path, max_position_embeddings=64)
     line = one_line_error(["generate", "--model", str(target), "--drafter", str(drafter), "--width", "auto",

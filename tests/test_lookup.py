@@ -13,7 +13,9 @@ from mlx_dflash.models.base import Draft
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import shipped_drafter_dir
 from mlx_dflash.decoding.lookup import PromptLookup, with_lookup
-from mlx_dflash.policies.width import CostAwarePolicy, make_policy
+from mlx_dflash.policies.dcut import DCutPolicy
+from mlx_dflash.policies.verify_costs import interpolate_costs
+from mlx_dflash.policies.width import make_policy
 from mlx_dflash.tuner.replay import decoding_acceptance, looked_up_acceptance
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
@@ -102,7 +104,8 @@ POLICIES = {
     "width 8": lambda d: make_policy(d.block_size, 8),
     "width 16": lambda d: make_policy(d.block_size, 16),
     "p-min 0.6": lambda d: make_policy(d.block_size, 16, p_min=0.6),
-    "auto": lambda d: CostAwarePolicy(d.block_size, d.block_size, {1: 0.08, 4: 0.11, 16: 0.16}),
+    "auto": lambda d: DCutPolicy(d.block_size, d.block_size,
+                                 {1: interpolate_costs({1: 0.08, 4: 0.11, 16: 0.16}, d.block_size)}),
 }
 
 
@@ -160,7 +163,7 @@ def test_replayed_acceptance_with_lookup_equals_decoding(pair, greedy):
 
 
 def test_auto_learns_looked_up_acceptance_apart_from_the_drafters():
-    policy = CostAwarePolicy(16, 16, {1: 0.1, 16: 0.2})
+    policy = DCutPolicy(16, 16, {1: interpolate_costs({1: 0.1, 16: 0.2}, 16)})
     before = policy.calibration.calibrated(0.99)
     assert policy.calibration.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
     for _ in range(50):  # looked-up drafts at confidence 1: kept at positions 1-2, the third rejected

@@ -10,7 +10,8 @@ from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policies.width import QUANTIZED_MAX_WIDTH, WidthOptions, build_policy, has_quantized_layers, make_policy
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import QUANTIZED_MAX_WIDTH, WidthOptions, has_quantized_layers, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 
@@ -90,16 +91,16 @@ def test_generate_reports_the_clamp_in_its_stats(quantized_pair):
 def test_a_batch_on_a_quantized_model_lets_dcut_cells_decide_and_keeps_the_clamp_for_a_fixed_width(quantized_pair):
     """A batched verify's matmuls see rows x width (2 rows at width 5 are 10 rows): D-cut times those cells, so
     the per-request clamp to 5 does not bound it; a fixed width keeps the clamp."""
-    from mlx_dflash.policies.dcut import build_batch_policy
+    from mlx_dflash.policies.dcut import build_policy
 
     target, drafter, _ = quantized_pair
-    dcut = build_batch_policy(target, drafter, 2, WidthOptions("auto"))
+    dcut = build_policy(target, drafter, WidthOptions("auto"), 2)
     assert dcut.max_width == drafter.block_size == 8
     assert any("rows x width" in n for n in dcut.notes) and not any("clamped" in n for n in dcut.notes)
     assert max(dcut.guessed[2]) == 8  # every width's cost at 2 rows was probed
-    fixed = build_batch_policy(target, drafter, 2, WidthOptions())
+    fixed = build_policy(target, drafter, WidthOptions(), 2)
     assert fixed.max_width == QUANTIZED_MAX_WIDTH and any("clamped" in n for n in fixed.notes)
-    assert build_batch_policy(target, drafter, 2, WidthOptions("auto", n_max=5)).max_width == 6
+    assert build_policy(target, drafter, WidthOptions("auto", n_max=5), 2).max_width == 6
 
 
 def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_width(tiny_chat_pair, monkeypatch):
@@ -112,11 +113,11 @@ def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_wi
     auto = generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4)
     assert any(n.startswith("width auto:") for n in auto.stats.notes)
     seeded = [generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=6, temp=1.0, seed=4) for _ in range(2)]
-    assert not any(n.startswith("width auto:") for n in seeded[0].stats.notes)
+    assert not any(n.startswith("width auto") for n in seeded[0].stats.notes)
     assert seeded[0].tokens == seeded[1].tokens
     assert generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4, width=3).stats.max_width == 3
     asked = []
-    build = dcut.build_batch_policy
-    monkeypatch.setattr(dcut, "build_batch_policy", lambda *a: asked.append(a[3].width) or build(*a))
+    build = dcut.build_policy
+    monkeypatch.setattr(dcut, "build_policy", lambda *a: asked.append(a[2].width) or build(*a))
     batched = batch_generate(target, drafter, tokenizer, [[1, 2, 3], [4, 5]], max_tokens=4)
     assert asked == ["auto"] and batched.token_ids[0] == auto.tokens

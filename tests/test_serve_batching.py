@@ -10,7 +10,7 @@ import pytest
 
 from conftest import chat_ids
 from serving import MODEL, client, raw, running
-from mlx_dflash.policies.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.generate import generate
 from mlx_dflash.server.batching import BatchEngine
@@ -27,7 +27,7 @@ def pair(tiny_chat_pair):
 
 def batched(pair, max_batch=4, width=4):
     target, drafter, _ = pair
-    policy = build_batch_policy(target, drafter, max_batch, WidthOptions(width))
+    policy = build_policy(target, drafter, WidthOptions(width), max_batch)
     return running(pair, engine_class=BatchEngine, policy=policy,
                    engine_options=dict(max_batch=max_batch))
 
@@ -98,7 +98,7 @@ def test_short_requests_during_a_long_read_are_read_in_turn_and_queued_counts_th
     assert -(-len(chat_ids(tokenizer, long_prompt)) // 16) >= 11
     ask = lambda content: client(url).chat.completions.create(  # noqa: E731
         model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}])
-    with running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, 3, WidthOptions(4)),
+    with running(pair, engine_class=BatchEngine, policy=build_policy(target, drafter, WidthOptions(4), 3),
                  engine_options=dict(max_batch=3, prefill_step=16)) as (url, engine):
         long = threading.Thread(target=ask, args=(long_prompt,))
         long.start()

@@ -12,7 +12,7 @@ import pytest
 
 from serve_helpers import tools_tokenizer
 from serving import MODEL, client, raw, running
-from mlx_dflash.policies.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.server.batching import BatchEngine
 from tiny_families import tiny_chat_target
@@ -145,7 +145,7 @@ def test_concurrent_clients_leave_the_cache_consistent(pair):
 def test_with_several_keys_a_client_hits_only_its_own_keys_entries(pair, batch):
     target, drafter, _ = pair
     engine = {} if batch == 1 else dict(engine_class=BatchEngine,
-                                        policy=build_batch_policy(target, drafter, batch, WidthOptions(4)))
+                                        policy=build_policy(target, drafter, WidthOptions(4), batch))
     options = dict(prompt_cache=dict(max_entries=8), **(dict(max_batch=batch) if batch > 1 else {}))
     with running(pair, api_keys=("key-a", "key-b"), engine_options=options, **engine) as (url, _):
         secret = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "My password is sea-salt-42."}]

@@ -18,7 +18,7 @@ from mlx_lm import load
 
 from mlx_dflash.cli import main
 from mlx_dflash.generate import generate
-from mlx_dflash.policies.width import build_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.server.app import Engine, Job

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from serving import MODEL, raw, running
-from mlx_dflash.policies.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine
@@ -29,7 +29,7 @@ def served(pair, engine_class):
     cache = dict(prompt_cache=dict(max_entries=4))
     if engine_class is Engine:
         return running(pair, engine_options=cache)
-    return running(pair, engine_class=BatchEngine, policy=build_batch_policy(target, drafter, 4, WidthOptions(4)),
+    return running(pair, engine_class=BatchEngine, policy=build_policy(target, drafter, WidthOptions(4), 4),
                    engine_options=dict(max_batch=4, **cache))
 
 

@@ -20,7 +20,7 @@ from mlx_lm.tool_parsers import json_tools
 
 from serve_helpers import TOOLS_TEMPLATE, ScriptedEngine, templated_tokenizer, tools_tokenizer
 from serving import MODEL, client, raw, running
-from mlx_dflash.policies.dcut import build_batch_policy
+from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.generate import generate
 from mlx_dflash.server.app import Engine
@@ -269,7 +269,7 @@ def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_
     server wrote included, equal to the decoder's output for the prompt and the opening."""
     target, drafter, tokenizer = tools_pair
     opening = forced_prefix(tool_support(tokenizer), "get_weather")
-    batch = dict(engine_options=dict(max_batch=2), policy=build_batch_policy(target, drafter, 2, WidthOptions(4)))
+    batch = dict(engine_options=dict(max_batch=2), policy=build_policy(target, drafter, WidthOptions(4), 2))
     width = 4 if engine_class is BatchEngine else None
 
     def decoded(tools):

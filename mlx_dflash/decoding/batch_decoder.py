@@ -253,7 +253,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     (or strings, used as given); max_tokens one for all or one per prompt. Returns a `BatchResponse`: the
     texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""
     from .prompt import check_context, encode_prompt
-    from ..policies.dcut import build_batch_policy
+    from ..policies.dcut import build_policy
     from ..policies.width import WidthOptions
     from .responses import GenerationStats, ResponseStream
 
@@ -265,7 +265,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     max_batch = max_batch or len(ids)
     if not drafter.is_bound:
         drafter.bind(target)
-    policy = policy or build_batch_policy(target, drafter, max_batch, WidthOptions(width).with_default())
+    policy = policy or build_policy(target, drafter, WidthOptions(width).with_default(), max_batch)
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache, prefill_step_size)
     streams, texts, tokens = {}, [[] for _ in ids], [[] for _ in ids]

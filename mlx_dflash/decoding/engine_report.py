@@ -109,8 +109,7 @@ class Report:
         self.stats.routes = routes.since(self.before)
         for note in routes.fallback_notes(self.stats.routes):
             self.note(note)
-        drafting, plain = getattr(self.policy, "drafting_rate", None), getattr(self.policy, "plain_rate", None)
-        if drafting is not None and plain is not None and drafting < plain and self.stats.plain_steps:
+        if self.policy.drafting_loses and self.stats.plain_steps:
             self.note(DRAFTING_NOTE)
 
 

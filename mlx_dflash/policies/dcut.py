@@ -1,8 +1,9 @@
-"""Verify depth under load: how many rows a batch of requests verifies each round (decoding/batch_decoder.py).
+"""`--width auto`: how many rows the rounds of one request, or of a batch of requests, verify (decoding/decoder.py).
 
 A fixed width is policies/width.py's `WidthPolicy`, whose draft controls (p-min, n-min) take every row into
-account. `DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for MLX's padded batches: each round verifies
-the width W that maximises the batch's expected tokens per second,
+account; `build_policy` here builds either. `DCutPolicy` is D-cut (arXiv 2607.14647, vLLM PR 47131), for
+MLX's padded batches, one request being the batch of one row: each round verifies the width W that maximises
+the batch's expected tokens per second,
 
     sum over rows r of E_r(W)  /  (draft time + cost(B, W)),
 
@@ -33,14 +34,14 @@ out costs logits and a confidence (docs/batching.md has it measured).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, deque
-from dataclasses import replace
 from typing import Optional
 
 from ..errors import DFlashError
-from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, interpolate_costs, probe_costs,
-                           read_cost_table, running, table_costs)
-from .width import Backoff, Calibration, WidthOptions, WidthPolicy, build_policy, has_quantized_layers
+from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
+                           probe_costs, read_cost_table, running, table_context_costs, table_costs)
+from .width import Backoff, Calibration, WidthOptions, WidthPolicy, fixed_policy, has_quantized_layers
 
 
 class DCutPolicy(WidthPolicy):
@@ -72,9 +73,17 @@ class DCutPolicy(WidthPolicy):
     def uses_confidence(self) -> bool:
         return True
 
+    @property
+    def drafting_loses(self) -> bool:
+        return self.gain is not None and self.gain < 1
+
     def prepare_context(self, context: int):
-        if self.context_costs is not None:
-            self.context_costs.cover(context)
+        if self.context_costs is None:
+            return
+        measured = self.context_costs.cover(context)
+        if measured:
+            self.notes.append(f"width auto: verify costs measured at {', '.join(map(str, measured))} tokens of "
+                              "context too (a long context makes wide verifies dearer)")
 
     def at_context(self, context: int):
         if self.context_costs is not None:
@@ -195,34 +204,57 @@ def batch_sizes(max_batch: int) -> list:
     return sizes + [max_batch]
 
 
-def build_batch_policy(target, drafter, max_batch: int, options=None, costs: Optional[dict] = None) -> WidthPolicy:
-    """The batch policy for this pair: a fixed width (as `build_policy` fixes one request's), or "auto"
-    (D-cut), costed by `costs` ({rows: {width: seconds}}) or a start-up probe of batches up to max_batch.
-    The quantized-verification rule and the draft controls apply as for one request."""
+def build_policy(target, drafter, options: Optional[WidthOptions] = None, max_batch: int = 1,
+                 costs: Optional[dict] = None) -> WidthPolicy:
+    """The width policy for this pair, deciding one request's rounds (max_batch 1) or a batch's of up to
+    max_batch rows: a fixed width (policies/width.py `fixed_policy`), or "auto" (D-cut), costed by `costs`
+    ({rows: {width: seconds}}), else options.cost_table, else a start-up probe (once per target in a process).
+    The draft controls apply to both; the quantized rule to a fixed width and to one request: a batched
+    verify's matmuls see rows x width, which MLX's quantized kernels (and ours, 6..16 rows) route on and the
+    per-request clamp to 5 does not describe, so a batch's D-cut lets its measured cells choose (docs/models.md)."""
     if max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     options = options or WidthOptions()
-    # A batched verify's matmuls see rows x width: MLX's quantized kernels (and ours, 6..16 rows) route on that,
-    # which the per-request clamp to 5 does not describe. D-cut times every (rows, width) it verifies, so on a
-    # quantized model its cells decide the width; a fixed width keeps the clamp (docs/models.md).
-    single = build_policy(target, drafter, replace(options, width=None if options.auto else options.width,
-                                                   cost_table=None), quantized_rule=not options.auto)
+    fixed = fixed_policy(target, drafter, options, quantized_rule=not options.auto or max_batch == 1)
     if not options.auto:
-        return single
-    source, measured = "the given table", {}  # a table's clock may not be the probe's: the probe measures growth
+        return fixed
+    notes, table = list(fixed.notes), None
+    if costs is None and options.cost_table:
+        costs, table = read_batch_costs(options.cost_table), read_cost_table(options.cost_table)
+        notes += [note] if (note := cost_table_note(table, options.cost_table, target)) else []
     if costs is not None:  # a table's widths, and one of one row's costs only, cover every width and batch size
-        costs = {b: interpolate_costs(row, single.max_width) for b, row in costs.items()}
+        costs = {b: interpolate_costs(row, fixed.max_width) for b, row in costs.items()}
+        prober = context_prober(target, fixed.max_width)  # a table's clock may not be the probe's: it measures growth
+        context_costs = table_context_costs(table, fixed.max_width, prober, target.context_length) if table \
+            else ContextCosts({}, fixed.max_width, prober, target.context_length)
+        source = f"cost table {options.cost_table}" if table else "the given table"
     else:
-        costs = probe_batch_costs(target, batch_sizes(max_batch), single.max_width, PROBE_CONTEXTS[0])
-        source, measured = "a start-up probe", {PROBE_CONTEXTS[0]: costs[1]}
-    context_costs = ContextCosts(measured, single.max_width, context_prober(target, single.max_width),
-                                 target.context_length)
-    notes = single.notes + [f"width auto (D-cut over batches up to {max_batch}): verify costs from {source}"]
-    if has_quantized_layers(target.model) or has_quantized_layers(drafter):
-        notes.append(f"quantized model: D-cut verifies up to {single.max_width} rows a request, each round's width "
+        costs, context_costs = probed_costs(target, max_batch, fixed.max_width)
+        source = "a start-up probe"
+    over = "" if max_batch == 1 else f" (D-cut over batches up to {max_batch})"
+    notes.append(f"width auto{over}: verify costs from {source}, refined as rounds run")
+    if max_batch > 1 and (has_quantized_layers(target.model) or has_quantized_layers(drafter)):
+        notes.append(f"quantized model: D-cut verifies up to {fixed.max_width} rows a request, each round's width "
                      "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
-    return DCutPolicy(single.block_size, single.max_width, costs, notes, options.p_min, options.n_min,
+    return DCutPolicy(fixed.block_size, fixed.max_width, costs, notes, options.p_min, options.n_min,
                       options.prompt_lookup, context_costs, max_batch)
+
+
+_PROBED = weakref.WeakKeyDictionary()  # target -> {(max_batch, max_width): (costs, context costs)}
+
+
+def probed_costs(target, max_batch: int, max_width: int) -> tuple:
+    """The start-up probe's {rows: {width: seconds}} and the context costs it grows into, measured once per
+    target in a process: a program calling stream_generate again and again pays the probe once, and every
+    call's policy learns its own copy of the costs from its rounds."""
+    probed = _PROBED.setdefault(target, {})
+    if (max_batch, max_width) not in probed:
+        costs = probe_batch_costs(target, batch_sizes(max_batch), max_width, PROBE_CONTEXTS[0])
+        context_costs = ContextCosts({PROBE_CONTEXTS[0]: costs[1]}, max_width, context_prober(target, max_width),
+                                     target.context_length)
+        probed[max_batch, max_width] = costs, context_costs
+    costs, context_costs = probed[max_batch, max_width]
+    return {b: dict(row) for b, row in costs.items()}, context_costs
 
 
 def batch_cost_rows(costs: dict) -> dict:

@@ -21,17 +21,6 @@ from ..machine import machine_info
 from ..models.batch_cache import add_row, batched
 
 
-def observe_cost(costs: dict, width: int, seconds: float, weight: float):
-    """A measured cost moves costs[width] by `weight`; more rows never cost less, so it bounds the narrower
-    widths from above and the wider ones from below, also those not tried yet."""
-    costs[width] = running(costs[width], seconds, weight)
-    for v in costs:
-        if v < width:
-            costs[v] = min(costs[v], costs[width])
-        elif v > width:
-            costs[v] = max(costs[v], costs[width])
-
-
 def running(average: Optional[float], value: float, weight: float) -> float:
     """A running average moved `weight` of the way to `value` (the value itself when there is none yet)."""
     return value if average is None else (1 - weight) * average + weight * value

@@ -10,7 +10,6 @@ to 5 rows and again for every further 5 (`qmv_wide` in MLX's mlx/backend/metal/q
 without our wide kernels the verify width is clamped to 5 unless the user forces it.
 """
 
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
@@ -18,8 +17,6 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import DFlashError
-from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
-                           observe_cost, probe_verify_costs, read_cost_table, running, table_context_costs, table_costs)
 
 QUANTIZED_MAX_WIDTH = 5
 # Every entry point's default: a fixed width that is best on short prompts loses most at long contexts and under
@@ -65,6 +62,11 @@ class WidthPolicy:
         """Positions to draft for (and rows to verify at most) this round of `rows` requests, the one with the
         most left able to emit `most_remaining` more tokens."""
         return max(1, min(self.max_width, self.block_size, most_remaining))
+
+    @property
+    def drafting_loses(self) -> bool:
+        """Drafting has lately paid less than plain target steps (an auto policy that measures both)."""
+        return False
 
     def plain_steps(self, remaining: int) -> int:
         """How many plain target steps (no drafter, pipelined: decoding/decoder.py `plain_rounds`) the rows take
@@ -210,122 +212,6 @@ class Backoff:
         self.next = self.FIRST
 
 
-class CostAwarePolicy(WidthPolicy):
-    """`--width auto` for one request (one row; a batch's is D-cut, policies/dcut.py): each round, the verify
-    width with the most expected tokens per second.
-
-    A round verifying width w (w - 1 drafts) emits 1 + A(w) tokens in expectation, where
-    A(w) = sum_{k<w} prod_{j<=k} a_j and a_j is the chance that draft j is accepted once the drafts
-    before it were. a_j comes from the drafter's top-1 probability for position j, calibrated online:
-    the acceptance rate observed so far for drafts whose confidence fell in the same tenth of [0, 1]
-    (starting from the raw probability); for a draft prompt lookup proposed, the acceptance rate
-    observed so far of looked-up drafts at that position (starting from decoding/lookup.py's measured prior).
-    The round costs the drafter's time (a running average) plus verify_seconds[w] x growth[w]:
-    verify_seconds from the cost table (`mlx-dflash bench widths`) or a start-up probe, replaced by
-    running averages of the verify times this run observes, kept non-decreasing in w (an observed width's
-    cost caps the narrower widths' and lifts the wider ones'); growth[w], how much dearer a verify of w
-    rows is at the round's context than at the short one the costs are kept at (verify_costs.ContextCosts:
-    a long context makes wide verifies dearer than narrow ones, as every row attends to all of it).
-    Observed times are divided by the growth before they are averaged in.
-
-    Drafting itself must pay too: the policy keeps running averages of the tokens per second it expects
-    from the rounds it drafts (the rate of the width it chose, from calibrated confidence and measured
-    costs: far steadier than the tokens a single round happened to get) and of the tokens per second of
-    plain target steps (pipelined, as fast as the target alone). The plain rate is measured, never
-    guessed: a run starts with MEASURE_STEPS plain steps, and while drafting pays it takes them again
-    every REFRESH_EVERY rounds (a guess from the probe's one-row verify, which is not a pipelined step,
-    would never be corrected while it favoured drafting, so a drafter slightly worse than the target
-    alone would go on drafting). While drafting is the slower of the two, the policy skips the drafter
-    for plain steps, drafting one round between to re-measure, each skip about twice the last (`Backoff`).
-
-    Assumptions: a draft's acceptance depends on its own confidence once its prefix was accepted, and
-    the context changes a verify's cost as the measured growth says (the running averages follow the rest).
-    """
-
-    SMOOTHING = 0.2  # weight of a new timing in the running averages
-    MEASURE_STEPS = 4  # plain steps that measure the plain rate
-    REFRESH_EVERY = 64  # while drafting pays, re-measure the plain rate after this many rounds
-
-    def __init__(self, block_size: int, max_width: int, verify_seconds: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None):
-        super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
-        self.verify_seconds = interpolate_costs(verify_seconds, max(block_size, max_width))
-        self.context_costs = context_costs  # None: costs do not change with the context
-        self.growth = {w: 1.0 for w in self.verify_seconds}
-        self.draft_seconds = 0.0
-        self.calibration = Calibration(block_size)
-        self.drafting_rate = None  # tokens/s expected of rounds that run the drafter
-        self.plain_rate = None  # tokens/s of plain target steps, as observed
-        self.probe_next = False  # the last call planned plain steps: draft once now
-        self.backoff = Backoff()  # plain steps between drafting probes while drafting does not pay
-        self.rounds_since_plain = 0
-
-    @property
-    def uses_confidence(self) -> bool:
-        return True
-
-    def plain_steps(self, remaining: int) -> int:
-        if self.max_width == 1:
-            return remaining
-        steps = 0
-        if self.plain_rate is None:
-            steps = self.MEASURE_STEPS
-        elif self.drafting_rate is not None and self.drafting_rate < self.plain_rate:
-            self.probe_next = not self.probe_next
-            if self.probe_next:
-                steps = self.backoff.take()
-        else:
-            self.probe_next = False
-            self.backoff.reset()
-            self.rounds_since_plain += 1
-            if self.rounds_since_plain > self.REFRESH_EVERY:
-                steps = self.MEASURE_STEPS
-        if steps:
-            self.rounds_since_plain = 0
-        return min(steps, remaining)
-
-    def observe_plain(self, steps: int, seconds: float, rows: int = 1):
-        weight = 1 - (1 - self.SMOOTHING) ** steps  # as if each step were averaged in on its own
-        self.plain_rate = running(self.plain_rate, steps / seconds, weight)
-
-    def prepare_context(self, context: int):
-        if self.context_costs is None:
-            return
-        measured = self.context_costs.cover(context)
-        if measured:
-            self.notes.append(f"width auto: verify costs measured at {', '.join(map(str, measured))} tokens of "
-                              "context too (a long context makes wide verifies dearer)")
-
-    def at_context(self, context: int):
-        if self.context_costs is not None:
-            self.growth = self.context_costs.growth(context)
-
-    def expected_rate(self, confidence: list, width: int, looked_up: int = 0) -> float:
-        """Expected tokens per second of a round verifying `width` rows, at the current costs and context."""
-        expected = self.calibration.expected_tokens(confidence, width, looked_up)
-        return expected / (self.draft_seconds + self.verify_seconds[width] * self.growth[width])
-
-    def cut(self, width: int, confidence: list, looked_up: list, remaining: list) -> int:
-        width = super().cut(width, confidence, looked_up, remaining)  # p_min / n_min first, when given
-        if len(confidence) != 1:
-            raise DFlashError("CostAwarePolicy chooses one request's width; a batch's auto is D-cut "
-                              "(policies/dcut.py build_batch_policy)")
-        (conf,), (lookup,) = confidence, looked_up
-        return max(range(1, width + 1), key=lambda w: self.expected_rate(conf, w, lookup))
-
-    def observe(self, confidence, limits, accepted, rows, width, draft_seconds, verify_seconds, looked_up):
-        (drafted,), (kept,), (lookup,) = limits, accepted, looked_up
-        conf, lookup, a = confidence[0] if confidence is not None else [], min(lookup, drafted), self.SMOOTHING
-        if conf:  # a drafting round: the rate it expected of the width it chose, before the costs move
-            self.drafting_rate = running(self.drafting_rate, self.expected_rate(conf, drafted + 1, lookup), a)
-        else:  # a one-row round that did not draft (one token left)
-            self.plain_rate = running(self.plain_rate, (kept + 1) / (draft_seconds + verify_seconds), a)
-        if drafted:
-            self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
-        observe_cost(self.verify_seconds, drafted + 1, verify_seconds / self.growth[drafted + 1], a)
-        self.calibration.record(conf, drafted, kept, lookup)
-
-
 @dataclass(frozen=True)
 class WidthOptions:
     """How to choose the verify width: the flags `generate` and `serve` share (options.py), refused as they
@@ -367,18 +253,16 @@ class WidthOptions:
         return self
 
 
-def build_policy(target, drafter, options: WidthOptions = WidthOptions(), quantized_rule: bool = True) -> WidthPolicy:
-    """The width policy of one request for this pair: a fixed width (options.width, n_max + 1, or the
-    drafter's trained block when neither is given), or "auto", the cost-aware policy, costed by the cost
-    table or a start-up probe. Both obey the draft controls, and the quantized rule unless `quantized_rule`
-    is off (a batch's D-cut measures the rows x width it verifies instead: policies/dcut.py)."""
-    width, n_max, cost_table = options.width, options.n_max, options.cost_table
-    auto, trained = options.auto, drafter.block_size
+def fixed_policy(target, drafter, options: WidthOptions = WidthOptions(), quantized_rule: bool = True) -> WidthPolicy:
+    """The fixed width of this pair's options (options.width, n_max + 1, or the drafter's trained block when
+    neither is given; with auto, the widest auto may verify), with the draft controls and, unless
+    `quantized_rule` is off, the quantized rule (policies/dcut.py `build_policy` builds every policy from it)."""
+    n_max, trained = options.n_max, drafter.block_size
     if n_max is not None and not 0 <= n_max < trained:
         raise DFlashError(f"--n-max {n_max} is out of range: this drafter drafts blocks of {trained} rows, so "
                           f"it verifies at most {trained - 1} drafted tokens (--n-max 0..{trained - 1})")
-    fixed = (n_max + 1 if n_max is not None else None) if auto or width is None else width
-    policy = make_policy(
+    fixed = (n_max + 1 if n_max is not None else None) if options.auto or options.width is None else options.width
+    return make_policy(
         trained,
         fixed,
         quantized=quantized_rule and (has_quantized_layers(target.model) or has_quantized_layers(drafter)),
@@ -388,34 +272,5 @@ def build_policy(target, drafter, options: WidthOptions = WidthOptions(), quanti
         n_min=options.n_min,
         prompt_lookup=options.prompt_lookup,
     )
-    if not auto:
-        return policy
-    notes, span = list(policy.notes), max(policy.block_size, policy.max_width)
-    if cost_table:
-        table = read_cost_table(cost_table)
-        costs, source = table_costs(table), f"cost table {cost_table}"
-        notes += [note] if (note := cost_table_note(table, cost_table, target)) else []
-        context_costs = table_context_costs(table, span, context_prober(target, policy.max_width),
-                                            target.context_length)
-    else:
-        costs, context_costs = probed_costs(target, policy.max_width, span)
-        source = "a start-up probe"
-    notes.append(f"width auto: verify costs from {source}, refined as rounds run")
-    return CostAwarePolicy(policy.block_size, policy.max_width, costs, notes, options.p_min, options.n_min,
-                           options.prompt_lookup, context_costs)
 
 
-_PROBED = weakref.WeakKeyDictionary()  # target -> {(max_width, span): (costs, context costs)}
-
-
-def probed_costs(target, max_width: int, span: int) -> tuple:
-    """The start-up probe's {width: seconds} and the context costs it grows into, measured once per target
-    in a process: a program calling stream_generate again and again pays the probe once, and every call's
-    policy refines its own copy of the costs from its rounds."""
-    probed = _PROBED.setdefault(target, {})
-    if (max_width, span) not in probed:
-        costs = probe_verify_costs(target, max_width, PROBE_CONTEXTS[0])
-        prober = context_prober(target, max_width)
-        probed[max_width, span] = costs, ContextCosts({PROBE_CONTEXTS[0]: costs}, span, prober, target.context_length)
-    costs, context_costs = probed[max_width, span]
-    return dict(costs), context_costs
