@@ -75,7 +75,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     /v1/responses, /v1/messages).
 
     --max-tokens and the sampling flags are the defaults of requests that leave those fields out. The verify
-    width defaults to --width auto (batched, D-cut: one width for the whole batch each round).
+    width defaults to --width auto (D-cut, as in generate: one width for the whole batch each round).
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair

@@ -1,4 +1,5 @@
-"""Draft-length controls (n-max, p-min, n-min) and the cost-aware width: exact cuts, best depths, lossless."""
+"""Draft-length controls (n-max, p-min, n-min) and `--width auto` (D-cut) for one request: exact cuts, best
+depths, lossless."""
 
 import itertools
 

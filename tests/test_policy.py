@@ -91,8 +91,6 @@ def test_generate_reports_the_clamp_in_its_stats(quantized_pair):
 def test_a_batch_on_a_quantized_model_lets_dcut_cells_decide_and_keeps_the_clamp_for_a_fixed_width(quantized_pair):
     """A batched verify's matmuls see rows x width (2 rows at width 5 are 10 rows): D-cut times those cells, so
     the per-request clamp to 5 does not bound it; a fixed width keeps the clamp."""
-    from mlx_dflash.policies.dcut import build_policy
-
     target, drafter, _ = quantized_pair
     dcut = build_policy(target, drafter, WidthOptions("auto"), 2)
     assert dcut.max_width == drafter.block_size == 8

@@ -19,7 +19,6 @@ import pytest
 from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, head, port_of, raw, running, wait_until
 from mlx_dflash.policies.dcut import build_policy
-from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.server.app import Engine
 from mlx_dflash.server.batching import BatchEngine

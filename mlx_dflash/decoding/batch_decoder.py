@@ -38,7 +38,8 @@ from .sampling import SamplingParams
 
 
 # Plain steps a batch runs at most before the scheduler looks at its queue again (a joining request waits
-# for them): as many as the auto policies' longest skip of the drafter (policies/width.py `Backoff`).
+# for them): as many as the auto policy's longest skip of the drafter (policies/width.py `Backoff`). A row that
+# meets its stop token during a run leaves after it.
 PLAIN_RUN = 32
 
 

@@ -264,10 +264,12 @@ class Target:
                 raise DFlashError(f"one sequence's cache rolls back one row, not {len(drop)}")
             return self.trim(cache, drop[0])
         pending, self._pending = self._pending, None
+        if not any(drop):  # a plain step's: nothing to roll back
+            return
         for c in cache:
             if c.is_trimmable():
                 c.shorten([n - d for n, d in zip(c.sizes, drop)])
-        if self._recurrent and any(drop):
+        if self._recurrent:
             if pending is None or pending[0] is not cache:
                 raise DFlashError("a hybrid target rewinds only the rows of its last forward")
             _, rows, tapes = pending

@@ -34,8 +34,10 @@ out costs logits and a confidence (docs/batching.md has it measured).
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections import Counter, deque
+from pathlib import Path
 from typing import Optional
 
 from ..errors import DFlashError
@@ -115,7 +117,7 @@ class DCutPolicy(WidthPolicy):
         if self.gain is None or self.gain >= 1:
             self.skipping = 0
             self.backoff.reset()
-        elif not self.skipping:  # a probe drafts; the plain steps after it last longer each time it loses
+        elif not self.skipping and widest > 1:  # a probe drafts; the plain steps after it last longer each time it loses
             self.skipping = self.backoff.take()
         self.drafted = widest
         return widest
@@ -191,7 +193,8 @@ def probe_batch_costs(target, batches: list, max_width: int, context: int = PROB
     """{rows: {width: verify seconds}} for batches of `rows` sequences of `context` tokens (the cost probe,
     verify_costs.probe_costs), every width up to max_width interpolated between the probed ones. Cells are
     not made to grow with the width (module docstring)."""
-    probed = probe_costs(target, batches, max_width, context, repeats=repeats, batch=True)
+    # one request decodes on its own cache, a batch (even at one row) on the batch's
+    probed = probe_costs(target, batches, max_width, context, repeats=repeats, batch=max(batches) > 1)
     return {b: interpolate_costs(row, max_width) for b, row in probed.items()}
 
 
@@ -220,8 +223,10 @@ def build_policy(target, drafter, options: Optional[WidthOptions] = None, max_ba
         return fixed
     notes, table = list(fixed.notes), None
     if costs is None and options.cost_table:
-        costs, table = read_batch_costs(options.cost_table), read_cost_table(options.cost_table)
-        notes += [note] if (note := cost_table_note(table, options.cost_table, target)) else []
+        costs = read_batch_costs(options.cost_table)
+        if "widths" in json.loads(Path(options.cost_table).read_text()):  # one row's costs: notes, context rows
+            table = read_cost_table(options.cost_table)
+            notes += [note] if (note := cost_table_note(table, options.cost_table, target)) else []
     if costs is not None:  # a table's widths, and one of one row's costs only, cover every width and batch size
         costs = {b: interpolate_costs(row, fixed.max_width) for b, row in costs.items()}
         prober = context_prober(target, fixed.max_width)  # a table's clock may not be the probe's: it measures growth
@@ -266,9 +271,6 @@ def read_batch_costs(path) -> dict:
     """{rows: {width: seconds}} from a cost_table.json: its rows per batch size (`bench widths --batch`), or,
     from a table of one row's costs, that row as the batch of one (D-cut scales it to the other batch sizes
     and times their cells as rounds run). DFlashError naming the problem."""
-    import json
-    from pathlib import Path
-
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:

@@ -194,8 +194,8 @@ class Calibration:
 
 class Backoff:
     """How long to skip the drafter while drafting does not pay: 7 target steps, then 15, then 31 each time,
-    with one drafting round between to re-measure, so a drafter that never pays costs about one round in 32.
-    Both auto policies keep one: one request's skips plain steps, a batch's plain rounds."""
+    with one drafting round between to re-measure, so a drafter that never pays costs about one round in 32
+    (policies/dcut.py `DCutPolicy` keeps one)."""
 
     FIRST, MOST = 7, 31
 
