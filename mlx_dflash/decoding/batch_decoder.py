@@ -88,7 +88,7 @@ class Batch:
         """One round for every row, or a run of plain steps where the policy skips the drafter: [(handle,
         Round)], each row's in order. A row with nothing left to emit must have left."""
         fewest = min(1 if r.first else r.remaining for r in self.rows)  # a joining row's round picks one token
-        plain = min(self.policy.plain_steps(fewest), PLAIN_RUN)
+        plain = self.policy.plain_steps(min(fewest, PLAIN_RUN))  # the policy counts only the steps run
         if not plain:
             rounds, self.width = speculative_round(self.target, self.drafter, self.cache, self.draft_cache,
                                                    self.rows, self.policy)

@@ -26,10 +26,10 @@ verify_costs.ContextCosts, and its timing is divided by that growth before it jo
 
 Drafting must pay too: while the rounds' expected rate stays below plain steps' (B tokens in cost(B, 1), a
 cell the pipelined plain steps time), the drafter is skipped for plain steps (decoding/decoder.py
-`plain_rounds`), re-probed after 7, 15, then every 31 steps (policies/width.py `Backoff`). Until the drafter is
-first skipped, cost(B, 1) is the probe's one-token verify, dearer than a pipelined plain step: a drafter that
-pays a little less than the target alone may go on drafting (no plain steps are taken just to time them). And the drafter reads out only the
-positions the chooser has lately wanted (two past the widest width of the last 32 rounds; the whole block
+`plain_rounds`), re-probed after 7, 15, then every 31 steps (policies/width.py `Backoff`). Until the drafter
+is first skipped, cost(B, 1) is the probe's one-token verify, dearer than a pipelined plain step: a drafter
+that pays a little less than the target alone may go on drafting (no plain steps are taken just to time
+them). And the drafter reads out only the positions the chooser has lately wanted (two past the widest width of the last 32 rounds; the whole block
 again once a round wants every position it was given): its forward is the same, but each position read
 out costs logits and a confidence (docs/batching.md has it measured).
 """
