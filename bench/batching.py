@@ -8,7 +8,8 @@
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
 `mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one
 request at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto`
-(D-cut). The servers start one after another, each once the one before answers (so that a start-up
+(D-cut) (`--configs` picks some). `--base REV` adds the same servers of another revision (a git worktree of
+it, imported alone), to measure a change against the commit before it in the same run. The servers start one after another, each once the one before answers (so that a start-up
 probe times a quiet machine, as it would on a user's). For each concurrency level c, every server is
 measured in an order that rotates from level to level and from repeat to repeat (drift on a shared
 machine spreads over all): c client threads, each sending --requests-per-client streamed greedy chat
@@ -54,13 +55,27 @@ SCHEMA = "mlx-dflash/bench-batching/1"
 MLX_LM, SERIAL = "mlx_lm.server", "ours, one at a time (auto)"
 
 
-def configurations(max_batch: int) -> dict:
-    """name -> `mlx-dflash serve` flags (mlx_lm.server is added apart)."""
-    rows = {SERIAL: ["--max-batch", "1", "--width", "auto"]}
+def configurations(max_batch: int, keys: str = "serial,4,8,16,dcut") -> dict:
+    """name -> `mlx-dflash serve` flags (mlx_lm.server is added apart), for the keys asked: serial (one at a
+    time), a fixed width, dcut."""
+    rows = {"serial": (SERIAL, ["--max-batch", "1", "--width", "auto"])}
     for width in (4, 8, 16):
-        rows[f"ours batched, width {width}"] = ["--max-batch", str(max_batch), "--width", str(width)]
-    rows["ours batched, D-cut"] = ["--max-batch", str(max_batch), "--width", "auto"]
-    return rows
+        rows[str(width)] = (f"ours batched, width {width}", ["--max-batch", str(max_batch), "--width", str(width)])
+    rows["dcut"] = ("ours batched, D-cut", ["--max-batch", str(max_batch), "--width", "auto"])
+    wanted = [k.strip() for k in keys.split(",") if k.strip()]
+    if unknown := [k for k in wanted if k not in rows]:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(rows)})")
+    return dict(rows[k] for k in wanted)
+
+
+def base_tree(revision: str) -> Path:
+    """`revision` checked out into a temporary folder (git worktree), for its servers to run from."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    path = Path(tempfile.mkdtemp(prefix="mlx-dflash-base-")) / "tree"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(path), revision], check=True)
+    return path
 
 
 def long_document(tokenizer, texts: list, start: int, tokens: int) -> str:
@@ -188,6 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs of every level for every server (the median counts)")
     ap.add_argument("--long-clients", type=int, default=0, help="a mixed load: the last N clients send long prompts")
     ap.add_argument("--long-tokens", type=int, default=3000, help="tokens of each long prompt (with --long-clients)")
+    ap.add_argument("--configs", default="serial,4,8,16,dcut",
+                    help="our servers: serial (one at a time), 4, 8, 16 (fixed widths), dcut")
+    ap.add_argument("--base", help="also run our servers at this revision (a git worktree), side by side")
     ap.add_argument("--name", default="batching-cpu", help="results go to bench/results/<name>/")
     args = ap.parse_args(argv)
 
@@ -209,8 +227,13 @@ def main(argv=None) -> int:
     common = ["--model", model, "--max-tokens", str(args.max_tokens)] + (["--drafter", args.drafter] if args.drafter else [])
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-batching-"))  # kept only if something fails
     starts = {MLX_LM: lambda: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log")}
-    for i, (name, flags) in enumerate(configurations(args.max_batch).items()):
+    ours = configurations(args.max_batch, args.configs)
+    for i, (name, flags) in enumerate(ours.items()):
         starts[name] = lambda flags=flags, i=i: dflash_server(common + flags, logs / f"ours-{i}.log")
+    tree = base_tree(args.base) if args.base else None
+    for i, (name, flags) in enumerate(ours.items() if tree else ()):
+        starts[f"{name} @ {args.base}"] = lambda flags=flags, i=i: dflash_server(common + flags,
+                                                                                 logs / f"base-{i}.log", tree)
     servers, models, runs = {}, {}, []
     try:
         for name, start in starts.items():  # one at a time: each start-up on a quiet machine
@@ -230,6 +253,11 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        if tree is not None:
+            import subprocess
+
+            subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "worktree", "remove", "--force",
+                            str(tree)])
     shutil.rmtree(logs)
     rows = [summary(name, clients, [r for r in runs if r["server"] == name and r["clients"] == clients])
             for name in servers for clients in levels]

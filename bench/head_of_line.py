@@ -5,8 +5,8 @@
 
 Servers on loopback, one after another, on the default pair: `mlx-dflash serve` as it starts by default (continuous
 batching: prompts being read take turns a chunk at a time beside the decoding rows) and `--max-batch 1` (one
-request at a time: between chunks of a long read it serves a waiting request whose work is under half of
-what is left to read). For each, after one warm-up request: the long request (held-out GSM8K problems with
+request decodes at a time; one more prompt is read meanwhile, in turn with the others, so a short request
+arriving during a long read is read beside it and decodes in the free row). For each, after one warm-up request: the long request (held-out GSM8K problems with
 their solutions as one document, then "solve the next problem", as bench/long_context.py builds it, sent as
 one user message), then `--delay` seconds later the short one (a GSM8K question), both streamed, greedy,
 through the `openai` client. Times are from the long request's send: the long request's first token (its

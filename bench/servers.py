@@ -4,9 +4,11 @@ ports, and one streamed chat request timed from the client's side (the official 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -21,14 +23,17 @@ def free_port() -> int:
 
 
 class Server:
-    """A server subprocess (`command` gets `--port` appended) on a free loopback port; stopped by stop()."""
+    """A server subprocess (`command` gets `--port` appended) on a free loopback port; stopped by stop().
+    env, cwd: the subprocess's, where they differ from this process's."""
 
-    def __init__(self, command: list, log_path: Path, model_id: str | None = None):
+    def __init__(self, command: list, log_path: Path, model_id: str | None = None, env: dict | None = None,
+                 cwd: str | None = None):
         self.model_id = model_id  # what requests name as "model" (None: the server's /v1/models says)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, cwd=cwd)
 
     def wait_ready(self, seconds: float = 900) -> str:
         """The served model's id, once the server answers /health."""
@@ -63,8 +68,14 @@ class Server:
             self.log.close()
 
 
-def dflash_server(flags: list, log_path: Path) -> Server:
-    return Server([sys.executable, "-m", "mlx_dflash.cli", "serve", *flags], log_path)
+def dflash_server(flags: list, log_path: Path, tree: Path | None = None) -> Server:
+    """`mlx-dflash serve` of this checkout, or of another revision's checked-out `tree` (imported alone: run
+    from a temporary folder, so that the current folder's package does not come first)."""
+    if tree is None:
+        return Server([sys.executable, "-m", "mlx_dflash.cli", "serve", *flags], log_path)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return Server([sys.executable, "-m", "mlx_dflash.cli", "serve", *flags], log_path, env=env,
+                  cwd=tempfile.gettempdir())
 
 
 def mlx_lm_server(model: str, flags: list, log_path: Path) -> Server:

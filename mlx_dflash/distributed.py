@@ -1,20 +1,24 @@
-"""Targets sharded over MLX's own distributed backend: `generate --shard tensor|pipeline` under mlx.launch.
+"""Targets sharded over MLX's own distributed backend: `generate` and `serve --shard tensor|pipeline` under
+mlx.launch.
 
 The target is loaded with mlx-lm's `sharded_load` on the launched group; the drafter (small) runs whole
-on every rank. Every rank runs the same decoding loop, and two things keep them in step:
+on every rank. Every rank runs the same decoding loop over the same rows (one request, or a server's batch),
+and these keep them in step:
 
 - `Ranks.agree` (before each verify): every rank verifies rank 0's drafts. The target forward is a
   collective, so the ranks must feed it the same tokens of the same length; rank 0's drafter and width
   policy decide, whatever the others computed (their timings differ, so `--width auto` could differ).
 - `Ranks.settle` (after each verify, and the prefill): every rank keeps rank 0's acceptance and next token
   (a sampled token depends on the rank's random state).
+- `Ranks.decide`: rank 0's choice where a server's scheduler chooses by the clock (read a prompt's chunk now,
+  or decode); what requests join and leave travels apart (server/sharded.py).
 - `Ranks.whole_features`: every rank gets the drafter's context features whole. With tensor sharding
   the captured layer outputs are already whole on every rank (each layer ends in an all-reduce). A
   pipeline stage runs only some layers, so each rank fills the captured layers it ran and leaves zeros
   in the others, and the kept rows are summed over the group.
 
-Both are `all_sum`s of rank 0's values with zeros from the others. Per round that is two messages of
-at most 2 + 2 * block_size floats, plus, under pipeline sharding, one sum of (accepted + 1) rows of
+All are `all_sum`s of rank 0's values with zeros from the others. Per round that is two messages of
+at most 3 + 2 * rows * block_size floats, plus, under pipeline sharding, one sum of (accepted + 1) rows of
 n_captured * hidden values (e.g. 5 x 4096 bf16 x 4 rows = 160 KB), issued once the accepted count is known.
 
 A rank that dies closes its sockets, and the ring backend raises in the others; one that hangs stops
@@ -30,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .decoding.decoder import SingleProcess
 from .errors import DFlashError
@@ -157,10 +162,6 @@ class RankLost(DFlashError):
     """Another rank of the group has gone: this one cannot go on."""
 
 
-class GenerationStopped(Exception):
-    """Rank 0 ended the current generation before the decoder did (serve: its client left, a stop string)."""
-
-
 @contextmanager
 def lost_rank_errors(rank: int):
     """A backend's error about a lost peer (the ring's "[ring] connection to a peer was lost") as one line,
@@ -183,22 +184,26 @@ class Ranks(SingleProcess):
     lockstep = True
 
     def __init__(self, group: mx.distributed.Group, block_size: int, partial_features: bool,
-                 timeout: float = DEFAULT_RANK_TIMEOUT):
+                 timeout: float = DEFAULT_RANK_TIMEOUT, max_rows: int = 1):
         self.group, self.rank, self.size = group, group.rank(), group.size()
-        self.capacity = 2 + 2 * max(block_size, 1)
+        # a round's drafts and confidence: row count, draft count, confidence count, then each row's
+        self.capacity = 3 + 2 * max_rows * max(block_size, 1)
         self.partial_features = partial_features
         self.timeout = timeout
         self.comm_seconds = 0.0  # wall time spent in these exchanges (the model's own are not counted)
         self.exchanges = 0
         self._beat = time.monotonic()
 
+    def _sum(self, array: mx.array) -> mx.array:
+        """The group's sum of `array` (the one collective every exchange here is)."""
+        return mx.distributed.all_sum(array, group=self.group)
+
     def _from_rank0(self, values: list) -> list:
         """Rank 0's values on every rank: an all_sum where the other ranks send zeros."""
         payload = [0.0] * self.capacity
         if self.rank == 0:
             payload[: len(values)] = values
-        summed = self._timed(mx.distributed.all_sum(mx.array(payload, dtype=mx.float32), group=self.group))
-        return summed.tolist()
+        return self._timed(self._sum(mx.array(payload, dtype=mx.float32))).tolist()
 
     def _timed(self, array: mx.array) -> mx.array:
         tic = time.perf_counter()
@@ -210,38 +215,40 @@ class Ranks(SingleProcess):
 
     def share(self, array: mx.array) -> mx.array:
         """Rank 0's `array` on every rank (the others pass zeros of the same shape and dtype)."""
-        return self._timed(mx.distributed.all_sum(array, group=self.group))
+        return self._timed(self._sum(array))
+
+    def decide(self, choice: int) -> int:
+        """Rank 0's choice (a scheduler's, made by the clock) on every rank."""
+        return int(self._from_rank0([choice])[0])
 
     def agree(self, drafts: mx.array, confidence) -> tuple:
-        """Rank 0's drafts [1, n] and the confidence it read (None: none), on every rank: the ranks decode one
-        request in step, a row."""
+        """Rank 0's drafts [B, n] and the confidence it read (None: none), on every rank: the ranks decode the
+        same rows in step."""
         # Token ids travel as float32: exact up to 2**24, far past any vocabulary.
-        (ids,) = drafts.tolist()
-        read = confidence[0] if confidence is not None else []
-        got = self._from_rank0([len(ids), len(read), *ids, *read])
-        if got[0] < 0:  # rank 0 sent stop() in place of this round's drafts
-            raise GenerationStopped()
-        n, m = int(got[0]), int(got[1])
-        return mx.array([[int(t) for t in got[2 : 2 + n]]], dtype=mx.int32), [got[2 + n : 2 + n + m]] if m else None
-
-    def stop(self):
-        """On rank 0, after a round, to end the generation early: the other ranks, which have gone on to
-        the next round, get it in place of that round's drafts (`agree` raises GenerationStopped)."""
-        self._from_rank0([-1])
+        ids = drafts.tolist()
+        read = confidence or []
+        m = len(read[0]) if read else 0
+        got = self._from_rank0([len(ids), drafts.shape[1], m, *(t for row in ids for t in row),
+                                *(c for row in read for c in row)])
+        B, n, m = int(got[0]), int(got[1]), int(got[2])
+        agreed = mx.array(np.array(got[3 : 3 + B * n], dtype=np.int32).reshape(B, n))
+        confidences = got[3 + B * n : 3 + B * n + B * m]
+        return agreed, [confidences[b * m : (b + 1) * m] for b in range(B)] if m else None
 
     def settle(self, accepted: list, tokens: list) -> tuple:
-        """Rank 0's number of kept drafts and next token of its one row (after the verify, or the prefill's
+        """Rank 0's number of kept drafts and next token of each row (after the verify, or the prefill's
         token)."""
-        got = self._from_rank0([accepted[0], tokens[0]])
-        return [int(got[0])], [int(got[1])]
+        got = [int(v) for v in self._from_rank0([*accepted, *tokens])]
+        B = len(accepted)
+        return got[:B], got[B : 2 * B]
 
     def whole_features(self, rows: mx.array) -> mx.array:
         """The drafter's context rows with every captured layer filled: under pipeline sharding each rank
         computed only its own layers' (zeros elsewhere), so the rows are summed over the group."""
-        if not self.partial_features:
+        if not self.partial_features or rows is None:
             return rows
         mx.eval(rows)  # the forward that made them, so that only the exchange below is timed
-        return self._timed(mx.distributed.all_sum(rows, group=self.group))
+        return self._timed(self._sum(rows))
 
     @contextmanager
     def watch(self):

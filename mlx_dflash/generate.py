@@ -82,8 +82,6 @@ def stream_generate(
     if not ids:
         raise DFlashError("the prompt is empty")
     max_tokens = check_context(target, len(ids), max_tokens)
-    if seed is not None:
-        mx.random.seed(seed)
 
     policy.prepare_context(len(ids))  # a long prompt's verify costs are measured now, not on the prefill's clock
     stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width)
@@ -101,7 +99,7 @@ def stream_generate(
         if not target.trimmable:
             read_to_rungs(target, state, ids, checkpoints, boundaries, prefill_step_size, prompt_progress_callback)
     rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
-                                ranks, prompt_progress_callback, state)
+                                ranks, prompt_progress_callback, state, seed)
     stream = ResponseStream(tokenizer, stats, max_tokens, tic, prompt_cache)
     try:
         for rnd in rounds:

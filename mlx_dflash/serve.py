@@ -52,8 +52,8 @@ from .policies.dcut import build_policy, read_batch_costs
               help="On Ctrl-C or SIGTERM: seconds the running requests (every row of the batch) may go on before they "
                    "end with an error.")
 @click.option("--max-batch", default=None, type=int,
-              help="Requests decoded together (continuous batching; 1: one at a time, as with --shard). Default: 8 "
-                   "with Metal, 4 on the CPU.")
+              help="Requests decoded together (continuous batching; 1: one at a time). Default: 8 with Metal, 4 on "
+                   "the CPU.")
 @click.option("--no-generic-tools", is_flag=True,
               help="Refuse tools (400) where the target's chat template does not render them, instead of putting "
                    "them in the system prompt in the generic <tool_call> JSON form.")
@@ -80,10 +80,10 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
-    from .machine import slow_blas_warning
+    from .machine import metal_available, slow_blas_warning
     from .pair import load
     from .pitfalls import pair_warnings
-    from .server.app import Engine, ServerConfig, bind
+    from .server.app import ServerConfig, bind
     from .server.protocol import Defaults
     from .server.routes import run_server
     from .server.security import allowed_hosts as hosts_for
@@ -105,7 +105,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
-    max_batch = _max_batch(max_batch, shard, launch_notes)
+    max_batch = max_batch or (8 if metal_available() else 4)
     widths = widths.with_default()
     if widths.cost_table:  # read before anything loads, so a bad table is the only line
         read_batch_costs(widths.cost_table)
@@ -134,7 +134,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
             click.echo(note, err=True)
         if not shard:
             return target, drafter, tokenizer, policy
-        ranks = Ranks(group, policy.block_size, shard.mode == "pipeline", shard.rank_timeout)
+        ranks = Ranks(group, policy.block_size, shard.mode == "pipeline", shard.rank_timeout, max_batch)
         return target, drafter, tokenizer, policy, ranks
 
     if rank != 0:
@@ -143,7 +143,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         from .server.sharded import follow
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops rank 0, whose shutdown reaches us
-        follow(*load_models(), prefill_step_size)
+        follow(*load_models(), max_batch, prefill_step_size)
         return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_keys=keys,
                           max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
@@ -153,34 +153,20 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
                           allowed_origins=set(_names(allowed_origins)), generic_tools=not no_generic_tools)
     if shard:
         from .server.sharded import ShardedEngine as Engine
+    else:
+        from .server.engine import Engine
     prompt_cache = None
     if prompt_cache_size and not shard:
         prompt_cache = dict(max_entries=prompt_cache_size, max_bytes=prompt_cache_bytes, directory=prompt_cache_dir)
     elif prompt_cache_size:
         launch_notes.append("note: --shard: the prefix cache is off (each rank would keep its own shard's states)")
-    if max_batch > 1:
-        from .server.batching import BatchEngine
-
-        engine = BatchEngine(load_models, max_queue, prefill_step_size, prompt_cache, max_batch)
-    else:  # a load error ends here, in one line
-        engine = Engine(load_models, max_queue, prefill_step_size, prompt_cache)
+    engine = Engine(load_models, max_queue, prefill_step_size, prompt_cache, max_batch)  # a load error ends here
     try:
         run_server(engine, config, sock)
     except DFlashError as e:  # a sharded server lost a rank
         click.echo(f"error: {e}", err=True)
         _leave(1)
     _leave(0)
-
-
-def _max_batch(asked, shard, notes: list) -> int:
-    """--max-batch as given, else sized to the machine; 1 (with a note) where batching does not apply."""
-    from .machine import metal_available
-
-    size = asked or (8 if metal_available() else 4)
-    if shard and size > 1:
-        notes.append("note: --shard: serving one request at a time (the ranks decode in step)")
-        return 1
-    return size
 
 
 def _names(flag: str) -> tuple:

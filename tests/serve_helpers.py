@@ -3,18 +3,19 @@ whose chat template renders tools or opens a thinking section, and a tiny random
 
 `ScriptedEngine` runs every request as the real engine does (chat template, queue, stop strings, rounds,
 cancellation, wire formats) but answers with the next of its `scripts`: that text's tokens, three per
-round, then the stop token, as `stream_generate` would stream them. It records each request's prompt as
+round, then the stop token, as its scheduler would send them. It records each request's prompt as
 text, so a test can see what the chat template made of the tools and tool results it sent.
 """
 
 import json
+import time
 from pathlib import Path
 
+from mlx_dflash.decoding.batch_decoder import BatchStats
 from mlx_dflash.decoding.decoder import Round
-from mlx_dflash.generate import GenerationResponse, GenerationStats
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
-from mlx_dflash.server.app import Engine
+from mlx_dflash.server.engine import Engine
 
 # Qwen2.5's way of rendering tools, tool calls and tool results, over SmolLM2's ChatML tokens (mlx-lm infers
 # its json_tools parser from `<tool_call>` and `tool_call.name`, as for Qwen2.5).
@@ -94,31 +95,45 @@ def templated_tokenizer(tokenizer_dir: Path, out: Path, template: str, renamed: 
     return load_tokenizer(out)
 
 
-def scripted_responses(tokenizer, text: str, prompt_tokens: int, max_tokens: int, per_round: int = 3):
-    """`text`'s tokens then the stop token, as stream_generate streams a generation (max_tokens cuts it)."""
-    ids = (tokenizer.encode(text, add_special_tokens=False) + [min(tokenizer.eos_token_ids)])[:max_tokens]
-    stats = GenerationStats(prompt_tokens=prompt_tokens, block_size=per_round, max_width=per_round)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    for start in range(0, len(ids), per_round):
-        rnd = Round(ids[start:start + per_round], drafted=per_round - 1, accepted=per_round - 1)
-        stats.count(rnd)
-        for token in rnd.tokens:
-            stats.generated_tokens += 1
-            if token in tokenizer.eos_token_ids:
-                stats.finish_reason = "stop"
-            else:
-                detokenizer.add_token(token)
-                if stats.generated_tokens == max_tokens:
-                    stats.finish_reason = "length"
-            if stats.finish_reason:
-                detokenizer.finalize()
-            yield GenerationResponse(text=detokenizer.last_segment, token=token, logprobs=None, from_draft=True,
-                                     prompt_tokens=prompt_tokens, prompt_tps=0.0,
-                                     generation_tokens=stats.generated_tokens, generation_tps=0.0, peak_memory=0.0,
-                                     finish_reason=stats.finish_reason, round=rnd, stats=stats)
-            if stats.finish_reason:
-                return
+class ScriptedScheduler:
+    """The scheduler's events for each request submitted: the next of the engine's scripts, that text's tokens
+    `per_round` a round, then the stop token (max_tokens cuts it); the requests' prompts recorded as text."""
+
+    def __init__(self, engine, per_round: int = 3):
+        self.engine, self.per_round = engine, per_round
+        self.stats = BatchStats()
+        self.running: list = []  # [handle, tokens left, admitted]
+        self.ending: set = set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def submit(self, request):
+        tokenizer = self.engine.tokenizer
+        self.engine.prompts.append(tokenizer.decode(request.ids))
+        text = self.engine.scripts.pop(0)
+        ids = (tokenizer.encode(text, add_special_tokens=False) + [min(tokenizer.eos_token_ids)])[:request.max_tokens]
+        self.running.append([request.handle, ids, False])
+
+    def cancel(self, handle):
+        self.ending.add(handle)
+
+    def step(self) -> list:
+        events = []
+        for entry in list(self.running):
+            handle, ids, admitted = entry
+            if handle in self.ending or not ids:
+                self.running.remove(entry)
+                self.ending.discard(handle)
+                events.append((handle, "done", None))
+                continue
+            if not admitted:
+                events.append((handle, "admitted", (0, time.perf_counter())))
+                entry[2] = True
+            tokens, entry[1] = ids[: self.per_round], ids[self.per_round :]
+            events.append((handle, "round", Round(tokens, drafted=len(tokens) - 1, accepted=len(tokens) - 1)))
+        return events
 
 
 class ScriptedEngine(Engine):
@@ -128,9 +143,10 @@ class ScriptedEngine(Engine):
         self.scripts, self.prompts = [], []
         super().__init__(*args, **kwargs)
 
-    def _responses(self, job):
-        self.prompts.append(self.tokenizer.decode(job.prompt_ids))
-        return scripted_responses(self.tokenizer, self.scripts.pop(0), len(job.prompt_ids), job.request.max_tokens)
+    def _new_scheduler(self) -> ScriptedScheduler:
+        scheduler = ScriptedScheduler(self)
+        self.batch_stats = scheduler.stats
+        return scheduler
 
 
 def pair_with_context(tokenizer, context: int, seed: int = 11):

@@ -13,7 +13,8 @@ import urllib.request
 import openai
 
 from mlx_dflash.policies.dcut import build_policy
-from mlx_dflash.server.app import Engine, ServerConfig
+from mlx_dflash.server.app import ServerConfig
+from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.routes import uvicorn_server
 
 MODEL = "tiny"  # the model name the test servers answer to

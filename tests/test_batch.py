@@ -269,24 +269,50 @@ def test_while_rows_decode_a_long_read_takes_turns_with_them_by_time(pairs, monk
 def test_a_prompt_cancelled_during_its_read_leaves_and_frees_its_place(pairs):
     target, drafter, tokenizer = pairs["dense"]
     long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
-    short = prompts(tokenizer, 1)[0]
-    want = generate(target, drafter, tokenizer, short, max_tokens=6, width=4).tokens
+    short, third = prompts(tokenizer, 2)
+    want = {h: generate(target, drafter, tokenizer, p, max_tokens=6, width=4).tokens
+            for h, p in (("short", short), ("third", third))}
     scheduler = Scheduler(target, drafter, build_policy(target, drafter, WidthOptions(4), 1), 1,
                           tokenizer.eos_token_ids, prefill_step=8)
     scheduler.submit(Request("long", long, 8))
-    scheduler.submit(Request("short", short, 6))  # waits: the one row is the long prompt's
+    scheduler.submit(Request("short", short, 6))  # read beside it: one prompt beyond the one row
+    scheduler.submit(Request("third", third, 6))  # waits
     events = scheduler.step() + scheduler.step()
-    assert [e[:2] for e in events] == [("long", "admitted")] and len(scheduler.waiting) == 1
+    assert [e[:2] for e in events] == [("long", "admitted"), ("short", "admitted")] and len(scheduler.waiting) == 1
     scheduler.cancel("long")
     events = scheduler.step()
     # the cancelled read leaves at once and the waiting prompt takes its place in the same step
-    assert events[0] == ("long", "done", None) and events[1][:2] == ("short", "admitted")
-    out = []
+    assert events[0] == ("long", "done", None) and events[1][:2] == ("third", "admitted")
+    out = {"short": [], "third": []}
     while scheduler.busy:
-        out += [v.tokens for h, kind, v in scheduler.step() if kind == "round"]
-    assert sum(out, []) == want and not scheduler.reading
+        for h, kind, v in scheduler.step():
+            out[h] += v.tokens if kind == "round" else []
+    assert out == want and not scheduler.reading and not scheduler.ready
+    scheduler.cancel("short")  # done already: nothing to end (a server cancels a request its stop string ended)
+    assert not (scheduler.handles or scheduler.ending or scheduler.checkpoints)  # it keeps nothing of them
 
 
+def test_at_one_row_a_short_prompt_read_beside_a_long_one_decodes_before_that_read_ends(pairs):
+    """One prompt beyond the rows is read: at one row (serve --max-batch 1) a short request arriving during a
+    long read is read in turn with it, joins the free row and is answered first; the long one then joins."""
+    target, drafter, tokenizer = pairs["dense"]
+    long = chat_ids(tokenizer, " ".join(PROMPTS * 3))
+    (short,) = prompts(tokenizer, 1)
+    want = {h: generate(target, drafter, tokenizer, p, max_tokens=6, width=4).tokens
+            for h, p in (("long", long), ("short", short))}
+    scheduler = Scheduler(target, drafter, build_policy(target, drafter, WidthOptions(4), 1), 1,
+                          tokenizer.eos_token_ids, prefill_step=8)
+    scheduler.submit(Request("long", long, 6))
+    order, out = [], {"long": [], "short": []}
+    while scheduler.busy:
+        if len(order) == 1:  # the long read has begun
+            scheduler.submit(Request("short", short, 6))
+        for h, kind, v in scheduler.step():
+            order.append((h, kind))
+            out[h] += v.tokens if kind == "round" else []
+        assert len(scheduler.batch) <= 1
+    assert out == want
+    assert order.index(("short", "done")) < min(order.index(e) for e in order if e == ("long", "round"))
 @pytest.mark.parametrize("name", ["dense", "hybrid"])
 def test_requests_the_prefix_cache_holds_but_their_last_token_join_with_no_read(pairs, name, monkeypatch):
     """Asked again, each prompt is restored from the prefix cache but its last token and joins at once (no
@@ -351,7 +377,7 @@ def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
     firsts, nexts = [], []
     for trial in range(300):
         batch = Batch(target, drafter, WidthPolicy(drafter.block_size, 4, prompt_lookup=False))
-        batch.join("s", copy.deepcopy(states[0]), ids[0][-1], params, 8, seed=trial, first_key=mx.random.key(0))
+        batch.join("s", copy.deepcopy(states[0]), ids[0][-1], params, 8, mx.random.key(0), mx.random.key(trial))
         batch.join("g", copy.deepcopy(states[1]), ids[1][-1], SamplingParams(), 8)
         firsts.append({h: rnd.tokens for h, rnd in batch.round()})
         nexts.append(dict(batch.round()))

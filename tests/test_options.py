@@ -58,14 +58,3 @@ def test_the_default_width_is_auto_unless_n_max_or_a_seeded_sample_fixes_it():
     assert WidthOptions(n_max=3).with_default() == WidthOptions(n_max=3)
     assert WidthOptions().with_default(seeded_sample=True) == WidthOptions()
     assert WidthOptions(4).with_default() == WidthOptions(4)
-
-
-def test_serve_batches_with_a_quantized_kv_cache_and_serves_a_sharded_target_one_request_at_a_time():
-    from mlx_dflash.machine import metal_available
-    from mlx_dflash.serve import _max_batch
-
-    notes = []
-    assert _max_batch(None, ShardOptions(), notes) == (8 if metal_available() else 4) and notes == []
-    assert _max_batch(3, ShardOptions(), notes) == 3 and notes == []
-    assert _max_batch(3, ShardOptions("tensor"), notes) == 1 and notes == [
-        "note: --shard: serving one request at a time (the ranks decode in step)"]

@@ -51,8 +51,12 @@ def new_cache(target, **kw) -> PromptCache:
     return PromptCache("test", target.trimmable, **kw)
 
 
-@pytest.mark.parametrize("name", ["dense", "hybrid", "kv8"])
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+# A quantized KV cache kept from a conversation's earlier turn holds the keys its decode steps wrote, a cold
+# read the keys of one prefill: quantized apart, their log-probabilities differ by up to about 0.2 here, so a
+# seeded sample may part (greedy output holds).
+@pytest.mark.parametrize("name, sampled", [("dense", False), ("hybrid", False), ("kv8", False), ("dense", True),
+                                           ("hybrid", True)], ids=["dense-greedy", "hybrid-greedy", "kv8-greedy",
+                                                                   "dense-seeded", "hybrid-seeded"])
 def test_a_conversation_with_the_cache_equals_cold_starts(pairs, name, sampled):
     pair = pairs[name]
     kw = dict(temp=0.9, top_k=20, seed=7) if sampled else {}

@@ -33,7 +33,8 @@ def pair(tiny_chat_pair):
 
 @pytest.fixture(scope="module")
 def served(pair):
-    with running(pair, ping_seconds=0.3) as (url, engine):
+    # one at a time: a request waits (pinged) while another runs
+    with running(pair, ping_seconds=0.3, engine_options=dict(max_batch=1)) as (url, engine):
         yield url, engine
 
 
@@ -83,7 +84,7 @@ def test_stream_event_sequence_with_pings_while_queued(pair, served):
     long = threading.Thread(target=lambda: messages_client(url).messages.create(
         model=MODEL, max_tokens=150, messages=[{"role": "user", "content": QUESTION}]))
     long.start()  # keeps the engine busy: the stream below waits in the queue, pinged every 0.3 s
-    while engine.running is None:
+    while not engine.active:
         pass
     events = sse_events(url, "/v1/messages", {"model": MODEL, "max_tokens": 8, "stream": True,
                               "messages": [{"role": "user", "content": QUESTION}]})

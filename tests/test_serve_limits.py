@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, chat_text, client, free_port, head, port_of, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
-from mlx_dflash.server.app import Engine
+from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.logs import RateLimit
 from mlx_dflash.server.security import allowed_hosts, api_keys
 
@@ -67,7 +67,7 @@ def test_a_non_streamed_request_whose_client_leaves_stops_within_a_round(tiny_ch
     with running((target, drafter, tokenizer)) as (url, engine):
         with pytest.raises(openai.APITimeoutError):  # the client gives up after 1.5 s of a 8192-token answer
             client(url, timeout=1.5).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8192)
-        wait_until(lambda: engine.cancelled == 1 and engine.running is None, 30)
+        wait_until(lambda: engine.cancelled == 1 and not engine.active, 30)
         # the request's log line is written on the event loop, after the engine thread let go of the job
         wait_until(lambda: any("finish=cancelled" in m for m in log_lines(caplog)), 30)
         line = next(m for m in log_lines(caplog) if "finish=cancelled" in m)
@@ -77,22 +77,18 @@ def test_a_non_streamed_request_whose_client_leaves_stops_within_a_round(tiny_ch
 
 
 class SlowPrefill(Engine):
-    """The real engine with a prefill of 16-token chunks, each taking 20 ms more, recording its progress."""
+    """The real engine with a prefill of 16-token chunks, each step taking 20 ms more, recording how far the
+    prompt being read is."""
 
     def __init__(self, *args, **kwargs):
         self.progress = []
         super().__init__(*args, prefill_step=16, **kwargs)
 
-    def _responses(self, job):
-        check = job.check_cancelled
-
-        def slow(processed, total):
-            self.progress.append((processed, total))
-            time.sleep(0.02)
-            check(processed, total)
-
-        job.check_cancelled = slow
-        return super()._responses(job)
+    def _step(self):
+        events = super()._step()
+        self.progress += [(len(p.state.tokens), len(p.request.ids)) for p in self.scheduler.reading]
+        time.sleep(0.02)
+        return events
 
 
 def test_a_client_that_leaves_during_the_prefill_stops_it_between_chunks(pair):
@@ -100,14 +96,14 @@ def test_a_client_that_leaves_during_the_prefill_stops_it_between_chunks(pair):
     with running(pair, engine_class=SlowPrefill) as (url, engine):
         with pytest.raises(openai.APITimeoutError):
             client(url, timeout=0.5).completions.create(model=MODEL, prompt=prompt, max_tokens=4)
-        wait_until(lambda: engine.cancelled == 1 and engine.running is None, 30)
+        wait_until(lambda: engine.cancelled == 1 and not engine.active, 30)
         processed, total = engine.progress[-1]
         assert total == 2000 and processed < 1500  # stopped long before the prompt's end
         engine.progress.clear()
         stream = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True)
         wait_until(lambda: len(engine.progress) >= 5, 30)
         stream.close()  # the client hangs up while its prompt is read
-        wait_until(lambda: engine.cancelled == 2 and engine.running is None, 30)
+        wait_until(lambda: engine.cancelled == 2 and not engine.active, 30)
         assert engine.progress[-1][0] < 1500
         assert client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
@@ -119,7 +115,7 @@ def test_a_prompt_over_the_context_is_refused_at_once_even_behind_a_long_request
         c = client(url, timeout=10)
         long = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1900, stream=True)
         next(iter(long))
-        wait_until(lambda: engine.running is not None)
+        wait_until(lambda: len(engine.active) == 1)
         too_long = [{"role": "user", "content": "sea " * 3000}]
         with pytest.raises(openai.BadRequestError) as e:  # answered while the long one still runs
             c.chat.completions.create(model=MODEL, messages=too_long)
@@ -127,7 +123,7 @@ def test_a_prompt_over_the_context_is_refused_at_once_even_behind_a_long_request
         prompt_tokens = len(pair[2].apply_chat_template(too_long, add_generation_prompt=True))
         assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
         assert err["message"].startswith(f"the prompt is {prompt_tokens} tokens and this model's context is {CONTEXT} ")
-        assert engine.running is not None and engine.waiting == 0
+        assert len(engine.active) == 1 and engine.waiting == 0
         long.close()
 
 
@@ -343,7 +339,7 @@ def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
 
 
 def test_max_queue_0_takes_a_request_when_idle_and_refuses_one_more(pair):
-    with running(pair, max_queue=0) as (url, engine):
+    with running(pair, max_queue=0, engine_options=dict(max_batch=1)) as (url, engine):
         assert chat_text(client(url), max_tokens=2)[1].usage.completion_tokens == 2
         long = client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1500, stream=True)
         next(iter(long))

@@ -20,8 +20,7 @@ from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, head, port_of, raw, running, wait_until
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
-from mlx_dflash.server.app import Engine
-from mlx_dflash.server.batching import BatchEngine
+from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.routes import TOKENIZER_THREADS
 
 CONTEXT = 2048
@@ -67,9 +66,8 @@ def burst(url, n: int, body: dict, path="/v1/chat/completions") -> list:
 @pytest.mark.parametrize("batch, max_queue", [(1, 0), (1, 3), (4, 0), (4, 3)])
 def test_a_burst_gets_queue_full_beyond_the_running_and_max_queue(pair, batch, max_queue):
     target, drafter, _ = pair
-    engine = dict(engine_class=BatchEngine, engine_options=dict(max_batch=batch),
-                  policy=build_policy(target, drafter, WidthOptions(4), batch)) if batch > 1 else {}
-    with running(pair, max_queue=max_queue, **engine) as (url, served):
+    with running(pair, max_queue=max_queue, engine_options=dict(max_batch=batch),
+                 policy=build_policy(target, drafter, WidthOptions(4), batch)) as (url, served):
         statuses = burst(url, 12, {**GOOD, "max_tokens": 1500, "stream": True})
         assert sorted(statuses, key=str) == [200] * (batch + max_queue) + ["queue_full"] * (12 - batch - max_queue)
         wait_until(lambda: served.waiting == 0 and served.cancelled == batch + max_queue, 60)

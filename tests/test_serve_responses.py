@@ -39,7 +39,8 @@ def pair(tiny_chat_pair):
 
 @pytest.fixture(scope="module")
 def served(pair):
-    with running(pair, ping_seconds=0.3) as (url, engine):
+    # one at a time: a request waits (pinged) while another runs
+    with running(pair, ping_seconds=0.3, engine_options=dict(max_batch=1)) as (url, engine):
         yield url, engine
 
 
@@ -117,7 +118,7 @@ def test_stream_is_pinged_while_queued(pair, served):
     long = threading.Thread(target=lambda: client(url).responses.create(model=MODEL, input=QUESTION,
                                                                         max_output_tokens=150))
     long.start()  # keeps the engine busy: the stream below waits in the queue, pinged every 0.3 s
-    while engine.running is None:
+    while not engine.active:
         pass
     events = streamed(url, {"model": MODEL, "input": QUESTION, "max_output_tokens": 8})
     long.join(timeout=60)

@@ -6,9 +6,9 @@ hand, as mlx.launch does, so that a test holds each one's exit status), driven w
 compared with a single-process server on the same pair.
 """
 
-import asyncio
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import openai
@@ -21,12 +21,14 @@ from mlx_dflash.generate import generate
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.decoding.sampling import SamplingParams
-from mlx_dflash.server.app import Engine, Job
+from mlx_dflash.decoding.batch_decoder import Request, Scheduler
+from mlx_dflash.distributed import Ranks
+from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.server.protocol import Defaults, parse_completion
-from mlx_dflash.server.sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, Header, RanksOutOfStep
+from mlx_dflash.server.sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, STEP, Header, Leader, RanksOutOfStep, follow
 from mlx_dflash.models.target import Target
 from sharded_models import CLI, save_random_drafter, save_tiny_target, start_ranks
-from serving import client, running
+from serving import client, raw, running
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -37,7 +39,7 @@ CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 def test_header_round_trips_exact_values():
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05)  # not exact in float32
     for header in (Header(REQUEST, 256, 31, sampling, 2**64 - 1), Header(REQUEST, 1, 1, SamplingParams(), 0),
-                   Header(REQUEST, 5, 2), Header(BEAT), Header(SHUTDOWN)):
+                   Header(REQUEST, 5, 2), Header(BEAT), Header(SHUTDOWN), Header(STEP, requests=3, ending=2)):
         words = header.encode()
         assert words.dtype == mx.int32 and words.shape == (HEADER_WORDS,)
         assert Header.decode(words) == header
@@ -47,7 +49,7 @@ def test_header_round_trips_exact_values():
 
 
 def test_a_malformed_header_is_an_out_of_step_error():
-    with pytest.raises(RanksOutOfStep, match="malformed request header from rank 0"):
+    with pytest.raises(RanksOutOfStep, match="malformed header from rank 0"):
         Header.decode(mx.full(HEADER_WORDS, 7, dtype=mx.int32))
     with pytest.raises(RanksOutOfStep, match="the ranks are out of step"):
         Header.decode(Header(REQUEST, 0, 3).encode())
@@ -63,40 +65,78 @@ def test_serve_shard_without_a_launch_is_one_line_before_listening(tmp_path):
     assert (result.exit_code, result.output.strip()) == (1, "error: --rank-timeout must be positive seconds, got -1.0")
 
 
-class RecordingEngine(Engine):
-    """Counts the generations rank 0 would have to stop on the other ranks."""
+class Taped(Ranks):
+    """A rank of two whose collective is a tape: rank 0 records what it sends, rank 1 replays it afterwards
+    (what rank 0's values summed with zeros would give), checking that it asks for the same shape each time."""
 
-    ended_early = 0
+    class Group:
+        def __init__(self, rank):
+            self._rank = rank
 
-    def _ended_early(self):
-        self.ended_early += 1
+        def rank(self):
+            return self._rank
+
+        def size(self):
+            return 2
+
+    def __init__(self, rank, tape, block_size, max_rows):
+        super().__init__(self.Group(rank), block_size, partial_features=False, max_rows=max_rows)
+        self.tape = tape
+
+    def _sum(self, array):
+        if self.rank == 0:
+            mx.eval(array)
+            self.tape.append(array)
+            return array
+        sent = self.tape.pop(0)
+        assert (sent.shape, sent.dtype) == (array.shape, array.dtype)
+        return sent
 
 
-def test_rank0_signals_an_early_end_exactly_when_the_decoder_had_not_finished(tiny_chat_pair):
+def test_a_following_rank_steps_its_scheduler_as_rank0_steps_its_own(tiny_chat_pair, monkeypatch):
+    """Rank 0's scheduler (a `Leader`) sends what joins and ends before each step; `follow` on another rank
+    submits and cancels the same and steps alike: every round decodes the same rows, whatever the other
+    rank's clock would have chosen (its reads of prompt chunks, its widths)."""
+    import mlx_dflash.server.sharded as sharded
+
     target, tokenizer, drafter = tiny_chat_pair
-    engine = RecordingEngine(lambda: (target, drafter, tokenizer, build_policy(target, drafter)))
-    full = generate(target, drafter, tokenizer, PROMPT, max_tokens=12)
+    ids = [PROMPT * 4, PROMPT[:5], PROMPT[3:], PROMPT * 2]
+    tape, seen = [], []
 
-    async def run(body, cancel_after_text=False):
-        req = parse_completion({"prompt": PROMPT, **body}, Defaults(), "tiny")
-        job = Job(req, PROMPT)
-        engine.submit(job)
-        if cancel_after_text:
-            assert (await job.events.get())[0] == "text"
-            await job.cancel()
-        await job.finished.wait()
-        return job.outcome.finish_reason
+    class Recording(Scheduler):  # the following rank's scheduler, its events kept, its clock far from rank 0's
+        def step(self):
+            self.read_debt = 1e9  # by its own clock it would never read a prompt's chunk while rows decode
+            events = super().step()
+            seen.extend(events)
+            return events
 
-    try:
-        assert asyncio.run(run({"max_tokens": 12})) == "length" and engine.ended_early == 0
-        assert asyncio.run(run({"max_tokens": 12, "stop": full[2:6]})) == "stop" and engine.ended_early == 1
-        assert asyncio.run(run({"max_tokens": 4000}, cancel_after_text=True)) == "cancelled"
-        assert engine.ended_early == 2
-        # A stop string completed by the decoder's last round: the decoder finished too, nothing to signal.
-        assert full.find(full[-2:]) == len(full) - 2
-        assert asyncio.run(run({"max_tokens": 12, "stop": full[-2:]})) == "stop" and engine.ended_early == 2
-    finally:
-        engine.close()
+    def policy():
+        return build_policy(target, drafter, WidthOptions("auto"), 2)
+
+    rank0 = Taped(0, tape, drafter.block_size, 2)
+    leader = Leader(Scheduler(target, drafter, policy(), 2, tokenizer.eos_token_ids, None, 8, rank0), rank0)
+    for i, prompt in enumerate(ids[:3]):
+        leader.submit(Request(f"r{i}", prompt, 12, SamplingParams(0.8) if i == 2 else SamplingParams()))
+    events, steps = [], 0
+    while leader.busy:
+        events += leader.step()
+        steps += 1
+        if steps == 3:
+            leader.submit(Request("r3", ids[3], 12))
+        if steps == 6:
+            leader.cancel("r1")
+    rank0.share(Header(SHUTDOWN).encode())
+    monkeypatch.setattr(sharded, "Scheduler", Recording)
+    follow(target, drafter, tokenizer, policy(), Taped(1, tape, drafter.block_size, 2), 2, 8)
+
+    def tokens(events, name):
+        return {name(h): sum((v.tokens for h2, k, v in events if h2 == h and k == "round"), [])
+                for h, k, _ in events if k == "done"}
+
+    assert not tape
+    assert tokens(seen, lambda n: f"r{n}") == tokens(events, str)
+    assert [(f"r{h}", k) for h, k, _ in seen] == [(h, k) for h, k, _ in events]
+    assert 0 < len(tokens(events, str)["r1"]) < 12  # cancelled midway
 
 
 def test_seed_outside_64_bits_is_a_400():
@@ -220,6 +260,12 @@ def test_two_rank_server_answers_like_one_process(tmp_path, qwen2_pair, mode):
         assert chat(c, stream=True) == want["chat"]
         time.sleep(3)  # idle: rank 0's beats keep the others waiting, not timing out
         assert completion(c) == want["greedy"]
+        asks = [lambda: completion(c), lambda: chat(c, stream=True),
+                lambda: completion(c, temperature=1.0, seed=7, max_tokens=24)]
+        with ThreadPoolExecutor(len(asks)) as pool:  # decoded together: the ranks step one batch
+            assert list(pool.map(lambda ask: ask(), asks)) == [want["greedy"], want["chat"], want["sampled"]]
+        rows = raw(server.url, "/health")[2]["batch"]["rows"]
+        assert max(map(int, rows)) >= 2, rows
         for rank in server.ranks:  # Ctrl-C in a terminal: every local rank gets SIGINT
             rank.send_signal(signal.SIGINT)
         (code0, err0, _), (code1, err1, seconds) = server.finish()
@@ -230,7 +276,7 @@ def test_two_rank_server_answers_like_one_process(tmp_path, qwen2_pair, mode):
     assert not any(line.startswith("error") or "Traceback" in line for line in err0 + err1), err0 + err1
     cancelled = [line for line in err0 if "finish=cancelled" in line]
     assert len(cancelled) == 1 and int(cancelled[0].split("completion=")[1].split()[0]) < 5000, err0
-    assert sum(" 200 id=" in line for line in err0) == 11 and not any(" 200 id=" in line for line in err1)
+    assert sum(" 200 id=" in line for line in err0) == 14 and not any(" 200 id=" in line for line in err1)
 
 
 @pytest.mark.slow

@@ -23,8 +23,7 @@ from serving import MODEL, client, raw, running
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.generate import generate
-from mlx_dflash.server.app import Engine
-from mlx_dflash.server.batching import BatchEngine
+from mlx_dflash.server.engine import Engine
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.server.protocol import APIError, GenerationRequest
 from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, forced_prefix,
@@ -263,23 +262,23 @@ def test_count_tokens_leaves_out_a_forced_calls_opening(scripted):
     assert counts[0] == counts[1] == counts[2], counts
 
 
-@pytest.mark.parametrize("engine_class", [Engine, BatchEngine])
-def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_pair, engine_class):
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_forced_call_is_the_decoders_greedy_continuation_of_the_opening(tools_pair, max_batch):
     """On the tiny random target the completion is no valid call: it comes back as text, the opening the
     server wrote included, equal to the decoder's output for the prompt and the opening."""
     target, drafter, tokenizer = tools_pair
     opening = forced_prefix(tool_support(tokenizer), "get_weather")
-    batch = dict(engine_options=dict(max_batch=2), policy=build_policy(target, drafter, WidthOptions(4), 2))
-    width = 4 if engine_class is BatchEngine else None
+    batch = dict(engine_options=dict(max_batch=max_batch), policy=build_policy(target, drafter, WidthOptions(4),
+                                                                              max_batch))
 
     def decoded(tools):
         text = tokenizer.apply_chat_template(ASK, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text + opening, add_special_tokens=False)
-        return opening + generate(target, drafter, tokenizer, ids, max_tokens=12, width=width)
+        return opening + generate(target, drafter, tokenizer, ids, max_tokens=12, width=4)
 
     function = {"name": "get_weather", "parameters": ANTHROPIC_WEATHER["input_schema"],
                 "description": ANTHROPIC_WEATHER["description"]}  # the Anthropic tool, in the order it is rendered
-    with running(tools_pair, engine_class=engine_class, **(batch if width else {})) as (url, _):
+    with running(tools_pair, **batch) as (url, _):
         m = anthropic_client(url).messages.create(model=MODEL, max_tokens=12, tools=[ANTHROPIC_WEATHER],
                                                   messages=ASK, tool_choice={"type": "tool", "name": "get_weather"})
         r = client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=12,

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
-from .decoder import DecodeState, Row, plain_rounds, speculative_round
+from .decoder import DecodeState, Row, SingleProcess, plain_rounds, seeded_keys, speculative_round
 from .lookup import PromptLookup
 from .prompt_cache import read_chunk, rungs
 from .sampling import SamplingParams
@@ -46,10 +46,9 @@ PLAIN_RUN = 32
 class Batch:
     """The rows decoding together, their batch caches, and one round at a time."""
 
-    def __init__(self, target, drafter, policy):
-        self.target, self.drafter, self.policy = target, drafter, policy
-        self.cache = batched(target.make_cache())
-        self.draft_cache = [RaggedKVCache() for _ in drafter.make_cache()]
+    def __init__(self, target, drafter, policy, ranks: SingleProcess = SingleProcess()):
+        self.target, self.drafter, self.policy, self.ranks = target, drafter, policy, ranks
+        self.cache, self.draft_cache = self.empty_caches()
         self.rows: list[Row] = []
         self.width = 0  # the last round's verify width (1: plain steps)
         self.steps = 0  # target forwards the last round took (a run of plain steps takes several)
@@ -57,18 +56,21 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def empty_caches(self) -> tuple:
+        return batched(self.target.make_cache()), [RaggedKVCache() for _ in self.drafter.make_cache()]
+
     def join(self, handle, state: DecodeState, anchor: int, sampling: SamplingParams, max_tokens: int,
-             seed: Optional[int] = None, first_key: Optional[mx.array] = None):
+             first_key: Optional[mx.array] = None, key: Optional[mx.array] = None):
         """A request joins as the last row: `state` holds its prompt but the last token, `anchor`, which the
         next round reads and from whose logits it picks the first token (drawn with `first_key`, when given).
-        seed: the row's own random stream, for every later draw. Its caches move into the batch's."""
+        key: the row's own random stream, for every later draw (decoder.py `seeded_keys`). Its caches move
+        into the batch's."""
         self.policy.prepare_context(len(state.tokens) + 1)  # probes a long prompt may need, once, before it decodes
         if self.policy.max_width > 1:  # on the row's own cache, not padded to the batch's longest
             state.hand_context_to(self.drafter)
         add_row(self.cache, state.cache)
         add_row(self.draft_cache, state.draft_cache)
         state.cache = state.draft_cache = None
-        key = None if seed is None else mx.random.key(seed)
         self.rows.append(Row(state, anchor, sampling, max_tokens, PromptLookup(state.tokens + [anchor]), handle,
                              key, first=True, first_key=first_key))
 
@@ -79,19 +81,24 @@ class Batch:
         for b, r in gone:
             r.state.cache, r.state.draft_cache = row_of(self.cache, b), row_of(self.draft_cache, b)
         stay = [b for b, r in enumerate(self.rows) if r.handle not in handles]
-        keep_rows(self.cache, stay)
-        keep_rows(self.draft_cache, stay)
         self.rows = [self.rows[b] for b in stay]
+        if self.rows:
+            keep_rows(self.cache, stay)
+            keep_rows(self.draft_cache, stay)
+        else:  # an idle batch holds nothing
+            self.cache, self.draft_cache = self.empty_caches()
         return [(r.handle, r.state) for _, r in gone]
 
     def round(self) -> list:
         """One round for every row, or a run of plain steps where the policy skips the drafter: [(handle,
         Round)], each row's in order. A row with nothing left to emit must have left."""
         fewest = min(1 if r.first else r.remaining for r in self.rows)  # a joining row's round picks one token
-        plain = self.policy.plain_steps(min(fewest, PLAIN_RUN))  # the policy counts only the steps run
+        self.policy.at_context(max(len(r.state.tokens) for r in self.rows))  # rows are padded to the longest
+        # the policy counts only the steps run; ranks in lockstep take every round together (distributed.py)
+        plain = 0 if self.ranks.lockstep else self.policy.plain_steps(min(fewest, PLAIN_RUN))
         if not plain:
             rounds, self.width = speculative_round(self.target, self.drafter, self.cache, self.draft_cache,
-                                                   self.rows, self.policy)
+                                                   self.rows, self.policy, self.ranks)
             self.steps = 1
             return [(r.handle, rnd) for r, rnd in zip(self.rows, rounds)]
         tic = time.perf_counter()
@@ -131,9 +138,10 @@ class Scheduler:
     rows decoding), join the batch once all but their last token is read (the round that step reads that
     token and picks their first), and leave it at once when done.
 
-    Several prompts are read at once, as many as the batch has rows free for, in turn: a step reads one
-    chunk of the next in line, which then goes to the back; a prompt just admitted goes ahead of those that
-    have had a turn. A short prompt arriving during a long one's read waits for the chunk being read, not for
+    Several prompts are read at once, as many as the batch has rows free for and one more, in turn: a step
+    reads one chunk of the next in line, which then goes to the back; a prompt just admitted goes ahead of
+    those that have had a turn. A prompt read while every row is taken waits, read, for the first row to
+    leave (so at one row, a short request arriving during a long read decodes while that read goes on). A short prompt arriving during a long one's read waits for the chunk being read, not for
     the whole read. While rows decode, reading and rounds share the engine by time: after a chunk the rows
     get rounds for as long as it took before the next chunk of a prompt already being read (a chunk of a
     long prompt can take many rounds' time), so a request decoding during a long read keeps at least half
@@ -146,41 +154,50 @@ class Scheduler:
     stop token, at max_tokens, or by cancel()."""
 
     def __init__(self, target, drafter, policy, max_batch: int, stop_ids=(), prompt_cache=None,
-                 prefill_step: int = 512):
-        self.target, self.drafter = target, drafter
-        self.batch = Batch(target, drafter, policy)
+                 prefill_step: int = 512, ranks: SingleProcess = SingleProcess()):
+        self.target, self.drafter, self.ranks = target, drafter, ranks
+        self.batch = Batch(target, drafter, policy, ranks)
         self.max_batch, self.stop_ids, self.prompt_cache = max_batch, set(stop_ids), prompt_cache
         self.prefill_step = prefill_step
         self.read_debt = 0.0  # seconds of reading the decoding rows are owed rounds for
         self.waiting: deque = deque()
         self.reading: deque = deque()  # Prefills, the next to read first
+        self.ready: deque = deque()  # Prefills read, waiting for a row
         self.checkpoints: dict = {}  # handle -> (cache scope, its prefill's checkpoints), for its state when it leaves
+        self.handles: set = set()  # the requests submitted and not done
         self.ending: set = set()
         self.stats = BatchStats()
 
     def submit(self, request: Request):
+        self.handles.add(request.handle)
         self.waiting.append(request)
 
     def cancel(self, handle):
-        """End a request: a waiting one is dropped, one being read stops, a row leaves at the next step."""
-        self.ending.add(handle)
+        """End a request: a waiting one is dropped, one being read stops, a row leaves at the next step (one
+        that is done already: nothing)."""
+        if handle in self.handles:
+            self.ending.add(handle)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.reading or self.batch.rows)
+        return bool(self.waiting or self.reading or self.ready or self.batch.rows)
 
     def step(self) -> list:
         events = self._retire()
-        # each prompt being read holds its own cache and, once read, a row: as many as there are rows free
-        while self.waiting and len(self.batch) + len(self.reading) < self.max_batch:
+        self._join_ready()
+        # each prompt being read holds its own cache and, once read, a row: as many as there are rows free,
+        # and one more, which joins when a row leaves
+        while self.waiting and len(self.batch) + len(self.reading) + len(self.ready) <= self.max_batch:
             fresh = sum(p.started is None for p in self.reading)  # those not read yet are at the front
             self.reading.insert(fresh, self._start(self.waiting.popleft()))
         if not self.batch.rows or not self.reading:
             self.read_debt = 0.0  # owed to rows while a read goes on; no debt outlives its rows or its reads
-        # a prompt not read yet goes first whatever the debt: it waits for the chunk being read, no more
-        if self.reading and (self.read_debt <= 0 or self.reading[0].started is None):
+        # a prompt not read yet goes first whatever the debt: it waits for the chunk being read, no more (a
+        # choice made by the clock: under a sharded target, rank 0's)
+        if self.reading and self.ranks.decide(self.read_debt <= 0 or self.reading[0].started is None):
             decoding, tic = bool(self.batch.rows), time.perf_counter()
             events += self._read_turn()
+            self._join_ready()
             if decoding:  # the rows waited for this chunk: they get as much time before the next
                 self.read_debt += time.perf_counter() - tic
         if self.batch.rows:
@@ -201,17 +218,20 @@ class Scheduler:
         done = {r.handle for r in self.batch.rows if r.remaining <= 0 or r.handle in self.ending}
         events = []
         for handle, state in self.batch.leave(done) if done else []:
+            scope, checkpoints = self.checkpoints.pop(handle, ("", {}))
             if self.prompt_cache is not None:
-                scope, checkpoints = self.checkpoints.pop(handle, ("", {}))
                 self.prompt_cache.insert(state, checkpoints, scope)
             events.append((handle, "done", None))
         for request in [r for r in self.waiting if r.handle in self.ending]:
             self.waiting.remove(request)
             events.append((request.handle, "done", None))
-        for p in [p for p in self.reading if p.request.handle in self.ending]:
-            self.reading.remove(p)
-            events.append((p.request.handle, "done", None))
-        self.ending -= done | {e[0] for e in events}
+        for prefills in (self.reading, self.ready):
+            for p in [p for p in prefills if p.request.handle in self.ending]:
+                prefills.remove(p)
+                events.append((p.request.handle, "done", None))
+        gone = {e[0] for e in events}
+        self.ending -= gone
+        self.handles -= gone
         return events
 
     def _start(self, request: Request) -> Prefill:
@@ -226,7 +246,7 @@ class Scheduler:
 
     def _read_turn(self) -> list:
         """One chunk of the next prompt in line, which goes to the back; once all but its last token is
-        read, it joins the batch. Its first turn admits it."""
+        read, it is ready to join the batch. Its first turn admits it."""
         p = self.reading.popleft()
         events = []
         if p.started is None:
@@ -234,17 +254,19 @@ class Scheduler:
             p.started = time.perf_counter()
             events.append((p.request.handle, "admitted", (p.cached, p.started)))
         ids, state = p.request.ids, p.state
-        end = read_chunk(self.target, state, ids, len(ids) - 1, p.marks, p.checkpoints, self.prefill_step)
-        if end < len(ids) - 1:
-            self.reading.append(p)
-            return events
-        request = p.request
-        self.checkpoints[request.handle] = (request.cache_scope, p.checkpoints)
-        # seeded: the first token is drawn with a key of the seed's, every later draw from the row's own stream
-        first_key = None if request.seed is None else mx.random.split(mx.random.key(request.seed))[0]
-        self.batch.join(request.handle, state, ids[-1], request.sampling, request.max_tokens,
-                        None if request.seed is None else request.seed + 1, first_key)
+        end = read_chunk(self.target, state, ids, len(ids) - 1, p.marks, p.checkpoints, self.prefill_step,
+                         self.ranks)
+        (self.reading if end < len(ids) - 1 else self.ready).append(p)
         return events
+
+    def _join_ready(self):
+        """Prompts read join the batch, in the order their reads ended, while it has rows free."""
+        while self.ready and len(self.batch) < self.max_batch:
+            p = self.ready.popleft()
+            request = p.request
+            self.checkpoints[request.handle] = (request.cache_scope, p.checkpoints)
+            self.batch.join(request.handle, p.state, request.ids[-1], request.sampling, request.max_tokens,
+                            *seeded_keys(request.seed))
 
 
 def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,

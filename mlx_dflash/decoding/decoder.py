@@ -34,6 +34,10 @@ class SingleProcess:
     comm_seconds = 0.0
     lockstep = False  # ranks must take every round together (no pipelined plain steps)
 
+    def decide(self, choice: int) -> int:
+        """A choice made by the clock (a scheduler's), as rank 0 made it."""
+        return choice
+
     def agree(self, drafts: mx.array, confidence) -> tuple:
         """The rows' drafts [B, n] and the confidence read of them (None: none), as rank 0 made them."""
         return drafts, confidence
@@ -131,17 +135,24 @@ class Row:
         return use
 
 
+def seeded_keys(seed: Optional[int]) -> tuple:
+    """(the key a seeded request's first token is drawn with, its own random stream for every later draw);
+    (None, None) without a seed: MLX's global stream. One request alone and in a batch draw alike."""
+    if seed is None:
+        return None, None
+    return mx.random.split(mx.random.key(seed))[0], mx.random.key(seed + 1)
+
+
 def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_cache: list, rows: list,
                       policy: WidthPolicy, ranks: SingleProcess = SingleProcess()) -> tuple:
     """One round for every row: returns ([Round] in row order, the width verified).
 
     cache, draft_cache: the rows' caches (one request's own at one row; a batch's, models/batch_cache.py).
-    ranks: a sharded target's (distributed.py), whose ranks decode one request in step: one row.
+    ranks: a sharded target's (distributed.py), whose ranks decode the same rows in step.
     Every row verifies the same width W, less where it has fewer tokens left: a batch forward pads its rows
     to the longest, so a row verifying fewer drafts would cost the same and keep fewer. A row with nothing
     left to emit must not be here."""
     most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
-    policy.at_context(max(len(r.state.tokens) for r in rows))  # what the verify attends to (rows padded to the longest)
     width = policy.width(len(rows), max(most))
 
     # Draft: one drafter pass over [anchor, MASK...] per row proposes block positions 1..width-1; where a row's
@@ -210,11 +221,13 @@ def speculative_rounds(
     ranks: SingleProcess = SingleProcess(),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     state: Optional[DecodeState] = None,
+    seed: Optional[int] = None,
 ) -> Iterator[Round]:
     """One request: yield the tokens of each round; the first round is the prefill's token (nothing drafted).
 
     state: where to start (a prefix cache's state holding a prefix of the prompt); it is kept up to date
-    as rounds run, for the prefix cache to keep afterwards. ranks: under a sharded target every rank
+    as rounds run, for the prefix cache to keep afterwards. seed: the request's own random stream
+    (`seeded_keys`), else MLX's global one. ranks: under a sharded target every rank
     verifies rank 0's drafts (`agree`), keeps rank 0's verdict (`settle`) and gets the drafter's context
     features whole (`whole_features`); a single process passes everything through (distributed.py).
     """
@@ -224,15 +237,17 @@ def speculative_rounds(
     # features of every prompt position are context the drafter has not seen yet.
     done = len(state.tokens)
     logits, features = target.prefill(prompt[done:], state.cache, prefill_step, prefill_progress)
-    (anchor,) = read(next_token(logits, sampling))
+    first_key, key = seeded_keys(seed)
+    (anchor,) = read(next_token(logits, sampling, first_key))
     _, (anchor,) = ranks.settle([0], [anchor])  # every rank takes rank 0's first token
     state.extend(prompt[done:].tolist(), ranks.whole_features(features))
     if policy.max_width > 1:
         state.hand_context_to(drafter)
     yield Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
-    row = Row(state, anchor, sampling, max_tokens - 1, PromptLookup(prompt.tolist() + [anchor]))
+    row = Row(state, anchor, sampling, max_tokens - 1, PromptLookup(prompt.tolist() + [anchor]), key=key)
 
     while row.remaining > 0:
+        policy.at_context(len(state.tokens))  # what the next forward attends to
         # The policy may skip the drafter for a while: plain target steps, overlapped as mlx-lm's own.
         plain = 0 if ranks.lockstep else policy.plain_steps(row.remaining)
         if plain:

@@ -40,7 +40,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
 from ..errors import DFlashError
-from .decoder import DecodeState
+from .decoder import DecodeState, SingleProcess
 
 RUNG_EVERY = 2048  # tokens between a hybrid target's checkpoints inside a long prompt
 FORMAT = "mlx-dflash/prompt-cache/1"
@@ -401,15 +401,16 @@ def rungs(prompt_tokens: int, boundaries=()) -> list:
 
 
 def read_chunk(target, state: DecodeState, ids: list, stop: int, marks: list, checkpoints: dict,
-               step: int) -> int:
+               step: int, ranks: SingleProcess = SingleProcess()) -> int:
     """Read the prompt `ids` into `state` from where it holds on, to the first of: `step` tokens on, `stop`,
     the next of `marks` (rungs) past it, where the recurrent layers are checkpointed (into `checkpoints`).
     Returns the prompt position read to. One request reads chunk after chunk (`read_to_rungs`); a batch's
-    scheduler reads one chunk of a prompt per step, in turn with the others (decoding/batch_decoder.py)."""
+    scheduler reads one chunk of a prompt per step, in turn with the others (decoding/batch_decoder.py).
+    ranks: a sharded target's, whose features a pipeline stage fills only in part (distributed.py)."""
     done = len(state.tokens)
     end = min([done + step, stop] + [m for m in marks if m > done])
     if end > done:
-        state.extend(ids[done:end], target.read(mx.array(ids[done:end]), state.cache, step))
+        state.extend(ids[done:end], ranks.whole_features(target.read(mx.array(ids[done:end]), state.cache, step)))
         if end in marks:
             checkpoints[end] = checkpoint(state.cache)
     return end

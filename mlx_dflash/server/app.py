@@ -1,41 +1,29 @@
 """`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server over one target + drafter pair.
 
-A Starlette app on uvicorn. One engine thread owns the models; the `Engine` here runs requests one at a time
-in arrival order (`--max-batch 1`, and sharded targets), except that a short request may be served whole
-between two chunks of a long prompt's read; the default `BatchEngine` (batching.py) decodes several
-together. A bounded queue feeds it and answers 503 when full. Each request is a `Job`: the engine pushes
-its text to the request's asyncio queue round by round, and checks the job's cancel flag after every round
-and between prefill chunks, so a client that goes away (streamed or not) stops its generation within a
-round, or a chunk of its prompt (or, while a short request is served inside its read, once that one ends).
+A Starlette app on uvicorn. One engine thread owns the models and decodes up to --max-batch requests together
+(engine.py); a bounded queue feeds it and answers 503 when full. Each request is a `Job`: the engine pushes
+its text to the request's asyncio queue round by round, and checks the job's cancel flag at every step, so a
+client that goes away (streamed or not) stops its generation within a round, or a chunk of its prompt.
 
 The routes and the uvicorn server are routes.py; the wire formats protocol.py (OpenAI chat and
 completions), openai_responses.py (Responses) and anthropic.py (Messages); tool calls in replies tools.py;
 what the network may send limits.py; who may send it security.py; the log logs.py. A sharded target
-(`--shard`, rank 0's engine and the other ranks' loop) is sharded.py, through the Engine's hooks
-(_next_job, _responses, _ended_early, fatal_errors). A thinking model's reasoning is cut from its answer
-by thinking.py.
+(`--shard`, rank 0's engine and the other ranks' loop) is sharded.py. A thinking model's reasoning is cut
+from its answer by thinking.py.
 """
 
 import asyncio
 import logging
-import math
-import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-import mlx.core as mx
-
 from ..decoding.prompt import encode_prompt
-from ..decoding.prompt_cache import PromptCache, pair_identity
-from ..decoding.responses import GenerationStats
 from ..errors import DFlashError
-from ..generate import stream_generate
-from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong, StopMatcher
+from .protocol import APIError, Defaults, GenerationRequest, Outcome, PromptTooLong
 from .security import allowed_hosts
-from .tools import ReplyParser, forced_prefix, generic_tools_messages, tool_support
+from .tools import ReplyParser, forced_prefix, generic_tools_messages
 
 log = logging.getLogger("mlx_dflash.server")
 MARKED_MESSAGES = 4  # chat messages, counted from the end, whose ends are kept for a hybrid target
@@ -69,10 +57,6 @@ class PromptSurelyTooLong(PromptTooLong):
         super().__init__(at_least, context, param)
         self.message = (f"the prompt is at least {at_least} tokens ({characters} characters of text) and this "
                         f"model's context is {context} tokens: shorten the {param}")
-
-
-class PrefillCancelled(Exception):
-    """Raised between prefill chunks when the job's client has left."""
 
 
 class Job:
@@ -111,15 +95,9 @@ class Job:
             self.error = payload if kind == "error" else None
             self.finished.set()
 
-    def check_cancelled(self, processed: int, total: int):
-        """stream_generate's prompt_progress_callback: stops the prefill between chunks once cancelled."""
-        if self.cancelled.is_set():
-            raise PrefillCancelled
-
     async def cancel(self):
-        """The client left: stop the generation, and wait (at most a round, or a short request served inside
-        its prompt's read) until the engine let go of it;
-        one that has not started is settled here (the engine skips it)."""
+        """The client left: stop the generation, and wait (at most a step: a round, or a chunk of a prompt's
+        read) until the engine let go of it; one that has not started is settled here (the engine skips it)."""
         with self.lock:
             self.cancelled.set()
             running = self.started
@@ -132,261 +110,10 @@ class Job:
                 await self.finished.wait()
 
 
-class Engine:
-    """The model pair and the one thread that runs it.
-
-    load() returns (target, drafter, tokenizer, policy) and runs on that thread too: MLX's default streams
-    are per thread, so the models are loaded and run where they live (as mlx_lm.server does). Its errors
-    (a DFlashError for a bad pair) are raised here, before anything is served. `max_queue` requests may
-    wait (from admission, before their prompt is tokenized) while one runs; an idle engine takes one even
-    with `max_queue` 0.
-    """
-
-    fatal_errors: tuple = ()  # errors after which the engine stops (none for one process)
-
-    def __init__(self, load, max_queue: int = 16, prefill_step: int = 512, prompt_cache: Optional[dict] = None):
-        self.max_queue, self.prefill_step = max_queue, prefill_step
-        self.prompt_cache_settings = prompt_cache  # PromptCache keywords (max_entries, ...); None: no cache
-        self.prompt_cache: Optional[PromptCache] = None
-        self.failure: Optional[Exception] = None  # why the engine stopped, if it did
-        self.stopping: Optional[str] = None  # why it takes no more requests (the server is shutting down)
-        self.on_failure = None  # called (from the engine thread) when it does
-        self.waiting = 0  # admitted, not yet started
-        self.running: Optional[Job] = None
-        self.paused: Optional[Job] = None  # a job whose prompt read waits while a short request runs
-        self.completed = self.cancelled = 0
-        self._durations = deque(maxlen=8)  # recent request seconds, for Retry-After
-        self._lock = threading.Lock()
-        self._jobs: queue.Queue = queue.Queue()
-        self._loaded, self._load_error = threading.Event(), None
-        self._thread = threading.Thread(target=self._run, args=(load,), name="mlx-dflash-engine", daemon=True)
-        self._thread.start()
-        self._loaded.wait()
-        if self._load_error is not None:
-            raise self._load_error
-
-    def admit(self):
-        """Take a place in the queue (503 when it is full), before any work is done for the request."""
-        with self._lock:
-            if self.failure is not None or self.stopping is not None:
-                raise APIError(503, f"the server is stopping: {self.failure or self.stopping}")
-            if self._full():
-                raise APIError(503, f"the server is busy: {self.taken()} requests are running or waiting "
-                               f"(--max-queue {self.max_queue}); retry later", code="queue_full",
-                               headers={"Retry-After": str(self._retry_after())})
-            self.waiting += 1
-
-    def taken(self) -> int:
-        """Admitted requests not yet over: waiting (those being tokenized included) or running."""
-        return self.waiting + (self.running is not None) + (self.paused is not None)
-
-    def _full(self) -> bool:
-        """No room for one more request: one runs and --max-queue wait (an idle engine takes one even with
-        --max-queue 0)."""
-        return self.taken() >= 1 + self.max_queue
-
-    def leave(self):
-        """An admitted request that will not be queued (its prompt was refused)."""
-        with self._lock:
-            self.waiting -= 1
-
-    def enqueue(self, job: Job):
-        """Queue an admitted job (a stopping engine answers it at once)."""
-        with self._lock:
-            if self.failure is None and self.stopping is None:
-                return self._jobs.put(job)
-            self.waiting -= 1
-        job.emit("error", APIError(503, f"the server is stopping: {self.failure or self.stopping}"))
-
-    def submit(self, job: Job):
-        self.admit()
-        self.enqueue(job)
-
-    def _retry_after(self) -> int:
-        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return max(1, min(600, math.ceil(mean * (self.waiting + 1))))
-
-    def stop(self, reason: str):
-        """Shutting down: no new requests, the waiting ones answered 503 now; the running one goes on."""
-        with self._lock:
-            self.stopping = reason
-        self._refuse_waiting(reason)
-
-    def abort_running(self, reason: str):
-        """End the running request at its next round, with a 503 error (in a stream: an error event)."""
-        with self._lock:
-            jobs = [self.running, self.paused]
-        for job in filter(None, jobs):
-            job.abort = APIError(503, reason)
-            job.cancelled.set()
-
-    def close(self):
-        self._jobs.put(None)
-        self._thread.join(timeout=60)
-
-    def _run(self, load):
-        try:
-            self._take(load())
-        except BaseException as e:  # handed to the constructor, on the caller's thread
-            self._load_error = e
-            return
-        finally:
-            self._loaded.set()
-        self._serve()
-
-    def _take(self, loaded):
-        self.target, self.drafter, self.tokenizer, self.policy = loaded
-        self.tools = tool_support(self.tokenizer)
-        untruncated(self.tokenizer)
-        self.chars_per_token = longest_token(self.tokenizer) * COMPOSED_CHARACTERS
-        if self.prompt_cache_settings is not None:
-            self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
-                                            **self.prompt_cache_settings)
-
-    def _next_job(self) -> Optional[Job]:
-        return self._jobs.get()
-
-    def _serve(self):
-        while (job := self._next_job()) is not None:
-            if not self._serve_job(job):
-                return
-
-    def _serve_job(self, job: Job) -> bool:
-        """Run one job to its end and answer it; False when the engine cannot go on."""
-        with self._lock, job.lock:
-            self.waiting -= 1
-            skip = job.cancelled.is_set()  # its client left while it waited
-            job.started = not skip
-            self.running = None if skip else job
-        if skip:
-            self.cancelled += 1
-            job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
-            return True
-        tic = time.perf_counter()
-        try:
-            outcome = self._generate(job)
-            self.completed += outcome.finish_reason != "cancelled"
-            self.cancelled += outcome.finish_reason == "cancelled"
-            job.emit(*(("error", job.abort) if job.abort else ("done", outcome)))
-        except self.fatal_errors as e:
-            job.emit("error", APIError(500, str(e)))
-            self._fail(e)
-            return False
-        except DFlashError as e:
-            job.emit("error", APIError(400, str(e)))
-        except Exception as e:  # a bug: the log gets the traceback, the client one line
-            log.exception("generation failed")
-            job.emit("error", APIError(500, f"internal error during generation ({type(e).__name__}); "
-                                       "see the server log"))
-        finally:
-            with self._lock:
-                self.running = None
-            self._durations.append(time.perf_counter() - tic)
-            mx.clear_cache()
-        return True
-
-    def _between_chunks(self, job: Job, done: int, total: int):
-        """After each chunk of a prompt's read: stop if its client left (PrefillCancelled), and serve one
-        request waiting behind it whose work (prompt and max_tokens) is under half of what is left to read,
-        so a long read holds a short request up by about one chunk, not by its whole length (shorter work
-        first lowers the mean wait). One per chunk, so the long read still advances; never nested; never
-        inside a seeded sampled request, whose draws come from the global random state another request
-        would move. The long request's clock (its prefill time) includes the short one's."""
-        job.check_cancelled(done, total)
-        left = total - done
-        seeded = job.request.seed is not None and not job.request.sampling.greedy
-        if self.paused is not None or seeded or left < self.prefill_step:
-            return
-        short = self._take_waiting(lambda j: not j.cancelled.is_set()
-                                   and 2 * (len(j.prompt_ids) + j.request.max_tokens) < left)
-        if short is None:
-            return
-        log.info("a %d-token request served between chunks of a %d-token read (%d read)",
-                 len(short.prompt_ids), total, done)
-        with self._lock:
-            self.running, self.paused = None, job
-        try:
-            self._serve_job(short)
-        finally:
-            with self._lock:
-                self.running, self.paused = job, None
-        job.check_cancelled(done, total)  # its client may have left meanwhile
-
-    def _take_waiting(self, wanted) -> Optional[Job]:
-        """The first waiting job that `wanted` accepts, out of the queue (queue.Queue keeps its items in
-        `.queue` under `.mutex`; nothing here uses its task counting)."""
-        with self._jobs.mutex:
-            for i, waiting in enumerate(self._jobs.queue):
-                if waiting is not None and wanted(waiting):
-                    del self._jobs.queue[i]
-                    return waiting
-        return None
-
-    def _refuse_waiting(self, reason):
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is None:  # close()'s end mark: keep it for the engine thread
-                return self._jobs.put(None)
-            self.leave()
-            job.emit("error", APIError(503, f"the server is stopping: {reason}"))
-
-    def _fail(self, error: Exception):
-        """The engine cannot go on (a sharded server lost a rank): refuse what waits and stop the server."""
-        with self._lock:
-            self.failure = error
-        self._refuse_waiting(error)
-        if self.on_failure is not None:
-            self.on_failure()
-
-    def _generate(self, job: Job) -> Outcome:
-        req, tic = job.request, time.perf_counter()
-        queued = tic - job.submitted
-        stops = StopMatcher(req.stop)
-        tokens, finish, stats = 0, None, GenerationStats(prompt_tokens=len(job.prompt_ids))
-        responses = self._responses(job)
-        try:
-            text, current, seen = [], None, 0
-            for response in responses:
-                if response.round is not current:
-                    current, seen = response.round, 0
-                seen += 1
-                # Token by token, so a stop string is cut exactly and counted at the token that completed it.
-                tokens, stats = response.generation_tokens, response.stats
-                text.append(stops.feed(response.text))
-                if stops.stopped:
-                    finish = "stop"
-                elif response.finish_reason:
-                    finish = response.finish_reason
-                    text.append(stops.flush())
-                if finish or seen == len(current.tokens):  # a round's text goes out as one event
-                    if out := "".join(text):
-                        job.emit("text", out)
-                    text = []
-                    if not finish and job.cancelled.is_set():  # checked once per round, before the next runs
-                        finish = "cancelled"
-                if finish:
-                    break
-        except PrefillCancelled:  # the client left during the prefill
-            finish = "cancelled"
-        finally:
-            responses.close()
-        if not stats.finish_reason:  # a stop string or a cancel ended it before the decoder did
-            self._ended_early()
-        return Outcome(finish, len(job.prompt_ids), tokens, stats, queued, time.perf_counter() - tic, stops.matched)
-
-    def _responses(self, job: Job):
-        req = job.request
-        return stream_generate(self.target, self.drafter, self.tokenizer, job.prompt_ids, req.max_tokens,
-                               seed=req.seed, policy=self.policy, prefill_step_size=self.prefill_step,
-                               prompt_progress_callback=lambda done, total: self._between_chunks(job, done, total),
-                               prompt_cache=self.prompt_cache,
-                               boundaries=job.boundaries, cache_scope=job.cache_scope, **req.sampling.keywords())
-
-    def _ended_early(self):
-        pass  # one process: closing the generator was all
+class Prompts:
+    """What the engine does to a request before it queues: its prompt's token ids, and the checks of its
+    length against the context. Runs on the tokenizer threads, beside the engine (server/engine.py), and
+    reads the engine's tokenizer, target, tools and prefix cache."""
 
     def chat_input(self, req: GenerationRequest) -> tuple:
         """A chat request's messages and chat template options: its tools as the template takes them, or in the

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from . import anthropic, openai_responses
-from .app import Engine, Job, ServerConfig, replies
+from .app import Job, ServerConfig, replies
+from .engine import Engine
 from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
@@ -85,8 +86,7 @@ def make_app(engine: Engine, config: ServerConfig):
             return JSONResponse(body)
         if engine.prompt_cache is not None:
             body["prompt_cache"] = engine.prompt_cache.stats()
-        if hasattr(engine, "batch_report"):
-            body["batch"] = engine.batch_report()
+        body["batch"] = engine.batch_report()
         return JSONResponse(body)
 
     async def root(request):  # Claude Code's first request is HEAD /
