@@ -24,7 +24,7 @@ from mlx_dflash.kernels.race_gate import RaceGate
 SCHEMA = json.loads((Path(__file__).parent / "doctor.schema.json").read_text())
 LINUX = sys.platform.startswith("linux")
 QMM = [(6, 128, 96, 64, 4, "float32"), (16, 256, 64, 32, 8, "float32")]
-ATTENTION = [(2, 1, 4, 64, 40, "float32"), (16, 2, 2, 128, 300, "float32")]
+ATTENTION = [(2, 1, 4, 64, 40, "float32"), (16, 2, 2, 128, 300, "float32"), (4, 1, 2, 64, 90, "float32", (90, 50, 7))]
 BUNDLED = "mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 
 
@@ -148,6 +148,16 @@ def test_a_kernel_that_disagrees_fails_the_doctor(quick, monkeypatch):
     qmm = by_name(report)["wide_qmm"]
     assert report["failed"] == ["wide_qmm"] and all(not d["ok"] and "route" not in d for d in qmm["details"])
     assert by_name(report)["mr_attention"]["status"] == "ok"
+
+
+def test_an_attention_kernel_that_ignores_a_batchs_row_lengths_fails_on_the_ragged_shape(quick, monkeypatch):
+    def unragged(q, k, v, scale, keys=None, lengths=None):  # every row over all the keys
+        return attn.reference_attention(q, k, v, scale, keys)
+
+    fake_metal(monkeypatch, mlx_qmm, unragged)
+    check = doctor.check_kernel("mr_attention", checks.check_attention, "MLX's SDPA")
+    assert check.status == "fail" and f"1 of {len(ATTENTION)} shapes wrong" in check.line
+    assert [d["ok"] for d in check.details] == [True, True, False] and "batch of 3" in check.details[2]["shape"]
 
 
 def test_a_kernel_that_does_not_compile_is_a_failed_check(quick, monkeypatch):

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from serving import MODEL, raw, running
+from mlx_dflash.decoding.engine_report import verify_paths
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.server.logs import log_line
@@ -42,6 +43,7 @@ def test_prefill_speed_and_time_saved_are_measured(pair, max_batch):
         ask(url, "warm up")  # the first request pays for compiling and the width probe
         body, wall = ask(url, PROMPT)
         prompt_tokens, stats = body["usage"]["prompt_tokens"], body["dflash"]
+        assert stats["verify"] == verify_paths(pair[0])[0] and stats["verify"]  # the engine report
         # One token generated: the prefill is most of the request's wall time (a twentieth at the least). What it
         # read is the prompt less what the warm-up left in the prefix cache (the chat template's opening).
         read = prompt_tokens - stats["cached_tokens"]

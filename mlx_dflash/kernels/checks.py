@@ -30,10 +30,11 @@ ATTENTION_ATOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 # 7B-class layer and its MLP width.
 QMM_SHAPES = [(6, 4096, 4096, 64, 4, "float16"), (16, 4096, 4096, 64, 4, "float16"),
               (11, 4096, 14336, 64, 4, "bfloat16"), (16, 2048, 2048, 32, 8, "float32")]
-# (rows, kv heads, query heads per kv head, head dim, keys, dtype): GQA 4 and 8, both head dims, short
-# and long caches.
+# (rows, kv heads, query heads per kv head, head dim, keys, dtype[, each batch row's keys]): GQA 4 and 8,
+# both head dims, short and long caches, and a batch of rows of their own lengths (a ragged batch cache).
 ATTENTION_SHAPES = [(2, 8, 4, 128, 1024, "float16"), (9, 8, 4, 128, 4096, "bfloat16"),
-                    (16, 8, 4, 128, 4096, "float16"), (16, 2, 8, 64, 600, "float32")]
+                    (16, 8, 4, 128, 4096, "float16"), (16, 2, 8, 64, 600, "float32"),
+                    (4, 8, 4, 128, 2048, "float16", (2048, 1500, 600))]
 
 
 def qmm_inputs(rows, k, n, group_size, bits, dtype, seed: int = 0):
@@ -43,11 +44,11 @@ def qmm_inputs(rows, k, n, group_size, bits, dtype, seed: int = 0):
     return mx.random.normal((rows, k), key=kx).astype(dt), wq, scales.astype(dt), biases.astype(dt)
 
 
-def attention_inputs(rows, hkv, groups, d, keys, dtype, seed: int = 0):
+def attention_inputs(rows, hkv, groups, d, keys, dtype, lengths=None, seed: int = 0):
     a, b, c = mx.random.split(mx.random.key(seed), 3)
-    dt = DTYPES[dtype]
-    q = mx.random.normal((1, hkv * groups, rows, d), key=a).astype(dt)
-    k, v = (mx.random.normal((1, hkv, keys, d), key=key).astype(dt) for key in (b, c))
+    dt, batch = DTYPES[dtype], len(lengths or [keys])
+    q = mx.random.normal((batch, hkv * groups, rows, d), key=a).astype(dt)
+    k, v = (mx.random.normal((batch, hkv, keys, d), key=key).astype(dt) for key in (b, c))
     return q, k, v
 
 
@@ -55,8 +56,9 @@ def qmm_label(rows, k, n, group_size, bits, dtype) -> str:
     return f"{dtype} {rows}x{k} @ {k}x{n} {bits}-bit gs{group_size}"
 
 
-def attention_label(rows, hkv, groups, d, keys, dtype) -> str:
-    return f"{dtype} {rows} rows, {hkv * groups}/{hkv} heads, D{d}, {keys} keys"
+def attention_label(rows, hkv, groups, d, keys, dtype, lengths=None) -> str:
+    batch = f", a batch of {len(lengths)} of {'/'.join(map(str, lengths))} keys" if lengths else ""
+    return f"{dtype} {rows} rows, {hkv * groups}/{hkv} heads, D{d}, {keys} keys{batch}"
 
 
 def _identity(source: str) -> dict:
@@ -84,9 +86,9 @@ def attention_sources(shapes=None) -> list[dict]:
 
     out = []
     for shape in shapes or ATTENTION_SHAPES:
-        rows, hkv, groups, d, keys, dtype = shape
-        q, k = mx.zeros((1, hkv * groups, rows, d), DTYPES[dtype]), mx.zeros((1, hkv, keys, d), DTYPES[dtype])
-        (k1, c1), (k2, c2) = attn.attention_calls(q, k, k, d ** -0.5)
+        q, k, _ = attention_inputs(*shape)
+        lengths = shape[6] if len(shape) > 6 else None
+        (k1, c1), (k2, c2) = attn.attention_calls(q, k, k, q.shape[-1] ** -0.5, k.shape[2], lengths)
         partials = [mx.zeros(s, dtype=t) for s, t in zip(c1["output_shapes"], c1["output_dtypes"])]
         sources = [metal_source(k1, **c1), metal_source(k2, **{**c2, "inputs": [*partials, c2["inputs"][2]]})]
         out.append({"shape": attention_label(*shape), "sources": [_identity(src) for src in sources]})
@@ -137,11 +139,11 @@ def check_attention(gate: RaceGate, shapes=None) -> list[dict]:
 
     def run(*shape):
         q, k, v = attention_inputs(*shape)
-        scale = q.shape[-1] ** -0.5
-        ours = lambda: attn.multi_row_attention(q, k, v, scale)  # noqa: E731
-        theirs = lambda: attn.reference_attention(q, k, v, scale)  # noqa: E731
+        scale, keys, lengths = q.shape[-1] ** -0.5, k.shape[2], shape[6] if len(shape) > 6 else None
+        ours = lambda: attn.multi_row_attention(q, k, v, scale, keys, lengths)  # noqa: E731
+        theirs = lambda: attn.reference_attention(q, k, v, scale, keys, lengths)  # noqa: E731
         f = mx.float32
-        ref = attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), scale)
+        ref = attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), scale, keys, lengths)
         share = mx.abs(ours().astype(f) - ref).max().item() / ATTENTION_ATOL[q.dtype]
         return share, lambda: _raced(gate, attn.race_key(q, k, k.shape[2]), ours, theirs, q.dtype)
 

@@ -20,6 +20,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..decoding.batch_decoder import Request, Scheduler
+from ..decoding.engine_report import Report
 from ..decoding.decoder import SingleProcess
 from ..decoding.prompt import check_context
 from ..decoding.prompt_cache import PromptCache, pair_identity
@@ -41,9 +42,9 @@ class JobProgress:
         self.stream, self.tokens, self.finish = None, 0, None
         self.started = time.perf_counter()  # until its prompt's first chunk is read
 
-    def admitted(self, stream: ResponseStream, started: float):
+    def admitted(self, stream: ResponseStream, report: Report, started: float):
         """Its first chunk is being read: the time before, behind other prompts' reads too, was queued."""
-        self.stream, self.started = stream, started
+        self.stream, self.report, self.started = stream, report, started
 
     def take(self, rnd) -> bool:
         """A round of this request's tokens; True once it is over (a stop token or string, max_tokens)."""
@@ -58,6 +59,7 @@ class JobProgress:
             if response.finish_reason:
                 self.finish = response.finish_reason
                 text.append(self.stops.flush())
+        self.report.update()
         if out := "".join(text):
             self.job.emit("text", out)
         return self.finish is not None
@@ -265,12 +267,14 @@ class Engine(Prompts):
         if kind == "admitted":
             cached, started = value
             stats = GenerationStats(prompt_tokens=len(job.prompt_ids), block_size=self.policy.block_size,
-                                    max_width=self.policy.max_width, notes=list(self.policy.notes),
-                                    cached_tokens=cached)
+                                    max_width=self.policy.max_width, cached_tokens=cached)
             if self.prompt_cache is not None:
                 stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(cached)
+            # the engine report: the verify's paths, and the routed calls since it began (a batch's: one forward
+            # verifies every row)
+            report = Report(self.target, self.policy, stats)
             p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache),
-                       started)
+                       report, started)
         elif kind == "round" and p.finish is None:
             if p.take(value):
                 self.scheduler.cancel(job)  # it is over: its row leaves at the next step

@@ -125,8 +125,8 @@ class Leader:
 
 
 def receive(ranks: Ranks) -> Optional[tuple]:
-    """On the other ranks: ([(number, Request)] joining, [number] ending) before rank 0's next step, or None
-    at its shutdown."""
+    """On the other ranks: ([Request] joining, in rank 0's order, [number] ending) before rank 0's next step,
+    or None at its shutdown (beats are read and passed over)."""
     while True:
         header = Header.decode(ranks.share(mx.zeros(HEADER_WORDS, dtype=mx.int32)))
         if header.kind == SHUTDOWN:
