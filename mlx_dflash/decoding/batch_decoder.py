@@ -141,12 +141,12 @@ class Scheduler:
     Several prompts are read at once, as many as the batch has rows free for and one more, in turn: a step
     reads one chunk of the next in line, which then goes to the back; a prompt just admitted goes ahead of
     those that have had a turn. A prompt read while every row is taken waits, read, for the first row to
-    leave (so at one row, a short request arriving during a long read decodes while that read goes on). A short prompt arriving during a long one's read waits for the chunk being read, not for
-    the whole read. While rows decode, reading and rounds share the engine by time: after a chunk the rows
-    get rounds for as long as it took before the next chunk of a prompt already being read (a chunk of a
-    long prompt can take many rounds' time), so a request decoding during a long read keeps at least half
-    the engine and is answered long before that read ends, and the read itself takes at most about twice as
-    long.
+    leave (so at one row, a short request arriving during a long read decodes while that read goes on). A
+    short prompt arriving during a long one's read waits for the chunk being read, not for the whole read.
+    While rows decode, reading and rounds share the engine by time: after a chunk the rows get rounds for as
+    long as it took before the next chunk of a prompt already being read (a chunk of a long prompt can take
+    many rounds' time), so a request decoding during a long read keeps at least half the engine and is
+    answered long before that read ends, and the read itself takes at most about twice as long.
 
     step() returns events (handle, kind, value): ("admitted", (cached prompt tokens, perf_counter() when
     its prefill started)) at a request's first turn to be read, ("round", Round) for each of its rounds (the

@@ -151,7 +151,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     ranks: a sharded target's (distributed.py), whose ranks decode the same rows in step.
     Every row verifies the same width W, less where it has fewer tokens left: a batch forward pads its rows
     to the longest, so a row verifying fewer drafts would cost the same and keep fewer. A row with nothing
-    left to emit must not be here."""
+    left to emit must not be here. The caller has told the policy the rows' context (`at_context`)."""
     most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
     width = policy.width(len(rows), max(most))
 

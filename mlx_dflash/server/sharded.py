@@ -84,7 +84,6 @@ class Leader:
 
     def __init__(self, scheduler: Scheduler, ranks: Ranks):
         self.scheduler, self.ranks = scheduler, ranks
-        self.stats = scheduler.stats
         self.numbers: dict = {}  # handle -> its number, while it is in the scheduler
         self.count = 0
         self.joining: list = []  # requests submitted since the last step
@@ -154,9 +153,7 @@ class ShardedEngine(Engine):
         super()._take(pair)
 
     def _new_scheduler(self) -> Leader:
-        leader = Leader(super()._new_scheduler(), self.ranks)
-        self.batch_stats = leader.stats
-        return leader
+        return Leader(super()._new_scheduler(), self.ranks)
 
     def _serve(self):
         try:
