@@ -92,6 +92,38 @@ def test_a_batch_takes_pipelined_plain_steps_where_its_policy_skips_the_drafter(
     assert mixed.token_ids == want and {1, 4} <= set(mixed.batch.widths) and max(mixed.batch.rows) == 3
 
 
+def test_a_row_that_picks_its_stop_token_ends_the_plain_run_and_the_others_go_on_as_alone(pairs):
+    """Drafting off: the rows take runs of plain steps. A row whose step picks a stop token ends the run (the
+    step under way rolled back) and leaves in that scheduler step, not after the run; the other row, a seeded
+    sample, then goes on exactly as it does alone (its random stream put back too)."""
+    target, drafter, tokenizer = pairs["dense"]
+    a, b = prompts(tokenizer, 2)
+    policy = lambda: build_policy(target, drafter, WidthOptions(1), 2)  # noqa: E731
+    greedy = generate(target, drafter, tokenizer, a, max_tokens=12, width=1).tokens
+    stop = set(tokenizer.eos_token_ids) | {greedy[4]}
+    sampled = SamplingParams(0.8, top_k=20)
+
+    def run(requests):
+        scheduler = Scheduler(target, drafter, policy(), 2, stop)
+        for r in requests:
+            scheduler.submit(r)
+        steps, out = [], {r.handle: [] for r in requests}
+        while scheduler.busy:
+            events = scheduler.step()
+            steps.append(events)
+            for h, kind, v in events:
+                out[h] += v.tokens if kind == "round" else []
+        return steps, out
+
+    alone = run([Request("b", b, 20, sampled, seed=3)])[1]["b"]
+    assert greedy[4] not in alone  # b never stops on a's stop token itself
+    steps, out = run([Request("a", a, 12), Request("b", b, 20, sampled, seed=3)])
+    assert out["a"] == greedy[: greedy.index(greedy[4]) + 1] and out["b"] == alone
+    ended = next(events for events in steps if ("a", "done", None) in events)
+    a_rounds = [v.tokens for h, kind, v in ended if h == "a" and kind == "round"]
+    assert a_rounds and a_rounds[-1] == [greedy[4]]  # its stop token's step ended the run; it left at once
+
+
 def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their_own(pairs):
     """--kv-bits in a batch: once a row passes the quantization start its layer of the batch is quantized, every
     row stored as its own QuantizedKVCache stores it (a row leaves as one), and the batch's rounds equal one

@@ -39,15 +39,16 @@ from .sampling import SamplingParams
 
 # Plain steps a batch runs at most before the scheduler looks at its queue again (a joining request waits
 # for them): as many as the auto policy's longest skip of the drafter (policies/width.py `Backoff`). A row that
-# meets its stop token during a run leaves after it.
+# meets its stop token ends the run (on a target that can trim; a hybrid one's row leaves after the run).
 PLAIN_RUN = 32
 
 
 class Batch:
     """The rows decoding together, their batch caches, and one round at a time."""
 
-    def __init__(self, target, drafter, policy, ranks: SingleProcess = SingleProcess()):
+    def __init__(self, target, drafter, policy, ranks: SingleProcess = SingleProcess(), stop_ids=frozenset()):
         self.target, self.drafter, self.policy, self.ranks = target, drafter, policy, ranks
+        self.stop_ids = frozenset(stop_ids)  # a plain run ends at a step where a row picks one
         self.cache, self.draft_cache = self.empty_caches()
         self.rows: list[Row] = []
         self.width = 0  # the last round's verify width (1: plain steps)
@@ -102,9 +103,10 @@ class Batch:
             self.steps = 1
             return [(r.handle, rnd) for r, rnd in zip(self.rows, rounds)]
         tic = time.perf_counter()
-        steps = list(plain_rounds(self.target, self.cache, self.rows, plain, self.policy.max_width > 1))
-        self.policy.observe_plain(plain, time.perf_counter() - tic, len(self.rows))
-        self.width, self.steps = 1, plain
+        steps = list(plain_rounds(self.target, self.cache, self.rows, plain, self.policy.max_width > 1,
+                                  self.stop_ids))
+        self.policy.observe_plain(len(steps), time.perf_counter() - tic, len(self.rows))
+        self.width, self.steps = 1, len(steps)
         return [(r.handle, rnd) for rounds in steps for r, rnd in zip(self.rows, rounds)]
 
 
@@ -156,7 +158,7 @@ class Scheduler:
     def __init__(self, target, drafter, policy, max_batch: int, stop_ids=(), prompt_cache=None,
                  prefill_step: int = 512, ranks: SingleProcess = SingleProcess()):
         self.target, self.drafter, self.ranks = target, drafter, ranks
-        self.batch = Batch(target, drafter, policy, ranks)
+        self.batch = Batch(target, drafter, policy, ranks, stop_ids)
         self.max_batch, self.stop_ids, self.prompt_cache = max_batch, set(stop_ids), prompt_cache
         self.prefill_step = prefill_step
         self.read_debt = 0.0  # seconds of reading the decoding rows are owed rounds for

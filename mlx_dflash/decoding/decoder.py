@@ -260,14 +260,17 @@ def speculative_rounds(
         yield rnd
 
 
-def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features: bool) -> Iterator[list]:
+def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features: bool,
+                 stop_ids: frozenset = frozenset()) -> Iterator[list]:
     """n steps of the target alone for every row, no drafter: yields each step's [Round] in row order (one
     token a row), the rows brought up to date as the speculative round does. keep_features: the rows'
     feature rows join their contexts (the drafter drafts again later); otherwise they are dropped.
 
     As mlx-lm's generate_step does, each step's forward is built and started before the host reads the
     tokens before it, so building the graph overlaps the computation. The last tokens are not run here:
-    they are the next anchors, and enter the cache with the next forward. Every row must have n tokens left."""
+    they are the next anchors, and enter the cache with the next forward. Every row must have n tokens left.
+    stop_ids: a step where a row picks one ends the run (so that row leaves at once), the step already under
+    way rolled back, where the target can trim (a batch's rows; one request's caller closes the run itself)."""
 
     no_drafts = mx.zeros((len(rows), 0), dtype=mx.int32)
 
@@ -283,6 +286,7 @@ def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features:
 
     current = step(mx.array([r.anchor for r in rows], dtype=mx.int32), first=True)
     for i in range(n):
+        keys = [r.key for r in rows]  # the rows' streams before the next step draws from them
         upcoming = step(current[0], first=False) if i + 1 < n else None
         chosen, logits, features = current
         tokens, rounds = read(chosen)[0], []
@@ -293,4 +297,9 @@ def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features:
             r.anchor, r.remaining, r.first = token, r.remaining - 1, False
             rounds.append(Round([token], drafted=0, accepted=0, logprobs=log_softmax(logits[b]), plain=True))
         yield rounds
+        if upcoming is not None and target.trimmable and not stop_ids.isdisjoint(tokens):
+            target.trim_rows(cache, [1] * len(rows))  # the step under way read tokens nobody needs now,
+            for r, key in zip(rows, keys):  # and drew from streams the next round draws from again
+                r.key = key
+            return
         current = upcoming
