@@ -1,0 +1,152 @@
+"""Reading a long prompt cold: time to the first token against mlx-lm alone, and where ours goes.
+
+    python bench/prefill.py --gsm8k ../shared/data/gsm8k/train.jsonl            # a ~6k-token prompt, 3 repeats
+    python bench/prefill.py --tokens 600 --repeats 1 --name quick                 # a smoke run
+
+The default pair; the prompt as bench/long_context.py builds it (held-out GSM8K problems with their solutions
+as one document, then the next problem to solve, chat template applied). Each repeat times, from empty caches
+and in an order that rotates from repeat to repeat:
+* mlx-lm alone: `generate_step`'s time to its first token (it reads the prompt, then steps its last token);
+* ours: `stream_generate`'s time to its first token at width 4 (a fixed width: no probe on the clock), without
+  a prefix cache, and with an empty one (a server's cold prompt: the state is kept after the first token);
+* ours in parts: the target's read of the prompt (`Target.prefill`, the same 2048-token chunks) and the
+  drafter's read of the prompt's features into its cache (`DecodeState.hand_context_to`), timed apart.
+Medians over the repeats, and each over mlx-lm's. Writes prefill.json into bench/results/<name>/ and prints a
+markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+from long_context import HELD_OUT, gsm8k_prompt  # noqa: E402
+
+from mlx_dflash import load, stream_generate  # noqa: E402
+from mlx_dflash.decoding.decoder import DecodeState  # noqa: E402
+from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
+from mlx_dflash.errors import DFlashError  # noqa: E402
+from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.policies.dcut import build_policy  # noqa: E402
+from mlx_dflash.policies.width import WidthOptions  # noqa: E402
+from mlx_dflash.utils import write_atomic  # noqa: E402
+
+SCHEMA = "mlx-dflash/bench-prefill/1"
+STEP = 2048  # prompt tokens per chunk: mlx-lm's generate_step default and stream_generate's
+SIDES = ("mlx-lm alone", "ours", "ours, empty prefix cache", "ours: the target's read", "ours: the drafter's read")
+
+
+def mlx_lm_first(target, ids: list) -> float:
+    from mlx_lm.generate import generate_step
+
+    tic = time.perf_counter()
+    for _ in generate_step(mx.array(ids), target.model, max_tokens=1, prefill_step_size=STEP):
+        return time.perf_counter() - tic
+
+
+def ours_first(pair, ids: list, prompt_cache=None) -> float:
+    target, drafter, tokenizer = pair
+    policy = build_policy(target, drafter, WidthOptions(4))
+    tic = time.perf_counter()
+    for _ in stream_generate(target, drafter, tokenizer, ids, 1, policy=policy, prompt_cache=prompt_cache,
+                             prefill_step_size=STEP):
+        return time.perf_counter() - tic
+
+
+def ours_parts(pair, ids: list) -> tuple[float, float]:
+    """(the target's read of the prompt with its last token's logits, the drafter's read of its features)."""
+    target, drafter, _ = pair
+    state = DecodeState.fresh(target, drafter)
+    tic = time.perf_counter()
+    logits, features = target.prefill(mx.array(ids), state.cache, STEP)
+    mx.eval(logits, features)
+    read = time.perf_counter() - tic
+    state.extend(ids, features)
+    tic = time.perf_counter()
+    state.hand_context_to(drafter)
+    mx.eval([c.state for c in state.draft_cache])
+    return read, time.perf_counter() - tic
+
+
+def measure(pair, ids: list, repeats: int, log) -> list:
+    target, drafter, _ = pair
+    runs = []
+    for repeat in range(repeats):
+        order = ["mlx-lm", "ours", "cached", "parts"]
+        shift = repeat % len(order)
+        for side in order[shift:] + order[:shift]:
+            if side == "mlx-lm":
+                got = {"mlx-lm alone": mlx_lm_first(target, ids)}
+            elif side == "ours":
+                got = {"ours": ours_first(pair, ids)}
+            elif side == "cached":
+                cache = PromptCache(pair_identity(target, drafter), target.trimmable)
+                got = {"ours, empty prefix cache": ours_first(pair, ids, cache)}
+            else:
+                read, drafter_read = ours_parts(pair, ids)
+                got = {"ours: the target's read": read, "ours: the drafter's read": drafter_read}
+            for name, seconds in got.items():
+                runs.append({"repeat": repeat, "side": name, "seconds": seconds})
+                log(f"  repeat {repeat} {name}: {seconds:.2f} s")
+            mx.clear_cache()
+    return runs
+
+
+def table(medians: dict) -> str:
+    base = medians["mlx-lm alone"]
+    lines = ["| what | seconds (median) | / mlx-lm alone |", "|---|---:|---:|"]
+    lines += [f"| {name} | {medians[name]:.2f} | {medians[name] / base:.3f} |" for name in SIDES]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    here = Path(__file__).resolve()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gsm8k", default=str(here.parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"),
+                    help="GSM8K's train.jsonl (lines 7000 on make the prompt)")
+    ap.add_argument("--tokens", type=int, default=6000, help="the prompt's length in tokens (at least)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", default="prefill-cpu", help="results go to bench/results/<name>/")
+    args = ap.parse_args(argv)
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
+    try:
+        if args.repeats < 1 or args.tokens < 2:
+            raise DFlashError("--repeats must be at least 1 and --tokens at least 2")
+        try:
+            rows = [json.loads(line) for line in Path(args.gsm8k).read_text().splitlines()][HELD_OUT:]
+        except OSError as e:
+            raise DFlashError(f"--gsm8k {args.gsm8k}: {e.strerror}; give GSM8K's train.jsonl") from None
+        pair = load()
+        ids = gsm8k_prompt(pair[2], rows, args.tokens)
+        log(f"a {len(ids)}-token prompt")
+        mlx_lm_first(pair[0], ids[:64])  # warm-up of both sides, untimed
+        ours_first(pair, ids[:64])
+        runs = measure(pair, ids, args.repeats, log)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    medians = {name: statistics.median(r["seconds"] for r in runs if r["side"] == name) for name in SIDES}
+    results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": machine_info(), "versions": versions(), "prompt_tokens": len(ids),
+               "settings": {"tokens": args.tokens, "repeats": args.repeats, "prefill_step": STEP},
+               "medians": medians, "ratios": {n: medians[n] / medians["mlx-lm alone"] for n in SIDES}, "runs": runs}
+    out = here.parent / "results" / args.name
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "prefill.json", (json.dumps(results, indent=1) + "\n").encode())
+    log(f"\n{len(ids)}-token prompt, {args.repeats} repeats, cold; time to the first token\n")
+    log(table(medians))
+    log(f"\nwrote {out / 'prefill.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
