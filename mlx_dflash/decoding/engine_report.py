@@ -92,9 +92,11 @@ DRAFTING_NOTE = ("note: width auto: drafting paid less than plain target steps h
 class Report:
     """The engine side of one generation's statistics (GenerationStats): paths, routed calls, notes."""
 
-    def __init__(self, target, policy, stats, quiet: bool = False):
+    def __init__(self, target, policy, stats, quiet: bool = False, paths: tuple | None = None):
+        """paths: `verify_paths(target)` when the caller keeps it (a server, for every request); else found here."""
         self.policy, self.stats, self.quiet, self.before = policy, stats, quiet, routes.snapshot()
-        stats.verify_paths, notes = verify_paths(target)
+        paths, notes = paths or verify_paths(target)
+        stats.verify_paths = dict(paths)
         for note in policy.notes + notes:
             self.note(note)
 

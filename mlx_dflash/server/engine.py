@@ -20,7 +20,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..decoding.batch_decoder import Request, Scheduler
-from ..decoding.engine_report import Report
+from ..decoding.engine_report import Report, verify_paths
 from ..decoding.decoder import SingleProcess
 from ..decoding.prompt import check_context
 from ..decoding.prompt_cache import PromptCache, pair_identity
@@ -185,6 +185,7 @@ class Engine(Prompts):
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
+        self.verify_paths = verify_paths(self.target)  # the target's paths do not change while it is served
         self.scheduler = self._new_scheduler()
 
     def _new_scheduler(self) -> Scheduler:
@@ -272,7 +273,7 @@ class Engine(Prompts):
                 stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(cached)
             # the engine report: the verify's paths, and the routed calls since it began (a batch's: one forward
             # verifies every row)
-            report = Report(self.target, self.policy, stats)
+            report = Report(self.target, self.policy, stats, paths=self.verify_paths)
             p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache),
                        report, started)
         elif kind == "round" and p.finish is None:
@@ -285,7 +286,8 @@ class Engine(Prompts):
             self._durations.append(outcome.seconds)
             job.emit(*(("error", job.abort) if job.abort else ("done", outcome)))
             del progress[job]
-            mx.clear_cache()
+            if not progress:  # an idle engine gives back MLX's cached buffers; rows decoding would reallocate them
+                mx.clear_cache()
 
     def batch_report(self) -> dict:
         s = self.batch_stats
