@@ -6,11 +6,13 @@
 The default pair; the prompt as bench/long_context.py builds it (held-out GSM8K problems with their solutions
 as one document, then the next problem to solve, chat template applied). Each repeat times, from empty caches
 and in an order that rotates from repeat to repeat:
-* mlx-lm alone: `generate_step`'s time to its first token (it reads the prompt, then steps its last token);
+* mlx-lm alone: `generate_step`'s time to its first token (it reads the prompt, then steps its last token),
+  in its default 2048-token chunks and in this machine's chunks (`machine.prefill_step`: 128 on a CPU);
 * ours: `stream_generate`'s time to its first token at width 4 (a fixed width: no probe on the clock), without
-  a prefix cache, and with an empty one (a server's cold prompt: the state is kept after the first token);
-* ours in parts: the target's read of the prompt (`Target.prefill`, the same 2048-token chunks) and the
-  drafter's read of the prompt's features into its cache (`DecodeState.hand_context_to`), timed apart.
+  a prefix cache, and with an empty one (a server's cold prompt: the state is kept after the first token), in
+  its default chunks (this machine's);
+* ours in parts: the target's read of the prompt (`Target.prefill`, the same chunks) and the drafter's read
+  of the prompt's features into its cache (`DecodeState.hand_context_to`), timed apart.
 Medians over the repeats, and each over mlx-lm's. Writes prefill.json into bench/results/<name>/ and prints a
 markdown table.
 """
@@ -35,21 +37,23 @@ from mlx_dflash import load, stream_generate  # noqa: E402
 from mlx_dflash.decoding.decoder import DecodeState  # noqa: E402
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
+from mlx_dflash.machine import machine_info, prefill_step, versions  # noqa: E402
 from mlx_dflash.policies.dcut import build_policy  # noqa: E402
 from mlx_dflash.policies.width import WidthOptions  # noqa: E402
 from mlx_dflash.utils import write_atomic  # noqa: E402
 
 SCHEMA = "mlx-dflash/bench-prefill/1"
-STEP = 2048  # prompt tokens per chunk: mlx-lm's generate_step default and stream_generate's
-SIDES = ("mlx-lm alone", "ours", "ours, empty prefix cache", "ours: the target's read", "ours: the drafter's read")
+MLX_LM_STEP = 2048  # prompt tokens per chunk: mlx-lm's generate_step default
+HERE = f"mlx-lm alone, {prefill_step()}-token chunks"
+SIDES = ("mlx-lm alone", HERE, "ours", "ours, empty prefix cache", "ours: the target's read",
+         "ours: the drafter's read")
 
 
-def mlx_lm_first(target, ids: list) -> float:
+def mlx_lm_first(target, ids: list, step: int = MLX_LM_STEP) -> float:
     from mlx_lm.generate import generate_step
 
     tic = time.perf_counter()
-    for _ in generate_step(mx.array(ids), target.model, max_tokens=1, prefill_step_size=STEP):
+    for _ in generate_step(mx.array(ids), target.model, max_tokens=1, prefill_step_size=step):
         return time.perf_counter() - tic
 
 
@@ -57,8 +61,7 @@ def ours_first(pair, ids: list, prompt_cache=None) -> float:
     target, drafter, tokenizer = pair
     policy = build_policy(target, drafter, WidthOptions(4))
     tic = time.perf_counter()
-    for _ in stream_generate(target, drafter, tokenizer, ids, 1, policy=policy, prompt_cache=prompt_cache,
-                             prefill_step_size=STEP):
+    for _ in stream_generate(target, drafter, tokenizer, ids, 1, policy=policy, prompt_cache=prompt_cache):
         return time.perf_counter() - tic
 
 
@@ -67,7 +70,7 @@ def ours_parts(pair, ids: list) -> tuple[float, float]:
     target, drafter, _ = pair
     state = DecodeState.fresh(target, drafter)
     tic = time.perf_counter()
-    logits, features = target.prefill(mx.array(ids), state.cache, STEP)
+    logits, features = target.prefill(mx.array(ids), state.cache)
     mx.eval(logits, features)
     read = time.perf_counter() - tic
     state.extend(ids, features)
@@ -81,11 +84,13 @@ def measure(pair, ids: list, repeats: int, log) -> list:
     target, drafter, _ = pair
     runs = []
     for repeat in range(repeats):
-        order = ["mlx-lm", "ours", "cached", "parts"]
+        order = ["mlx-lm", "mlx-lm here", "ours", "cached", "parts"]
         shift = repeat % len(order)
         for side in order[shift:] + order[:shift]:
             if side == "mlx-lm":
                 got = {"mlx-lm alone": mlx_lm_first(target, ids)}
+            elif side == "mlx-lm here":
+                got = {HERE: mlx_lm_first(target, ids, prefill_step())}
             elif side == "ours":
                 got = {"ours": ours_first(pair, ids)}
             elif side == "cached":
@@ -137,7 +142,8 @@ def main(argv=None) -> int:
     medians = {name: statistics.median(r["seconds"] for r in runs if r["side"] == name) for name in SIDES}
     results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": machine_info(), "versions": versions(), "prompt_tokens": len(ids),
-               "settings": {"tokens": args.tokens, "repeats": args.repeats, "prefill_step": STEP},
+               "settings": {"tokens": args.tokens, "repeats": args.repeats, "prefill_step": prefill_step(),
+                            "mlx_lm_prefill_step": MLX_LM_STEP},
                "medians": medians, "ratios": {n: medians[n] / medians["mlx-lm alone"] for n in SIDES}, "runs": runs}
     out = here.parent / "results" / args.name
     out.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ def stream_generate(
     seed: Optional[int] = None,
     width=None,
     policy: Optional[WidthPolicy] = None,
-    prefill_step_size: int = 2048,
+    prefill_step_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     prompt_cache: Optional[PromptCache] = None,
     boundaries=(),

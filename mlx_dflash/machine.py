@@ -73,6 +73,17 @@ def fast_float_dtype() -> str:
     return "float16" if metal_available() else "float32"
 
 
+def prefill_step(serving: bool = False) -> int:
+    """Prompt tokens per prefill chunk here. MLX's CPU attention is the unfused matmul-softmax-matmul: a
+    chunk computes its whole block of scores against the cache, the masked half of its own block included,
+    so on the CPU small chunks read a long prompt fastest (measured: docs/benchmarks.md, "Reading a prompt in
+    chunks"). With Metal: mlx-lm's 2048 for one request, 512 for a server, whose chunks take turns with
+    decoding rounds."""
+    if metal_available():
+        return 512 if serving else 2048
+    return 128
+
+
 def half_precision_warning(dtype: str | None) -> str | None:
     """One line warning that half-precision weights crawl here (MLX on the CPU only), or None."""
     if dtype in ("float16", "bfloat16") and not metal_available():

@@ -54,6 +54,16 @@ def test_lengths_are_probed_once_a_context_reaches_half_of_them_and_never_past_t
     assert set(costs.by_context) == {256, 1024, 4096}
 
 
+def test_a_long_prompt_probes_only_the_longest_length_it_reaches_half_of():
+    """A verify's cost is linear in the cache it reads: 256 and 4096 draw the line through 1024, which a
+    3,000-token prompt would only delay."""
+    calls, prober = probe_log()
+    costs = ContextCosts({256: {1: 0.05, 16: 0.1}}, 16, prober, limit=8192)
+    assert costs.cover(3000) == [4096] and calls == [4096]
+    assert costs.growth(1024)[16] == pytest.approx(1 + (1024 - 256) / (4096 - 256) * (17 - 1))  # 1.7 s / 0.1 s at 4096
+    assert costs.cover(700) == [1024]  # a shorter prompt later still gets its own length
+
+
 def test_without_a_short_measurement_the_probe_measures_the_shortest_length_too():
     calls, prober = probe_log()
     costs = ContextCosts({}, 16, prober)
@@ -71,7 +81,7 @@ def test_a_cache_the_probe_cannot_fill_leaves_the_costs_flat_and_stops_probing()
     costs = ContextCosts({256: {1: 0.05, 16: 0.1}}, 16, refusing)
     assert costs.cover(5000) == [] and costs.growth(5000) == {w: 1.0 for w in range(1, 17)}
     costs.cover(9000)
-    assert calls == [1024]
+    assert calls == [4096]
 
 
 def test_a_table_with_several_lengths_is_used_as_it_is_and_one_length_leaves_it_to_the_probe():
@@ -82,7 +92,7 @@ def test_a_table_with_several_lengths_is_used_as_it_is_and_one_length_leaves_it_
     assert costs.growth(4096)[16] == pytest.approx(4.0) and calls == []
     single = dict(table, by_cache_length={"128": [0.05, 0.1]})
     table_context_costs(single, 16, prober).cover(3000)
-    assert calls == [256, 1024, 4096]
+    assert calls == [256, 4096]
 
 
 def test_without_context_costs_the_policy_is_unchanged_by_the_context():

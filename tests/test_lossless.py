@@ -79,3 +79,19 @@ def test_stream_generate_stops_like_mlx_lm(smollm2, random_drafter):
     assert stats.finish_reason in ("stop", "length")
     assert not set(tokens) & set(tokenizer.eos_token_ids)
     assert stats.generated_tokens <= 64 and stats.rounds > 0
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_prompt_read_in_small_chunks_gives_the_greedy_tokens_of_one_read_whole(smollm2, random_drafter,
+                                                                                 block_size):
+    """A CPU reads prompts in 128-token chunks (`machine.prefill_step`), mlx-lm's generate_step in 2048: a
+    ~550-token prompt read in five chunks gives mlx-lm's greedy tokens."""
+    target, tokenizer = smollm2
+    document = "\n".join(f"{i + 1}. {p}" for i, p in enumerate(PROMPTS * 4)) + "\nAnswer the last question."
+    ids = chat_ids(tokenizer, document)
+    assert 512 < len(ids) < 2048
+    want = mlx_lm_greedy(target.model, ids, MAX_TOKENS)
+    policy = make_policy(random_drafter.block_size, block_size)
+    rounds = speculative_rounds(target, random_drafter, mx.array(ids), policy, SamplingParams(), MAX_TOKENS,
+                                prefill_step=128)
+    assert [t for r in rounds for t in r.tokens] == want

@@ -30,6 +30,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
+from ..machine import prefill_step as machine_prefill_step
 from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
 from .decoder import DecodeState, Row, SingleProcess, plain_rounds, seeded_keys, speculative_round
 from .lookup import PromptLookup
@@ -156,11 +157,11 @@ class Scheduler:
     stop token, at max_tokens, or by cancel()."""
 
     def __init__(self, target, drafter, policy, max_batch: int, stop_ids=(), prompt_cache=None,
-                 prefill_step: int = 512, ranks: SingleProcess = SingleProcess()):
+                 prefill_step: Optional[int] = None, ranks: SingleProcess = SingleProcess()):
         self.target, self.drafter, self.ranks = target, drafter, ranks
         self.batch = Batch(target, drafter, policy, ranks, stop_ids)
         self.max_batch, self.stop_ids, self.prompt_cache = max_batch, set(stop_ids), prompt_cache
-        self.prefill_step = prefill_step
+        self.prefill_step = prefill_step or machine_prefill_step(serving=True)
         self.read_debt = 0.0  # seconds of reading the decoding rows are owed rounds for
         self.waiting: deque = deque()
         self.reading: deque = deque()  # Prefills, the next to read first
@@ -273,7 +274,8 @@ class Scheduler:
 
 def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,
                    max_batch: Optional[int] = None, width=None, policy=None, temp: float = 0.0, top_p: float = 1.0,
-                   top_k: int = 0, min_p: float = 0.0, prompt_cache=None, prefill_step_size: int = 512):
+                   top_k: int = 0, min_p: float = 0.0, prompt_cache=None,
+                   prefill_step_size: Optional[int] = None):
     """Answer several prompts decoding together, as `mlx_lm.batch_generate` does: prompts are token-id lists
     (or strings, used as given); max_tokens one for all or one per prompt. Returns a `BatchResponse`: the
     texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""

@@ -217,7 +217,7 @@ def speculative_rounds(
     policy: WidthPolicy,
     sampling: SamplingParams,
     max_tokens: int,
-    prefill_step: int = 2048,
+    prefill_step: Optional[int] = None,
     ranks: SingleProcess = SingleProcess(),
     prefill_progress: Optional[Callable[[int, int], None]] = None,
     state: Optional[DecodeState] = None,

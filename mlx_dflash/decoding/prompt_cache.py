@@ -40,6 +40,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
 from ..errors import DFlashError
+from ..machine import prefill_step
 from .decoder import DecodeState, SingleProcess
 
 RUNG_EVERY = 2048  # tokens between a hybrid target's checkpoints inside a long prompt
@@ -416,11 +417,11 @@ def read_chunk(target, state: DecodeState, ids: list, stop: int, marks: list, ch
     return end
 
 
-def read_to_rungs(target, state: DecodeState, ids: list, checkpoints: dict, boundaries=(), step: int = 2048,
+def read_to_rungs(target, state: DecodeState, ids: list, checkpoints: dict, boundaries=(), step: Optional[int] = None,
                   progress=None) -> DecodeState:
     """For a target whose state cannot be trimmed: read the prompt into `state` up to its last rung,
     checkpointing the recurrent layers at each (into `checkpoints`); the decoder reads the rest."""
-    marks = rungs(len(ids), boundaries)
+    marks, step = rungs(len(ids), boundaries), step or prefill_step()
     while marks and len(state.tokens) < marks[-1]:
         done = read_chunk(target, state, ids, marks[-1], marks, checkpoints, step)
         if progress is not None:

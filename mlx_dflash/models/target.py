@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache, is_ragged
 from .config import DFlashConfig
 from ..errors import DFlashError
+from ..machine import prefill_step
 from .rollback import find_recurrent, taping
 from ..kernels.verify_attention import install_sites, routing
 
@@ -310,10 +311,11 @@ class Target:
         features = mx.concatenate([sink[i] for i in self.layer_ids], axis=-1) if self.layer_ids else None
         return logits, features
 
-    def read(self, ids: mx.array, cache: list, step: int = 2048, progress=None, total: int = 0):
-        """Run tokens ids [P] into the cache in chunks of `step`, without the output head. Returns their
-        features [1, P, n*H] (None for P = 0). Nothing is taped: a prompt is never rolled back.
-        progress(processed, total) is called after each chunk."""
+    def read(self, ids: mx.array, cache: list, step: Optional[int] = None, progress=None, total: int = 0):
+        """Run tokens ids [P] into the cache in chunks of `step` (default: the machine's,
+        `machine.prefill_step`), without the output head. Returns their features [1, P, n*H] (None for P = 0).
+        Nothing is taped: a prompt is never rolled back. progress(processed, total) is called after each chunk."""
+        step = step or prefill_step()
         features = []
         for i in range(0, ids.size, step):
             _, f = self._run(ids[None, i : i + step], cache)
@@ -324,7 +326,7 @@ class Target:
                 progress(min(i + step, ids.size), total or ids.size)
         return mx.concatenate(features, axis=1) if features and features[0] is not None else None
 
-    def prefill(self, prompt: mx.array, cache: list, step: int = 2048, progress=None):
+    def prefill(self, prompt: mx.array, cache: list, step: Optional[int] = None, progress=None):
         """Process the prompt [P] in chunks. Returns (last-row logits [V], features [1, P, n*H]).
 
         The last token runs on its own, as mlx-lm's generate does: the output head is computed for one

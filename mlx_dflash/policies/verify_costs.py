@@ -136,8 +136,11 @@ class ContextCosts:
     read grows linearly), 1 at or below the shortest. The width policies scale their per-width costs by
     it, so a cost observed at one context serves at another. With a `prober`, PROBE_CONTEXTS up to the
     target's `limit` are measured as prompts need them (`cover`, called as a prompt is about to be read):
-    a length once a prompt reaches half of it, and then the shortest too (a start-up probe passes its own, at the shortest, so short contexts cost
-    nothing more). A table that measured two lengths or more (`bench widths --context`) is used as it is."""
+    the longest length a prompt reaches half of, and then the shortest too (a start-up probe passes its own,
+    at the shortest, so short contexts cost nothing more). Lengths a prompt skips past stay unmeasured: a
+    verify's cost grows linearly with the cache it reads, so two lengths draw the line between them, and
+    each probe delays the prompt being read. A table that measured two lengths or more (`bench widths
+    --context`) is used as it is."""
 
     def __init__(self, by_context: dict, max_width: int, prober=None, limit: Optional[int] = None):
         self.max_width, self.prober = max_width, prober
@@ -147,8 +150,8 @@ class ContextCosts:
 
     def cover(self, context: int) -> list:
         """Measure the lengths a context this long needs (see the class); returns those it measured."""
-        wanted = [c for c in self.lengths[1:] if context >= c // 2]
-        wanted = [c for c in self.lengths[:1] + wanted if wanted and c not in self.by_context]
+        reached = [c for c in self.lengths[1:] if context >= c // 2]
+        wanted = [c for c in self.lengths[:1] + reached[-1:] if reached and c not in self.by_context]
         for length in wanted:
             try:
                 self.by_context[length] = interpolate_costs(self.prober(length), self.max_width)
@@ -192,8 +195,9 @@ def table_context_costs(table: dict, max_width: int, prober=None, limit: Optiona
 
 def context_prober(target, max_width: int):
     """A quick probe of one row's verify seconds per width at a given context length, for `ContextCosts`:
-    5 widths, one warm-up turn and 2 timed ones."""
-    return lambda context: probe_verify_costs(target, max_width, context, widths=(1, 2, 4, 8, 16), repeats=2)
+    5 widths, one warm-up turn and one timed (at a long context each verify is long enough to time once;
+    the rounds then time themselves)."""
+    return lambda context: probe_verify_costs(target, max_width, context, widths=(1, 2, 4, 8, 16), repeats=1)
 
 
 def filled_cache(target, length: int, seed: int = 0) -> list:

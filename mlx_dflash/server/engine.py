@@ -88,7 +88,7 @@ class Engine(Prompts):
     fatal_errors: tuple = ()  # errors after which the engine stops (none for one process)
     ranks = SingleProcess()  # a sharded target's (server/sharded.py)
 
-    def __init__(self, load, max_queue: int = 16, prefill_step: int = 512, prompt_cache: Optional[dict] = None,
+    def __init__(self, load, max_queue: int = 16, prefill_step: Optional[int] = None, prompt_cache: Optional[dict] = None,
                  max_batch: int = 8):
         self.max_queue, self.prefill_step, self.max_batch = max_queue, prefill_step, max_batch
         self.prompt_cache_settings = prompt_cache  # PromptCache keywords (max_entries, ...); None: no cache
