@@ -19,7 +19,8 @@ every server (a difference prints a loud line and makes the exit status 1).
 
 A mixed load (`--long-clients M`): the last M clients of every level send long prompts instead, each a
 document of --long-tokens tokens made of the set's prompts as numbered problems (request i's document
-starts at its own place in the set, so no two share a prefix), then an instruction to solve the last one;
+starts at its own place in the set, another in each repeat, so no two share a prefix and no repeat finds
+the one before in a server's prefix cache), then an instruction to solve the last one;
 the others send the set's prompts as usual. Short and long requests' times to first token are summarized
 apart (a short request waiting behind a long read shows there).
 
@@ -88,6 +89,12 @@ def long_document(tokenizer, texts: list, start: int, tokens: int) -> str:
         parts.append(f"Problem {len(parts) + 1}: {texts[(start + len(parts)) % len(texts)]}")
         n += len(tokenizer.encode(parts[-1])) + 1
     return "\n".join(parts) + f"\n\nSolve problem {len(parts)} step by step."
+
+
+def long_prompt_sets(tokenizer, pool: list, requests: int, tokens: int, repeats: int) -> list:
+    """Per repeat, {request index: its long document}: every document starts at its own place in the pool."""
+    return [{i: long_document(tokenizer, pool, 97 * i + 1009 * repeat, tokens) for i in range(requests)}
+            for repeat in range(repeats)]
 
 
 def run_level(server, model: str, prompts: list, clients: int, per_client: int, max_tokens: int,
@@ -217,13 +224,13 @@ def main(argv=None) -> int:
     texts = read_prompts(source)
     prompts = texts[args.first : args.first + max(levels) * args.requests_per_client]
     model = default_target(args.model)
-    long_prompts = {}
+    long_prompts = [{}] * args.repeats
     if args.long_clients:
         from mlx_lm.utils import load_tokenizer
 
         tokenizer, pool = load_tokenizer(Path(model)), texts[args.first + len(prompts):] or texts
-        long_prompts = {i: long_document(tokenizer, pool, 97 * i, args.long_tokens)
-                        for i in range(args.long_clients * args.requests_per_client)}
+        long_prompts = long_prompt_sets(tokenizer, pool, args.long_clients * args.requests_per_client,
+                                        args.long_tokens, args.repeats)
     common = ["--model", model, "--max-tokens", str(args.max_tokens)] + (["--drafter", args.drafter] if args.drafter else [])
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-batching-"))  # kept only if something fails
     starts = {MLX_LM: lambda: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log")}
@@ -247,7 +254,7 @@ def main(argv=None) -> int:
                 shift = (n + repeat) % len(names)
                 for name in names[shift:] + names[:shift]:
                     level = run_level(servers[name], models[name], prompts, clients, args.requests_per_client,
-                                      args.max_tokens, long_prompts)
+                                      args.max_tokens, long_prompts[repeat])
                     runs.append({"server": name, "repeat": repeat, **level})
                     print(f"{clients} clients, {name}: {level['aggregate_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     finally:
@@ -264,11 +271,12 @@ def main(argv=None) -> int:
 
     identical = True
     for clients in levels:
-        level = [r for r in runs if r["clients"] == clients]
-        for i in range(len(level[0]["requests"])):
-            if len({r["requests"][i]["text"] for r in level}) > 1:
-                identical = False
-                print(f"!!! {clients} clients, request {i}: the servers' answers differ", file=sys.stderr)
+        for repeat in range(args.repeats):  # a mixed load's long documents differ from repeat to repeat
+            level = [r for r in runs if r["clients"] == clients and r["repeat"] == repeat]
+            for i in range(len(level[0]["requests"])):
+                if len({r["requests"][i]["text"] for r in level}) > 1:
+                    identical = False
+                    print(f"!!! {clients} clients, request {i}: the servers' answers differ", file=sys.stderr)
     out_dir = Path(__file__).resolve().parent / "results" / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

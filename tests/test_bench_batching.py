@@ -34,6 +34,13 @@ def test_a_document_longer_than_the_set_is_refused():
         raise AssertionError("a document past the whole set was made")
 
 
+def test_each_repeat_sends_long_documents_no_server_has_read_before():
+    texts = [f"q{i} w{i}" for i in range(50)]
+    sets = batching.long_prompt_sets(WordTokenizer(), texts, requests=2, tokens=20, repeats=3)
+    starts = [doc.split("\n")[0] for docs in sets for doc in docs.values()]
+    assert len(sets) == 3 and len(set(starts)) == 6  # six documents, each from its own first problem
+
+
 def test_the_last_clients_send_the_long_prompts_and_their_ttft_is_summarized_apart(monkeypatch):
     sent = []
 
