@@ -81,7 +81,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
     from .downloads import default_target, shipped_drafter_dir
-    from .machine import metal_available, prefill_step, slow_blas_warning
+    from .machine import metal_available, slow_blas_warning
     from .pair import load
     from .pitfalls import pair_warnings
     from .server.app import ServerConfig, bind
@@ -90,7 +90,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     from .server.security import allowed_hosts as hosts_for
     from .server.security import api_keys
 
-    if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, prefill_step_size or 1) < 1 or max_queue < 0:
+    chunk = 1 if prefill_step_size is None else prefill_step_size  # None: the scheduler takes the machine's
+    if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, chunk) < 1 or max_queue < 0:
         raise DFlashError("--max-tokens, --max-tokens-limit, --max-body, --max-connections and --prefill-step-size "
                           "must be at least 1, --max-queue at least 0")
     if max_uploads_per_client is not None and max_uploads_per_client < 1:
@@ -107,7 +108,6 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
     launch_notes = []  # said once the pair has loaded, so a refused pair's error stands alone
     max_batch = max_batch or (8 if metal_available() else 4)
-    prefill_step_size = prefill_step_size or prefill_step(serving=True)
     widths = widths.with_default()
     if widths.cost_table:  # read before anything loads, so a bad table is the only line
         read_batch_costs(widths.cost_table)

@@ -333,7 +333,8 @@ def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
     for args, words in [(["--api-key", ""], "--api-key is empty"), (["--api-key", "a,,b"], "--api-key is empty"),
                         (["--api-key", "ключ"], "printable ASCII"),
                         (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
-                        (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections")]:
+                        (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections"),
+                        (["--prefill-step-size", "0"], "--prefill-step-size")]:
         r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads
         assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
 

@@ -184,7 +184,8 @@ class ShardedEngine(Engine):
                                  "stops") from e
 
 
-def follow(target, drafter, tokenizer, policy, ranks: Ranks, max_batch: int, prefill_step: int):
+def follow(target, drafter, tokenizer, policy, ranks: Ranks, max_batch: int,
+           prefill_step: Optional[int]):
     """A rank other than 0: step a scheduler as rank 0 steps its own, until its shutdown. max_batch and
     prefill_step: rank 0's (every rank is started with the same flags)."""
     scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, None, prefill_step, ranks)
