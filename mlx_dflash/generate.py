@@ -175,8 +175,6 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling,
     check_seed(seed)
     if prompt_cache_file:
         check_prompt_cache_file(prompt_cache_file)
-    if blas := slow_blas_warning():
-        click.echo(blas, err=True)
     if shard:
         if prompt_cache_file:
             raise DFlashError("--prompt-cache-file does not work with --shard (each rank holds its own shard's state)")
@@ -191,6 +189,8 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling,
     check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
     policy = build_policy(target, drafter, widths.with_default(seeded_sample=seed is not None and not sampling.greedy))
     policy.notes[:0] = pair_warnings(target, drafter, tokenizer)  # the pair's problems first
+    if blas := slow_blas_warning():  # once every input is taken: a refusal stands alone
+        click.echo(blas, err=True)
     cache = None
     if prompt_cache_file:
         cache = PromptCache(pair_identity(target, drafter), target.trimmable, max_entries=8)

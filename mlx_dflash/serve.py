@@ -112,7 +112,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     if widths.cost_table:  # read before anything loads, so a bad table is the only line
         read_batch_costs(widths.cost_table)
     if blas := slow_blas_warning():
-        click.echo(blas, err=True)
+        launch_notes.append(blas)
     rank = 0
     if shard:
         rank = launched_group("serve").rank()

@@ -67,6 +67,21 @@ def reference():
 REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2", "smollm2_dir", "smollm2_gguf"}
 
 
+def pytest_configure(config):
+    """The test run takes OpenBLAS as the commands do (machine.py `rerun_with_fast_blas`): where MLX would
+    compute on its wheel's reference BLAS and a system OpenBLAS is installed, pytest re-runs itself with it
+    preloaded, saying so in one line; the tiers' times assume it (MLX_DFLASH_NO_BLAS_PRELOAD=1 turns it off).
+    Capture is suspended first, so the re-run writes to the terminal, not to this run's capture files."""
+    from mlx_dflash.machine import rerun_with_fast_blas
+
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    rerun_with_fast_blas()
+    if capture is not None:
+        capture.resume_global_capture()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):

@@ -251,16 +251,15 @@ def _python(code: str, preload: str | None) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="the BLAS check is Linux's")
 def test_the_real_process_without_and_with_openblas():
-    """In a fresh process: MLX's wheel alone runs on its bundled BLAS, and `generate` says so in one line
-    before it loads anything; with OpenBLAS preloaded (as CI and the tests run) nothing is said."""
+    """In a fresh process: MLX's wheel alone runs on its bundled BLAS, OpenBLAS preloaded on OpenBLAS, and a
+    refused input is one line either way (the slow-BLAS warning comes once a pair has loaded)."""
     code = ("import json, sys; from mlx_dflash.cli import main; from mlx_dflash.machine import blas_library; "
             "print(json.dumps(blas_library())); sys.argv = ['mlx-dflash', 'generate', '--model', '/nonexistent', "
             "'--prompt', 'hi']; main()")
     bare = _python(code, None)
     assert json.loads(bare.stdout.splitlines()[0])["kind"] == "bundled"
     errors = bare.stderr.splitlines()
-    assert errors[0].startswith("warning: MLX runs its CPU matmuls on the reference BLAS bundled with MLX's wheel")
-    assert errors[1].startswith("error: target model /nonexistent") and bare.returncode == 1
+    assert len(errors) == 1 and errors[0].startswith("error: target model /nonexistent") and bare.returncode == 1
     if Path(machine.OPENBLAS).exists():
         fast = _python(code, machine.OPENBLAS)
         assert json.loads(fast.stdout.splitlines()[0])["kind"] == "optimized"
@@ -268,12 +267,21 @@ def test_the_real_process_without_and_with_openblas():
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0"]])
-def test_generate_and_serve_warn_before_loading(monkeypatch, command):
+def test_a_refusal_stands_alone_on_a_slow_blas(monkeypatch, command):
+    """The slow-BLAS warning is said once the input is taken (the pair loaded), so an error is the only line."""
     monkeypatch.setattr(machine, "slow_blas_warning", lambda: "warning: slow BLAS (fix: preload OpenBLAS)")
     result = CliRunner().invoke(cli, [*command, "--model", "/nonexistent"])
-    lines = result.output.splitlines()
-    assert lines[0] == "warning: slow BLAS (fix: preload OpenBLAS)"
-    assert any(line.startswith("error: target model /nonexistent") for line in lines[1:]) and result.exit_code == 1
+    assert result.output.splitlines()[0].startswith("error: target model /nonexistent") and result.exit_code == 1
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_generate_warns_of_a_slow_blas_once_the_pair_has_loaded(monkeypatch, tiny_pair_dirs):
+    target, drafter = tiny_pair_dirs
+    monkeypatch.setattr(machine, "slow_blas_warning", lambda: "warning: slow BLAS (fix: preload OpenBLAS)")
+    result = CliRunner().invoke(cli, ["generate", "--model", str(target), "--drafter", str(drafter), "--prompt", "hi",
+                                      "--max-tokens", "2", "--width", "2"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines().count("warning: slow BLAS (fix: preload OpenBLAS)") == 1
 
 
 def test_machine_info_reports_memory_and_blas():
