@@ -86,6 +86,8 @@ FIXED_WIDTHS = (2, 4, 5, 8, 16)
 P_MINS = (0.3, 0.7)
 BASELINE = "target alone"
 NO_LOOKUP = " (drafter only)"
+TREE = " tree"  # the same width verifying a draft tree (--tree)
+CHAIN = " (chains only)"  # width auto with --no-tree
 FULL_VOCAB = " (whole vocabulary, drafter only)"
 PEER = "z-lab"
 
@@ -140,7 +142,7 @@ def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> 
             "finish_reason": stats.finish_reason, "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds, "decode_tps": stats.decode_tps, "tau": stats.tau,
             "rounds": stats.rounds, "widths": {str(k): v for k, v in sorted(stats.widths.items())},
-            "looked_up_rounds": stats.looked_up_rounds,
+            "looked_up_rounds": stats.looked_up_rounds, "tree_rounds": stats.tree_rounds,
             "accepted_lengths": {str(k): v for k, v in sorted(stats.accepted_lengths.items())},
             "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
 
@@ -199,8 +201,9 @@ def add_peer(pairs: dict, model_path: str, drafter_path: str, quantize: int, wan
     return info
 
 
-def configurations(block_size: int, peer: bool = False, full_vocab: bool = False) -> list[dict]:
-    """The rows, in table order (before the precision is attached)."""
+def configurations(block_size: int, peer: bool = False, full_vocab: bool = False, trees: bool = False) -> list[dict]:
+    """The rows, in table order (before the precision is attached). trees: every fixed width again verifying a
+    draft tree (`--tree`), and width auto again with chains only (`--no-tree`)."""
     rows = [{"name": BASELINE, "kind": "target"}]
     rows += [{"name": f"width {w}", "kind": "dflash", "width": w, "force_width": True, "p_min": 0.0,
               "auto": False} for w in FIXED_WIDTHS if w <= block_size]
@@ -208,6 +211,10 @@ def configurations(block_size: int, peer: bool = False, full_vocab: bool = False
               "auto": False} for p in P_MINS]
     rows += [{"name": "width auto", "kind": "dflash", "width": None, "force_width": False, "p_min": 0.0,
               "auto": True}]
+    if trees:
+        rows += [{**row, "name": row["name"] + TREE, "tree": True} for row in rows if row.get("width")]
+        rows += [{**rows_auto, "name": "width auto" + CHAIN, "tree": False}
+                 for rows_auto in rows if rows_auto["name"] == "width auto"]
     if peer:
         rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
                  for w in FIXED_WIDTHS if w <= block_size]
@@ -220,17 +227,18 @@ def configurations(block_size: int, peer: bool = False, full_vocab: bool = False
     return rows
 
 
-def build_configs(pairs: dict, cost_tables: dict, log) -> list[dict]:
+def build_configs(pairs: dict, cost_tables: dict, log, trees: bool = False) -> list[dict]:
     configs = []
     for phase, pair in pairs.items():
-        for row in configurations(pair["drafter"].block_size, peer="zlab" in pair, full_vocab="drafter_full" in pair):
+        for row in configurations(pair["drafter"].block_size, peer="zlab" in pair, full_vocab="drafter_full" in pair,
+                                  trees=trees):
             cfg = {**row, "phase": phase, "key": f"{row['name']} [{phase}]"}
             if row["kind"] == "dflash":
                 table = cost_tables.get(phase) if row["auto"] else None
                 tic = time.perf_counter()
                 width = "auto" if row["auto"] else row["width"]
                 options = WidthOptions(width, force_width=row["force_width"], p_min=row["p_min"], cost_table=table,
-                                       prompt_lookup=row.get("prompt_lookup", True))
+                                       prompt_lookup=row.get("prompt_lookup", True), tree=row.get("tree"))
                 policy = build_policy(pair["target"], pair["drafter"], options)
                 cfg.update(policy=policy, max_width=policy.max_width, block_size_trained=policy.block_size,
                            notes=list(policy.notes), policy_type=type(policy).__name__,
@@ -288,10 +296,12 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
         checked = [r for r in mine if r["identical"] is not None]
         round_ms = [1e3 * r["decode_seconds"] / r["rounds"] for r in mine if r.get("rounds")]
         rounds = sum(r.get("rounds", 0) for r in mine) if cfg["kind"] == "dflash" else 0
-        widths = {}
+        widths, accepted = {}, {}
         for r in mine:
             for w, n in r["widths"].items():
                 widths[w] = widths.get(w, 0) + n
+            for k, n in r.get("accepted_lengths", {}).items():
+                accepted[k] = accepted.get(k, 0) + n
         out.append({
             "config": cfg["key"], "name": cfg["name"], "phase": cfg["phase"], "kind": cfg["kind"],
             "max_width": cfg.get("max_width"), "clamped": cfg.get("clamped", False), "notes": cfg.get("notes", []),
@@ -304,6 +314,8 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
             "widths_used": dict(sorted(widths.items(), key=lambda kv: int(kv[0]))),
             "ms_per_round_median": statistics.median(round_ms) if round_ms else None,
             "looked_up_share": (sum(r.get("looked_up_rounds", 0) for r in mine) / rounds) if rounds else None,
+            "tree_share": (sum(r.get("tree_rounds", 0) for r in mine) / rounds) if rounds else None,
+            "accepted_lengths": dict(sorted(accepted.items(), key=lambda kv: int(kv[0]))),
         })
     return out
 
@@ -353,8 +365,9 @@ def versus_zlab(summary: list[dict]) -> dict:
 
 
 def markdown_table(summary: list[dict]) -> str:
-    lines = ["| configuration | tokens/s median | ratio | tau mean | ms per round | lookup rounds | outputs identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| configuration | tokens/s median | ratio | tau mean | ms per round | lookup rounds | tree rounds "
+             "| outputs identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for s in summary:
         name = s["name"] + ("" if s["phase"] == "float" else f" ({s['phase']})")
         if s["clamped"]:
@@ -363,8 +376,9 @@ def markdown_table(summary: list[dict]) -> str:
         ident = "reference" if s["kind"] == "target" else f"{s['identical']}/{s['checked']}"
         per_round = f"{s['ms_per_round_median']:.0f}" if s.get("ms_per_round_median") else "-"
         share = f"{s['looked_up_share']:.0%}" if s.get("looked_up_share") is not None else "-"
+        trees = f"{s['tree_share']:.0%}" if s.get("tree_share") is not None else "-"
         lines.append(f"| {name} | {s['decode_tps_median']:.1f} | {ratio} | {s['tau_mean']:.2f} | {per_round} | {share} "
-                     f"| {ident} |")
+                     f"| {trees} | {ident} |")
     return "\n".join(lines)
 
 
@@ -375,7 +389,8 @@ def details(summary: list[dict]) -> str:
         lines.append(f"{s['config']:<22} tps median {s['decode_tps_median']:7.1f}  ratio "
                      f"{(s['ratio_vs_target'] or 0):5.2f}x (per-prompt median {(rpp or 0):5.2f}x)  tau median "
                      f"{s['tau_median']:5.2f} mean {s['tau_mean']:5.2f}  max width {s['max_width'] or 1}  "
-                     f"widths used {' '.join(f'{w}:{n}' for w, n in s['widths_used'].items()) or '-'}")
+                     f"widths used {' '.join(f'{w}:{n}' for w, n in s['widths_used'].items()) or '-'}  accepted "
+                     f"lengths {' '.join(f'{k}:{n}' for k, n in s.get('accepted_lengths', {}).items()) or '-'}")
     return "\n".join(lines)
 
 
@@ -417,6 +432,8 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                     help="z-lab's MLX backend (dflash==0.1.0 from PyPI) as peer rows (default: on when its "
                          "wheel can be fetched)")
+    ap.add_argument("--trees", action="store_true",
+                    help="add each fixed width verifying a draft tree, and width auto with chains only")
     ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: e2e-<device>)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
     return ap.parse_args(argv)
@@ -441,7 +458,7 @@ def prepare(pairs: dict, prompt_ids: list, args, log) -> list[dict]:
     tables = {"float": args.cost_table}
     if args.quantize:
         tables[f"q{args.quantize}"] = args.quantized_cost_table
-    configs = build_configs(pairs, tables, log)
+    configs = build_configs(pairs, tables, log, args.trees)
     log(f"warm-up: {len(configs)} configurations x {args.warmup_tokens} tokens")
     for cfg in configs:
         run_config(cfg, pairs, {ph: prompt_ids[0] for ph in pairs}, args.warmup_tokens)

@@ -48,6 +48,7 @@ def stream_generate(
     min_p: float = 0.0,
     seed: Optional[int] = None,
     width=None,
+    tree: Optional[bool] = None,
     policy: Optional[WidthPolicy] = None,
     prefill_step_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
@@ -61,7 +62,8 @@ def stream_generate(
 
     temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
     token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
-    (the default), unless a `policy` is given (`policies.dcut.build_policy`).
+    (the default), unless a `policy` is given (`policies.dcut.build_policy`); tree: verify trees of the
+    drafter's likeliest paths (True), one path (False), or as the width policy chooses (None).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
     the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); boundaries:
     prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the
@@ -76,7 +78,7 @@ def stream_generate(
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
-        widths = WidthOptions(width).with_default(seeded_sample=seed is not None and temp > 0)
+        widths = WidthOptions(width, tree=tree).with_default(seeded_sample=seed is not None and temp > 0)
         policy = build_policy(target, drafter, widths)
     ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:

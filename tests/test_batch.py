@@ -366,6 +366,19 @@ def test_requests_the_prefix_cache_holds_but_their_last_token_join_with_no_read(
     assert calls["read"] == calls["prefill"] == 0 and calls["forward"] == again.batch.rounds
 
 
+def scheduled(target, drafter, tokenizer, policy, max_batch: int, requests: list) -> dict:
+    """Each request's tokens, the requests decoded together through a Scheduler."""
+    scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids)
+    for r in requests:
+        scheduler.submit(r)
+    out = {r.handle: [] for r in requests}
+    while scheduler.busy:
+        for h, kind, value in scheduler.step():
+            if kind == "round":
+                out[h] += value.tokens
+    return out
+
+
 def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
     """At a fixed width with a v1 drafter (its drafts are argmaxes), a seeded row's own random stream makes
     its answer independent of the rows decoding beside it."""
@@ -374,15 +387,7 @@ def test_a_seeded_row_samples_the_same_whatever_rows_are_beside_it(pairs):
     policy = build_policy(target, drafter, WidthOptions(4), 3)
 
     def run(requests):
-        scheduler = Scheduler(target, drafter, policy, 3, tokenizer.eos_token_ids)
-        for r in requests:
-            scheduler.submit(r)
-        out = {r.handle: [] for r in requests}
-        while scheduler.busy:
-            for h, kind, value in scheduler.step():
-                if kind == "round":
-                    out[h] += value.tokens
-        return out
+        return scheduled(target, drafter, tokenizer, policy, 3, requests)
 
     sampled = Request("s", ids[0], 12, SamplingParams(0.9, top_k=20), seed=11)
     alone = run([sampled])["s"]

@@ -273,7 +273,7 @@ class Scheduler:
 
 
 def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,
-                   max_batch: Optional[int] = None, width=None, policy=None, temp: float = 0.0, top_p: float = 1.0,
+                   max_batch: Optional[int] = None, width=None, tree=None, policy=None, temp: float = 0.0, top_p: float = 1.0,
                    top_k: int = 0, min_p: float = 0.0, prompt_cache=None,
                    prefill_step_size: Optional[int] = None):
     """Answer several prompts decoding together, as `mlx_lm.batch_generate` does: prompts are token-id lists
@@ -292,7 +292,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     max_batch = max_batch or len(ids)
     if not drafter.is_bound:
         drafter.bind(target)
-    policy = policy or build_policy(target, drafter, WidthOptions(width).with_default(), max_batch)
+    policy = policy or build_policy(target, drafter, WidthOptions(width, tree=tree).with_default(), max_batch)
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache, prefill_step_size)
     streams, texts, tokens = {}, [[] for _ in ids], [[] for _ in ids]

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..models.base import DraftModel
 from ..models.target import Target
 from ..policies.width import WidthPolicy
 from .lookup import PromptLookup, with_lookup
 from .sampling import SamplingParams, accept_rows, next_token
+from .tree import TreeVerdict, accept_trees, candidates_with_lookup, grow, tree_verdict
 
 
 class SingleProcess:
@@ -61,6 +63,7 @@ class Round:
     looked_up: int = 0  # of those, how many prompt lookup proposed (decoding/lookup.py)
     logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities, lazy
     plain: bool = False  # a plain target step: the policy skipped the drafter
+    tree: bool = False  # the target verified a tree of drafts (decoding/tree.py), not one path
 
     @property
     def width(self) -> int:
@@ -150,18 +153,20 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     cache, draft_cache: the rows' caches (one request's own at one row; a batch's, models/batch_cache.py).
     ranks: a sharded target's (distributed.py), whose ranks decode the same rows in step.
     Every row verifies the same width W, less where it has fewer tokens left: a batch forward pads its rows
-    to the longest, so a row verifying fewer drafts would cost the same and keep fewer. A row with nothing
-    left to emit must not be here. The caller has told the policy the rows' context (`at_context`)."""
+    to the longest, so a row verifying fewer drafts would cost the same and keep fewer. The W rows are one
+    path of drafts (a chain) or a tree of the drafter's likeliest paths (decoding/tree.py), as the policy
+    chooses. A row with nothing left to emit must not be here. The caller has told the policy the rows'
+    context (`at_context`)."""
     most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
     width = policy.width(len(rows), max(most))
 
     # Draft: one drafter pass over [anchor, MASK...] per row proposes block positions 1..width-1; where a row's
     # first draft is unsure, prompt lookup's copy of its context may replace it. A sampled draft brings its
-    # proposal q. Nothing is evaluated here unless the policy cuts on the confidence: otherwise the drafter
-    # runs in the same evaluation as the verify below.
+    # proposal q. Nothing is evaluated here unless the policy reads the confidence or ranks a tree: otherwise
+    # the drafter runs in the same evaluation as the verify below.
     tic = time.perf_counter()
     # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
-    drafts, proposal, confidence = mx.zeros((len(rows), 0), dtype=mx.int32), None, None
+    drafts, proposal, confidence, trees = mx.zeros((len(rows), 0), dtype=mx.int32), None, None, None
     looked_up = mx.zeros(len(rows), dtype=mx.int32)
     if width > 1:
         # a row draws from its own stream only when it drafts: what it samples never depends on its neighbours
@@ -176,38 +181,90 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         drafts, proposal = draft.ids.astype(mx.int32), draft.proposal
         if draft.looked_up is not None:
             looked_up = draft.looked_up
-        if policy.uses_confidence:
-            confidence, copied = read(draft.confidence, looked_up)
-            width = policy.cut(width, confidence, copied, most)
+        # (ranks in lockstep, a sharded target's, verify chains: they agree on drafts, not on trees)
+        tree = not ranks.lockstep and target.trees and draft.candidates is not None \
+            and policy.trees([r.sampling for r in rows])
+        if policy.uses_confidence or tree:
+            confidence, copied, *top = read(draft.confidence, looked_up, *((drafts, *draft.candidates) if tree else ()))
+            if tree:
+                trees = grow(*candidates_with_lookup(*map(np.array, top), copied), width,
+                             [min(width - 1, n - 1) for n in most])
+                width, tree = policy.cut_tree(width, trees, confidence, copied, most)
+                trees = trees if tree else None
+            else:
+                width = policy.cut(width, confidence, copied, most)
             drafts = drafts[:, : width - 1]
     drafts, confidence = ranks.agree(drafts, confidence)
     width = drafts.shape[1] + 1  # rank 0's, under a sharded target
     draft_seconds = time.perf_counter() - tic
 
-    # Verify: the target scores every row's [anchor, drafts] in one forward; row i judges drafts[i].
-    block = mx.concatenate([mx.array([[r.anchor] for r in rows], dtype=mx.int32), drafts], axis=1)
-    logits, features = target.forward(block, cache)
+    # Verify: the target scores every row's [anchor, drafts] in one forward (a tree's nodes, each at its depth
+    # and seeing its ancestors only); row i judges drafts[i]. Each row's kept path: its node indices.
     limits = [min(width - 1, n - 1) for n in most]
     # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
     keys = [None if r.sampling.greedy else r.first_key if r.first else r.next_key() for r in rows]
-    accepted, bonus = accept_rows(drafts, logits, [r.sampling for r in rows], limits, proposal, keys)
-    drafts, accepted, bonus, copied = read(drafts, accepted, bonus, looked_up)
-    accepted, bonus = ranks.settle(accepted, bonus)
+    if trees is not None and width > 1:
+        v = verify_trees(target, cache, rows, trees, width, most, keys, looked_up)
+    else:
+        v = verify_chains(target, cache, rows, drafts, proposal, limits, keys, looked_up, ranks)
+    logits, features, accepted, bonus, copied = v.logits, v.features, v.accepted, v.bonus, v.looked_up
     policy.observe(confidence, limits, accepted, len(rows), width, draft_seconds,
-                   time.perf_counter() - tic - draft_seconds, copied)
+                   time.perf_counter() - tic - draft_seconds, copied, v.tree)
 
     # Roll back: each row's cache keeps its anchor and accepted drafts, whose features join its context.
     target.trim_rows(cache, [width - 1 - a for a in accepted])
     rounds = []
     for b, r in enumerate(rows):
-        kept = drafts[b][: accepted[b]]
-        r.state.extend([r.anchor] + kept, ranks.whole_features(features[b : b + 1, : accepted[b] + 1]))
+        kept = v.drafts[b][: accepted[b]]
+        path = slice(0, accepted[b] + 1) if v.tree is None else mx.array(v.paths[b])
+        r.state.extend([r.anchor] + kept, ranks.whole_features(features[b : b + 1, path]))
         new = kept + [bonus[b]]
         r.history.extend(new)
         r.anchor, r.remaining, r.first = bonus[b], r.remaining - len(new), False
         looked = min(copied[b], limits[b])
-        rounds.append(Round(new, limits[b], accepted[b], looked, log_softmax(logits[b, : accepted[b] + 1])))
+        rounds.append(Round(new, limits[b], accepted[b], looked, log_softmax(logits[b, path]), tree=v.tree is not None))
     return rounds, width
+
+
+@dataclass
+class Verified:
+    """A verify forward and its verdict, read back: every row's drafts (as lists) and how many it keeps, its next
+    token and looked-up drafts, the node indices of its kept path, and for a tree what its nodes showed."""
+
+    logits: mx.array
+    features: mx.array
+    drafts: list
+    accepted: list
+    bonus: list
+    looked_up: list
+    paths: list
+    tree: Optional[TreeVerdict] = None
+
+
+def verify_chains(target: Target, cache: list, rows: list, drafts: mx.array, proposal, limits: list, keys: list,
+                  looked_up: mx.array, ranks: SingleProcess) -> Verified:
+    """The target's forward over each row's [anchor, drafts], then each row's longest kept prefix."""
+    block = mx.concatenate([mx.array([[r.anchor] for r in rows], dtype=mx.int32), drafts], axis=1)
+    logits, features = target.forward(block, cache)
+    accepted, bonus = accept_rows(drafts, logits, [r.sampling for r in rows], limits, proposal, keys)
+    drafts, accepted, bonus, copied = read(drafts, accepted, bonus, looked_up)
+    accepted, bonus = ranks.settle(accepted, bonus)
+    return Verified(logits, features, drafts, accepted, bonus, copied, [list(range(a + 1)) for a in accepted])
+
+
+def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list,
+                 looked_up: mx.array) -> Verified:
+    """The target's forward over each row's tree of `nodes` nodes (decoding/tree.py), then the walk along it. The
+    kept path's cache entries move to follow the context; the other nodes' go with the round's rollback."""
+    block = trees.first(nodes, [r.anchor for r in rows], [min(nodes, n) for n in most])
+    logits, features = target.forward(mx.array(block.tokens, mx.int32), cache,
+                                      (mx.array(block.depth, mx.int32), mx.array(block.ancestors)))
+    last, bonus, copied = read(*accept_trees(block, logits, [r.sampling for r in rows], keys), looked_up)
+    paths = [block.path(b, n) for b, n in enumerate(last)]
+    target.keep_paths(cache, paths, nodes)
+    drafts = [block.tokens[b, p[1:]].tolist() for b, p in enumerate(paths)]
+    return Verified(logits, features, drafts, [len(p) - 1 for p in paths], bonus, copied, paths,
+                    tree_verdict(block, paths))
 
 
 def speculative_rounds(

@@ -24,6 +24,7 @@ class GenerationStats:
     looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
     drafted_rounds: int = 0  # rounds that verified at least one drafted token
     plain_steps: int = 0  # rounds that were plain target steps (the policy skipped the drafter)
+    tree_rounds: int = 0  # rounds that verified a tree of drafts (decoding/tree.py), not one path
     verify_paths: dict = field(default_factory=dict)  # what serves the verify's matmuls and attention
     routes: list = field(default_factory=list)  # routed verify calls per shape bin (decoding/engine_report.py)
     cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
@@ -61,6 +62,7 @@ class GenerationStats:
         self.looked_up_rounds += rnd.looked_up > 0
         self.drafted_rounds += rnd.drafted > 0
         self.plain_steps += rnd.plain
+        self.tree_rounds += rnd.tree
 
     def summary(self, verbose: bool = False) -> str:
         """The statistics, as the CLI prints them; verbose adds what served the generation
@@ -77,7 +79,7 @@ class GenerationStats:
             f"{self.rounds} rounds, tau {tau} (block {self.block_size}, verify width <= {self.max_width})",
             f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
             "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths))
-            + f"; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
+            + f"; trees in {self.tree_rounds}; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
             f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",
         ]
         return "\n".join(lines + (engine_lines(self) if verbose else []))

@@ -9,6 +9,10 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 
+# A drafter's candidates per block position for a draft tree (decoding/tree.py): the tree's gain was measured
+# with 4 (docs/benchmarks.md).
+TREE_CANDIDATES = 4
+
 
 @dataclass
 class Draft:
@@ -21,6 +25,9 @@ class Draft:
     # None when every draft is a point mass (argmax proposals).
     proposal: Optional[tuple] = None
     looked_up: Optional[mx.array] = None  # [B] leading positions copied by prompt lookup (decoding/lookup.py), lazy
+    # (ids [B, n, k], probs [B, n, k]): each position's k likeliest tokens and their probabilities, for a draft
+    # tree (decoding/tree.py); lazy, so computed only when a round reads them. None: the drafter has none.
+    candidates: Optional[tuple] = None
 
     @property
     def tokens(self) -> list:

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import DFlashError
-from .base import Draft
+from .base import TREE_CANDIDATES, Draft
 from .batch_cache import is_ragged
 from .config import DFlashConfig
 
@@ -328,8 +328,12 @@ class DFlashDraftModel(nn.Module):
         (point masses: see decoding/sampling.py); with a draft vocabulary, confidence is the probability
         within it."""
         logits = self.draft_logits(hidden)
-        confidence = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1)
-        return Draft(self.draft_tokens(logits), confidence)
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        k = min(TREE_CANDIDATES, probs.shape[-1])
+        top = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        ids = top if self._draft_vocab is None else self._draft_vocab[top]
+        return Draft(self.draft_tokens(logits), probs.max(axis=-1),
+                     candidates=(ids.astype(mx.int32), mx.take_along_axis(probs, top, axis=-1)))
 
     def sanitize(self, weights: dict, where: str) -> dict:
         """Checkpoint tensor names -> this module tree's names."""

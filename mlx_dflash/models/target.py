@@ -21,6 +21,7 @@ from .config import DFlashConfig
 from ..errors import DFlashError
 from ..machine import prefill_step
 from .rollback import find_recurrent, taping
+from .tree_verify import keep_paths, tree_forward
 from ..kernels.verify_attention import install_sites, routing
 
 
@@ -291,19 +292,42 @@ class Target:
             for i, layer in originals.items():
                 layers[i] = layer
 
-    def forward(self, ids: mx.array, cache: list):
-        """Run ids [1, L] through the model. Returns (logits [1, L, V], features [1, L, n*H]).
+    def forward(self, ids: mx.array, cache: list, tree: Optional[tuple] = None):
+        """Run ids [B, L] through the model. Returns (logits [B, L, V], features [B, L, n*H]).
 
         Features are the captured layer outputs concatenated in `layer_ids` order, the order the
         drafter's `fc` expects. On a hybrid target the call is taped, so that `trim` can rewind it; with
         `install_attention_kernel`, its attention runs through our multi-row kernel where that is faster.
+        tree: (depth [B, L], ancestors [B, L, L]) when ids are draft trees' nodes (tree_verify.py): each at its
+        own position, seeing its ancestors only. Afterwards `keep_paths` says which nodes stay.
         """
         sites = self._recurrent if cache is not None else []
-        with taping(sites) as tapes, routing(*self._attention):
-            logits, features = self._run(ids, cache)
+        if tree is not None and not self.trees:
+            raise DFlashError("this target verifies chains only (its recurrent layers cannot read a tree)")
+        with taping(sites) as tapes, routing(*self._attention), self._tree(cache, tree) as view:
+            logits, features = self._run(ids, view)
         self._pending = (cache, ids.shape[1], tapes) if tapes else None
         self._quantize_due(cache)
         return logits, features
+
+    @property
+    def trees(self) -> bool:
+        """Whether the target can verify draft trees: attention layers only (a recurrent layer reads its inputs
+        in order, one path)."""
+        return self.trimmable
+
+    @contextmanager
+    def _tree(self, cache: list, tree: Optional[tuple]):
+        if tree is None:
+            yield cache
+            return
+        with tree_forward(self._inner.layers, cache, *tree) as view:
+            yield view
+
+    def keep_paths(self, cache: list, paths: list, nodes: int):
+        """After a tree forward of `nodes` nodes a row: row b's path of nodes paths[b] moves to follow its
+        context (tree_verify.py); trim_rows then drops the rest."""
+        keep_paths(cache, paths, nodes)
 
     def _run(self, ids: mx.array, cache: list):
         with self._recording() as sink:

@@ -42,6 +42,8 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ..errors import DFlashError
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
                            probe_costs, read_cost_table, running, table_context_costs, table_costs)
@@ -54,8 +56,8 @@ class DCutPolicy(WidthPolicy):
     EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
     def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None, max_batch: int = 1):
-        super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup)
+                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None, max_batch: int = 1, tree=None):
+        super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup, tree)
         # what the probe or table says for every batch size up to the largest measured or served; each learns
         # on its own
         self.guessed = {b: {w: between(costs, b, w) for w in costs[max(costs)]}
@@ -72,6 +74,17 @@ class DCutPolicy(WidthPolicy):
         self.cuts = 0
         self.context_costs = context_costs  # None: costs do not change with the context
         self.growth = {w: 1.0 for w in self.guessed[1]}
+        self.tree_expected = {}  # the last tree round's expected tokens by its nodes
+        self.tree_cost = 1.0  # a tree verify's time over a chain's of as many rows, as timed
+
+    def trees(self, samplings: list) -> bool:
+        """Greedy rounds verify trees unless told not to: the best-scored tree of n nodes holds the chain of n
+        as one choice among all, so it expects at least the chain's tokens. A sampled row's walk accepts a node
+        only where the target's own draw lands on it, below the chain's rejection sampling: those verify chains
+        unless trees are asked for."""
+        if self.tree is not None:
+            return self.tree
+        return all(s.greedy for s in samplings)
 
     @property
     def uses_confidence(self) -> bool:
@@ -139,24 +152,57 @@ class DCutPolicy(WidthPolicy):
 
     def cut(self, width: int, confidence: list, copied: list, remaining: list) -> int:
         width = super().cut(width, confidence, copied, remaining)  # p-min / n-min first, when given
-        rates = {w: self.rate(confidence, copied, remaining, w) for w in range(1, width + 1)}
+        return self.choose({w: self.rate(confidence, copied, remaining, w) for w in range(1, width + 1)},
+                           len(confidence))
+
+    def cut_tree(self, width: int, trees, confidence: list, copied: list, remaining: list) -> tuple:
+        """As `cut`, choosing between a chain and a tree of each size: a tree of n nodes expects 1 + the sum of
+        its n - 1 best nodes' chances of being reached (each the product of its path's calibrated acceptances,
+        policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times the running ratio of
+        tree verifies' times to chains' (its mask and per-node positions). Returns (rows, tree or not)."""
+        width = WidthPolicy.cut(self, width, confidence, copied, remaining)
+        accept = self.calibration.node_acceptance(trees.probs, trees.depth, copied) * trees.alive
+        reach = np.zeros_like(accept)
+        for r in range(accept.shape[1]):  # parents rank before their children
+            parent = trees.parents[:, r]
+            above = np.where(parent >= 0, reach[np.arange(len(parent)), np.maximum(parent, 0)], 1.0)
+            reach[:, r] = accept[:, r] * above
+        totals = np.concatenate([[0.0], np.cumsum(reach.sum(axis=0))])  # the batch's, by nodes past the anchor
+        batch = len(confidence)
+        self.tree_expected = {w: batch + totals[w - 1] for w in range(1, width + 1)}
+        rates = {(w, False): self.rate(confidence, copied, remaining, w) for w in range(1, width + 1)}
+        rates.update({(w, True): self.tree_expected[w] / (self.draft_seconds + self.cost(batch, w) * self.tree_cost)
+                      for w in range(2, width + 1)})
+        best = max(rates, key=rates.get)
+        chosen = self.choose({w: rates[w, tree] for w, tree in rates if tree == best[1]}, batch)
+        return chosen, best[1] and chosen > 1
+
+    def choose(self, rates: dict, batch: int) -> int:
+        """The width of the best rate, or now and then a near-best one timed least so far."""
         best = max(rates, key=rates.get)
         self.cuts += 1
-        timed = self.timed.get(len(confidence))
+        timed = self.timed.get(batch)
         if self.cuts % self.EXPLORE_EVERY or timed is None:
             return best
         # now and then a near-best width timed least so far: costs are measured, not left at the probe's guess
         near = [w for w in rates if rates[w] >= (1 - self.EXPLORE_LOSS) * rates[best]]
         return min(near, key=lambda w: (timed[w], -rates[w]))
 
-    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied):
+    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied, tree=None):
         a = self.SMOOTHING
         if confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
             plain = batch / self.cost(batch, 1)
-            self.gain = running(self.gain, self.rate(confidence, copied, [n + 1 for n in limits], width) / plain, a)
+            if tree is not None:
+                rate = self.tree_expected[width] / (self.draft_seconds + self.cost(batch, width) * self.tree_cost)
+                self.calibration.record_nodes(tree, copied)
+                self.tree_cost = running(self.tree_cost, verify_seconds / self.cost(batch, width), a)
+                verify_seconds /= self.tree_cost  # its cell keeps a chain's time
+            else:
+                rate = self.rate(confidence, copied, [n + 1 for n in limits], width)
+                for conf, n, kept, lookup in zip(confidence, limits, accepted, copied):
+                    self.calibration.record(conf, n, kept, min(int(lookup), n))
+            self.gain = running(self.gain, rate / plain, a)
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
-            for conf, n, kept, lookup in zip(confidence, limits, accepted, copied):
-                self.calibration.record(conf, n, kept, min(int(lookup), n))
             if width >= self.drafted:  # it wanted every position it had: the next draft gets them all
                 self.chosen.clear()
             else:
@@ -244,7 +290,7 @@ def build_policy(target, drafter, options: Optional[WidthOptions] = None, max_ba
         notes.append(f"quantized model: D-cut verifies up to {fixed.max_width} rows a request, each round's width "
                      "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
     return DCutPolicy(fixed.block_size, fixed.max_width, costs, notes, options.p_min, options.n_min,
-                      options.prompt_lookup, context_costs, max_batch)
+                      options.prompt_lookup, context_costs, max_batch, options.tree)
 
 
 _PROBED = weakref.WeakKeyDictionary()  # target -> {(max_batch, max_width): (costs, context costs)}

@@ -52,6 +52,17 @@ class WidthPolicy:
     p_min: float = 0.0
     n_min: int = 0
     prompt_lookup: bool = True
+    tree: Optional[bool] = None  # verify draft trees: True always, False never, None as the policy chooses
+
+    def trees(self, samplings: list) -> bool:
+        """Whether this round may verify a tree of drafts (decoding/tree.py) rather than one path: a fixed width
+        verifies a path unless trees are asked for."""
+        return bool(self.tree)
+
+    def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list) -> tuple:
+        """(rows to verify, anchor included; whether they are the ranked `trees`' best nodes (tree.py `Trees`) or a
+        chain), where the round may verify a tree; the arguments after `trees` as `cut` takes them."""
+        return self.cut(width, confidence, looked_up, remaining), True
 
     @property
     def uses_confidence(self) -> bool:
@@ -97,9 +108,10 @@ class WidthPolicy:
         return 1 if drafts < self.n_min else drafts + 1
 
     def observe(self, confidence, limits: list, accepted: list, rows: int, width: int, draft_seconds: float,
-                verify_seconds: float, looked_up: list):
+                verify_seconds: float, looked_up: list, tree=None):
         """What a round showed: the confidence it read (None: none), each row's drafts verified (`limits`) and
-        kept, the round's rows and width, its times, and each row's looked-up drafts. Fixed widths ignore it."""
+        kept, the round's rows and width, its times, each row's looked-up drafts, and for a tree its nodes'
+        verdict (tree.py `TreeVerdict`). Fixed widths ignore it."""
 
 
 def make_policy(
@@ -112,6 +124,7 @@ def make_policy(
     p_min: float = 0.0,
     n_min: int = 0,
     prompt_lookup: bool = True,
+    tree: Optional[bool] = None,
 ) -> WidthPolicy:
     """The fixed-width policy for a drafter and target, with the quantized-verification rule applied.
 
@@ -133,7 +146,7 @@ def make_policy(
             f"{trained_block_size}, so use 1..{trained_block_size}"
         )
     policy = WidthPolicy(block_size=trained_block_size, max_width=width, p_min=p_min, n_min=n_min,
-                         prompt_lookup=prompt_lookup)
+                         prompt_lookup=prompt_lookup, tree=tree)
     if quantized and width > QUANTIZED_MAX_WIDTH and not wide_kernels:
         if force_width:
             policy.notes.append(
@@ -179,6 +192,27 @@ class Calibration:
             survive *= self.looked_up_acceptance(k) if k < looked_up else self.calibrated(c)
             expected += survive
         return expected
+
+    def node_acceptance(self, probs: np.ndarray, depth: np.ndarray, looked_up: list) -> np.ndarray:
+        """The chance that each tree node is kept once its parent was: by its drafter probability, as
+        `calibrated`; lookup's by position for the nodes prompt lookup copied (depth <= looked_up[b])."""
+        b = np.minimum((probs * self.BINS).astype(int), self.BINS - 1)
+        drafted = (self.hits[b] + self.PRIOR * probs) / (self.trials[b] + self.PRIOR)
+        k = np.clip(depth - 1, 0, len(self.lookup_hits) - 1)
+        prior = np.array(ACCEPTANCE_PRIOR)[np.minimum(k, len(ACCEPTANCE_PRIOR) - 1)]
+        copied = (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
+        return np.where(depth <= np.array(looked_up)[:, None], copied, drafted)
+
+    def record_nodes(self, verdict, looked_up: list):
+        """A tree round's verdict (tree.py `TreeVerdict`): every node judged, kept or not."""
+        copied = verdict.depth <= np.array(looked_up)[:, None]
+        judged, kept = verdict.judged, verdict.reached
+        b = np.minimum((verdict.probs * self.BINS).astype(int), self.BINS - 1)
+        np.add.at(self.trials, b[judged & ~copied], 1)
+        np.add.at(self.hits, b[judged & kept & ~copied], 1)
+        k = np.clip(verdict.depth - 1, 0, len(self.lookup_hits) - 1)
+        np.add.at(self.lookup_trials, k[judged & copied], 1)
+        np.add.at(self.lookup_hits, k[judged & kept & copied], 1)
 
     def record(self, confidence: list, drafted: int, accepted: int, looked_up: int = 0):
         """A round's verdict. Drafts up to the first rejection were judged; later ones say nothing."""
@@ -228,6 +262,7 @@ class WidthOptions:
     n_min: int = 0
     cost_table: Optional[str] = None
     prompt_lookup: bool = True
+    tree: Optional[bool] = None
 
     def __post_init__(self):
         width, n_max = self.width, self.n_max
@@ -271,6 +306,7 @@ def fixed_policy(target, drafter, options: WidthOptions = WidthOptions(), quanti
         p_min=options.p_min,
         n_min=options.n_min,
         prompt_lookup=options.prompt_lookup,
+        tree=options.tree,
     )
 
 

@@ -1,0 +1,209 @@
+"""Draft trees (DDTree, arXiv 2604.12989): verify the drafter's likeliest continuations, not one path.
+
+One drafter pass gives, at each block position j, its k likeliest tokens with their probabilities. A path's
+score is the product of its tokens' probabilities (the positions are drafted independently, so a node at depth
+d has as children the candidates of position d + 1, whatever the path). The tree of n nodes the target verifies
+is the anchor and the n - 1 best-scored paths; since a child never scores above its parent, those are a tree
+(every node's parent among them), and the tree of a smaller budget is a prefix of the same order: `grow` ranks
+once, `Trees.first` takes any budget of it.
+
+The target scores every node in one forward (models/tree_verify.py); `accept_trees` then walks each row from
+the root: at each node the target's own token (argmax for greedy; a draw with the row's sampler), on to the
+child holding it, and where no child does, that token is the round's bonus. Every token emitted is the target's
+choice at its own prefix, so greedy output is the target's and sampled output is distributed as the target's.
+
+Ranking runs on the host over numpy arrays a row at a time in parallel, one depth per step (no Python loop
+over nodes): the policy has read the drafter's confidence by then, and a tree's shape is host data anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .sampling import filtered_logprobs
+
+NODE_KEYS = 64  # a seeded row's key splits into this many, one for each node of its tree
+
+
+@dataclass
+class Trees:
+    """B rows' trees in rank order (best-scored first; node 0, the anchor, is not ranked): for ranked node r of
+    row b, its token, its parent (an index into the ranked nodes, -1: the anchor), its depth (1 = the first
+    draft) and its drafter probability (of that token at that depth); `alive` is False where a row had fewer
+    candidates than nodes asked for (never accepted)."""
+
+    tokens: np.ndarray  # [B, M]
+    parents: np.ndarray  # [B, M]
+    depth: np.ndarray  # [B, M]
+    probs: np.ndarray  # [B, M]
+    alive: np.ndarray  # [B, M]
+
+    def first(self, nodes: int, anchors: list, caps: list) -> "TreeBlock":
+        """The trees of `nodes` rows each (the anchor and the nodes - 1 best), as the verify forward takes them:
+        row b's first caps[b] alive (what it would verify alone, with fewer tokens left than the batch's widest
+        row), in depth order (every parent before its children), then its dead ones. A row's alive nodes so
+        sit where they would alone, and a seeded row draws at each from the same key (`accept_trees`)."""
+        m = nodes - 1
+        B = len(anchors)
+        alive = self.alive[:, :m] & (np.arange(m)[None] < np.array(caps)[:, None] - 1)
+        depth = self.depth[:, :m]
+        order = np.argsort(np.where(alive, depth, depth + nodes), axis=1, kind="stable")  # ranked node per position
+        where = np.empty_like(order)
+        np.put_along_axis(where, order, np.arange(1, m + 1)[None].repeat(B, 0), axis=1)
+        rank_parent = np.take_along_axis(self.parents[:, :m], order, axis=1)
+        position_of = np.concatenate([np.zeros((B, 1), np.int64), where], axis=1)  # rank + 1 -> position
+        parents = np.take_along_axis(position_of, rank_parent + 1, axis=1)
+
+        def placed(x: np.ndarray, root) -> np.ndarray:
+            return np.concatenate([np.full((B, 1), root, x.dtype), np.take_along_axis(x[:, :m], order, axis=1)], axis=1)
+
+        return TreeBlock(
+            tokens=np.concatenate([np.array(anchors)[:, None], placed(self.tokens, 0)[:, 1:]], axis=1),
+            parents=np.concatenate([np.full((B, 1), -1), parents], axis=1),
+            depth=placed(self.depth, 0),
+            alive=placed(alive, True),
+            probs=placed(self.probs, 1.0),
+        )
+
+
+@dataclass
+class TreeBlock:
+    """The block a tree verify feeds: B rows of N nodes, node 0 the anchor, every parent before its children."""
+
+    tokens: np.ndarray  # [B, N]
+    parents: np.ndarray  # [B, N], -1 for the anchor
+    depth: np.ndarray  # [B, N]
+    alive: np.ndarray  # [B, N]
+    probs: np.ndarray  # [B, N] the drafter's probability of each node's token at its depth (1 for the anchor)
+
+    @property
+    def ancestors(self) -> np.ndarray:
+        """[B, N, N]: node j is node i or one of its ancestors."""
+        B, N = self.parents.shape
+        out = np.zeros((B, N, N), bool)
+        rows = np.arange(B)
+        for i in range(N):  # parents come first, so their rows are complete
+            out[:, i, i] = True
+            if i:
+                out[:, i] |= out[rows, self.parents[:, i]]
+        return out
+
+    def path(self, b: int, last: int) -> list:
+        """Node indices from the anchor to `last` in row b."""
+        nodes = [last]
+        while nodes[-1] > 0:
+            nodes.append(int(self.parents[b, nodes[-1]]))
+        return nodes[::-1]
+
+
+@dataclass
+class TreeVerdict:
+    """What a tree round showed, for the policy to learn from: each node's drafter probability and depth, and
+    whether it was judged (its parent was reached, so the target's pick there decided it) and reached."""
+
+    probs: np.ndarray  # [B, N]
+    depth: np.ndarray  # [B, N]
+    judged: np.ndarray  # [B, N]
+    reached: np.ndarray  # [B, N]
+
+
+def tree_verdict(block: TreeBlock, paths: list) -> TreeVerdict:
+    B, N = block.tokens.shape
+    reached = np.zeros((B, N), bool)
+    for b, path in enumerate(paths):
+        reached[b, path] = True
+    parent_reached = np.take_along_axis(reached, np.maximum(block.parents, 0), axis=1)
+    judged = parent_reached & block.alive & (np.arange(N) > 0)[None]
+    return TreeVerdict(block.probs, block.depth, judged, reached)
+
+
+def candidates_with_lookup(drafts: np.ndarray, ids: np.ndarray, probs: np.ndarray, looked_up: list) -> tuple:
+    """The candidates (ids, probs [B, n, k]) where prompt lookup's copy replaced a row's leading positions: the
+    copied token alone (probability 1), so the tree runs along the copy and branches after it."""
+    ids, probs = ids.copy(), probs.copy()
+    for b, n in enumerate(looked_up):
+        if n:
+            ids[b, :n, 0] = drafts[b, :n]
+            probs[b, :n, 0] = 1.0
+            probs[b, :n, 1:] = 0.0
+    return ids, probs
+
+
+def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list) -> Trees:
+    """Rank each row's best `nodes` - 1 paths from its candidates (ids, probs [B, n, k]: position j's k
+    likeliest tokens), row b's no deeper than depths[b]. Best-first by the product of probabilities: at each
+    depth only the m = nodes - 1 best so far can have ranked children, so a beam of m per depth finds them."""
+    B, n, k = ids.shape
+    m = nodes - 1
+    with np.errstate(divide="ignore"):
+        logp = np.log(probs.astype(np.float64))
+    scores, parents, tokens, depth, prob = [], [], [], [], []
+    beam_score = np.zeros((B, 1))
+    beam_index = np.full((B, 1), -1)  # the anchor
+    offset = 0  # index of the first candidate of this depth in the concatenation
+    for d in range(min(n, max(depths, default=0))):
+        child = (beam_score[:, :, None] + logp[:, d][:, None, :]).reshape(B, -1)  # [B, P * k]
+        # a tie between a child and its parent (probability 1) ranks the parent first: deeper costs a hair
+        child = child - 1e-9 * (d + 1)
+        child[np.array(depths) <= d] = -np.inf
+        keep = np.argsort(-child, axis=1, kind="stable")[:, :m]
+        width = keep.shape[1]
+        parent_slot, cand = keep // k, keep % k
+        scores.append(np.take_along_axis(child, keep, axis=1))
+        parents.append(np.take_along_axis(beam_index, parent_slot, axis=1))
+        tokens.append(np.take_along_axis(ids[:, d], cand, axis=1))
+        prob.append(np.take_along_axis(probs[:, d], cand, axis=1))
+        depth.append(np.full((B, width), d + 1))
+        beam_score, beam_index = scores[-1], offset + np.arange(width)[None].repeat(B, 0)
+        offset += width
+    if not scores:
+        raise ValueError("a tree needs at least one position to draft")
+    scores, parents, tokens, depth, prob = (np.concatenate(x, axis=1) for x in (scores, parents, tokens, depth, prob))
+    rank = np.argsort(-scores, axis=1, kind="stable")[:, :m]
+    if rank.shape[1] < m:  # fewer candidates than nodes: pad with dead ones
+        rank = np.concatenate([rank, rank[:, :1].repeat(m - rank.shape[1], 1)], axis=1)
+    rank_of = np.full((B, scores.shape[1] + 1), -1)  # candidate index + 1 -> rank (-1: the anchor, or unranked)
+    np.put_along_axis(rank_of, rank + 1, np.arange(m)[None].repeat(B, 0), axis=1)
+    alive = np.isfinite(np.take_along_axis(scores, rank, axis=1))
+    alive[:, 1:] &= rank[:, 1:] != rank[:, :1]  # padding repeats the first
+    return Trees(
+        tokens=np.take_along_axis(tokens, rank, axis=1),
+        parents=np.take_along_axis(rank_of, np.take_along_axis(parents, rank, axis=1) + 1, axis=1),
+        depth=np.take_along_axis(depth, rank, axis=1),
+        probs=np.take_along_axis(prob, rank, axis=1),
+        alive=alive,
+    )
+
+
+def accept_trees(block: TreeBlock, logits: mx.array, samplings: list, keys: list) -> tuple:
+    """(deepest accepted node [B], the token the target picks there [B]), lazy: each row's walk from the root
+    (module docstring). A greedy row picks argmax at every node; a sampled row draws at every node from its
+    filtered distribution (its own random stream keys[b], else MLX's global one): draws at distinct nodes are
+    independent, and the walk uses each at most once, so every emitted token is drawn as the target draws it."""
+    B, N = block.tokens.shape
+    picks = []
+    for b, params in enumerate(samplings):
+        if params.greedy:
+            picks.append(mx.argmax(logits[b], axis=-1))
+            continue
+        scaled = filtered_logprobs(logits[b], params) * (1 / params.temperature)
+        if keys[b] is None:
+            picks.append(mx.random.categorical(scaled))
+            continue
+        # a seeded row: the anchor's draw with its key (as a round with nothing drafted draws it), node i's with
+        # the i-th of a fixed split, whatever the batch's tree size
+        node_keys = mx.random.split(keys[b], max(NODE_KEYS, N))
+        picks.append(mx.stack([mx.random.categorical(scaled[0], key=keys[b])]
+                              + [mx.random.categorical(scaled[i], key=node_keys[i]) for i in range(1, N)]))
+    picks = mx.stack(picks).astype(mx.int32)  # [B, N]
+    parents = mx.array(np.maximum(block.parents, 0))
+    tokens = mx.array(block.tokens, mx.int32)
+    matches = (mx.take_along_axis(picks, parents, axis=1) == tokens) & mx.array(block.alive)
+    matches = matches | (mx.arange(N) == 0)[None]  # the anchor is always there
+    ancestors = mx.array(block.ancestors)
+    reached = mx.all(mx.where(ancestors, matches[:, None, :], True), axis=2)  # [B, N]
+    last = mx.argmax(mx.where(reached, mx.array(block.depth) + 1, 0), axis=1)
+    return last, mx.take_along_axis(picks, last[:, None], axis=1)[:, 0]

@@ -1,0 +1,314 @@
+"""Draft trees (decoding/tree.py, models/tree_verify.py): each node's logits are those of a plain forward of its
+path, the kept path's cache is plain decoding's, ranking is best-first, and decoding with trees is lossless."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from test_families import assert_arrays_close, cache_arrays
+from tiny_families import FAMILIES, HYBRIDS, PROMPT, bound_pair, tiny_model
+from mlx_dflash.decoding.tree import TreeBlock, Trees, grow
+
+TREE_FAMILIES = [f for f in FAMILIES if f not in HYBRIDS]
+# parents of a 9-node tree, every parent before its children: branches at the root and deeper
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
+
+
+def block_of(parents: list, tokens: list) -> TreeBlock:
+    depth = [0]
+    for p in parents[1:]:
+        depth.append(depth[p] + 1)
+    n = len(parents)
+    return TreeBlock(np.array([tokens]), np.array([parents]), np.array([depth]), np.ones((1, n), bool), np.ones((1, n)))
+
+
+def device_tree(block: TreeBlock) -> tuple:
+    return mx.array(block.depth, mx.int32), mx.array(block.ancestors)
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+def test_every_node_scores_as_a_plain_forward_of_its_path_and_the_kept_path_is_plain_decoding(family):
+    """Past the sliding windows (8) of the families that have them: the context is 12 + 9 tokens."""
+    model = tiny_model(family)
+    target, _ = bound_pair(model)
+    mx.random.seed(3)
+    context = PROMPT + mx.random.randint(0, target.vocab_size, (9,)).tolist()
+    tokens = mx.random.randint(0, target.vocab_size, (len(PARENTS),)).tolist()
+    block = block_of(PARENTS, tokens)
+
+    cache = target.make_cache()
+    target.prefill(mx.array(context), cache)
+    logits, features = target.forward(mx.array(block.tokens), cache, device_tree(block))
+    for i in range(len(PARENTS)):
+        path = block.path(0, i)
+        plain = target.make_cache()
+        target.prefill(mx.array(context), plain)
+        want_logits, want_features = target.forward(mx.array([[tokens[j] for j in path]]), plain)
+        assert_arrays_close([logits[0, i], features[0, i]], [want_logits[0, -1], want_features[0, -1]],
+                            f"{family} node {i} (path {path})")
+
+    kept = block.path(0, 8)  # 0 -> 2 -> 6 -> 8
+    target.keep_paths(cache, [kept], len(PARENTS))
+    target.trim(cache, len(PARENTS) - len(kept))
+    plain = target.make_cache()
+    target.prefill(mx.array(context + [tokens[j] for j in kept] + [0]), plain)
+    target.trim(plain, 1)
+    assert_arrays_close(cache_arrays(cache), cache_arrays(plain), f"{family} cache after the kept path")
+
+
+def brute_force_best(probs: np.ndarray, m: int) -> list:
+    """The m best-scored paths (as tuples of candidate indices) of one row's candidates, by enumeration."""
+    n, k = probs.shape
+    paths = [()]
+    for d in range(n):
+        paths += [p + (c,) for p in paths if len(p) == d for c in range(k)]
+    scored = sorted(paths[1:], key=lambda p: -np.prod([probs[j, c] for j, c in enumerate(p)]))
+    return scored[:m]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_ranking_is_best_first_and_every_prefix_of_it_is_a_tree(seed):
+    rng = np.random.default_rng(seed)
+    B, n, k, m = 3, 4, 3, 12
+    probs = rng.dirichlet(np.ones(8), size=(B, n))[:, :, :k]
+    ids = np.arange(B * n * k).reshape(B, n, k)  # token = which candidate, to read paths back
+    trees = grow(ids, probs, m + 1, [n] * B)
+    for b in range(B):
+        want = brute_force_best(probs[b], m)
+        got = []
+        for r in range(m):
+            path, node = [], r
+            while node >= 0:
+                path.append(int(trees.tokens[b, node]) % k)
+                assert trees.parents[b, node] < node  # a parent ranks before its children
+                node = trees.parents[b, node]
+            got.append(tuple(path[::-1]))
+        want_scores = [np.prod([probs[b, j, c] for j, c in enumerate(p)]) for p in want]
+        got_scores = [np.prod([probs[b, j, c] for j, c in enumerate(p)]) for p in got]
+        np.testing.assert_allclose(got_scores, want_scores)
+        assert len(set(got)) == m
+
+
+def test_a_row_that_may_emit_little_gets_a_shallow_tree_whose_extra_nodes_are_dead():
+    probs = np.full((2, 5, 2), 0.5)
+    ids = np.arange(20).reshape(2, 5, 2)
+    trees = grow(ids, probs, 9, [5, 1])
+    assert trees.depth[1][trees.alive[1]].max() == 1 and trees.alive[1].sum() == 2
+    assert trees.alive[0].all() and trees.depth[0].max() <= 5
+    block = trees.first(9, [7, 7], [9, 9])
+    assert (block.parents[:, 1:] < np.arange(1, 9)).all()
+    assert list(block.depth[0]) == sorted(block.depth[0])
+
+
+def tree_emitted(target, drafter, prompt, width, max_tokens, sampling=None, tree=True):
+    from mlx_dflash.decoding.decoder import speculative_rounds
+    from mlx_dflash.decoding.sampling import SamplingParams
+    from mlx_dflash.policies.width import make_policy
+
+    policy = make_policy(drafter.block_size, width, tree=tree)
+    rounds = list(speculative_rounds(target, drafter, mx.array(prompt), policy, sampling or SamplingParams(),
+                                     max_tokens))
+    return [t for r in rounds for t in r.tokens], rounds
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+@pytest.mark.parametrize("width", [2, 5, 16])
+def test_greedy_with_trees_forced_equals_mlx_lm_on_every_family(family, width):
+    from conftest import mlx_lm_greedy
+
+    model = tiny_model(family)
+    target, drafter = bound_pair(model, block_size=16)
+    want = mlx_lm_greedy(model, PROMPT, 24)
+    got, rounds = tree_emitted(target, drafter, PROMPT, width, 24)
+    assert got == want, f"{family} at width {width}"
+    assert all(r.tree for r in rounds[1:] if r.drafted)
+
+
+class SecondChoice:
+    """Wraps an OracleDrafter: its planted wrong token ranks first (probability 0.6) and the target's true
+    token second (0.3), so a chain keeps nothing where a tree keeps the second choice."""
+
+    def __init__(self, oracle, truth: list, prompt_len: int):
+        self.oracle, self.truth, self.prompt_len = oracle, truth, prompt_len
+
+    def __getattr__(self, name):
+        return getattr(self.oracle, name)
+
+    def draft(self, anchors, contexts, cache, block_size, width, samplings, keys=None):
+        from mlx_dflash.models.base import Draft
+
+        draft = self.oracle.draft(anchors, contexts, cache, block_size, width, samplings, keys)
+        start = self.oracle.seen - self.prompt_len + 1
+        true = [self.truth[i] if i < len(self.truth) else 0 for i in range(start, start + width - 1)]
+        wrong = draft.ids[0].tolist()
+        others = [[(t + 2) % 211, (t + 3) % 211] for t in true]
+        ids = mx.array([[[w, t, *o] for w, t, o in zip(wrong, true, others)]], dtype=mx.int32)
+        probs = mx.broadcast_to(mx.array([0.6, 0.3, 0.05, 0.05]), ids.shape)
+        return Draft(draft.ids, mx.full(draft.ids.shape, 0.6), candidates=(ids, probs))
+
+
+def test_a_tree_keeps_the_true_token_the_drafter_ranked_second_where_a_chain_keeps_nothing():
+    from conftest import mlx_lm_greedy
+    from oracles import OracleDrafter
+
+    model = tiny_model("llama")
+    target, real = bound_pair(model)
+    want = mlx_lm_greedy(model, PROMPT, 20)
+    every = set(range(40))  # the oracle's first choice is wrong everywhere
+    chain_drafter = SecondChoice(OracleDrafter(real.config, len(PROMPT), want, every).bind(target), want, len(PROMPT))
+    got, rounds = tree_emitted(target, chain_drafter, PROMPT, 4, 20, tree=False)
+    assert got == want and all(r.accepted == 0 for r in rounds[1:])
+    tree_drafter = SecondChoice(OracleDrafter(real.config, len(PROMPT), want, every).bind(target), want, len(PROMPT))
+    got, rounds = tree_emitted(target, tree_drafter, PROMPT, 4, 20)
+    # 3 nodes past the anchor: the two best depth-1 candidates (0.6, 0.3) and the first's first child (0.36): the
+    # true token at depth 1 is kept every round, no deeper (the last rounds, with fewer tokens left, verify fewer)
+    full = [r for r in rounds if r.drafted == 3]
+    assert got == want and len(full) >= 6 and all(r.accepted == 1 and r.tree for r in full)
+
+
+@pytest.fixture(scope="module")
+def chat_pairs(tiny_chat_pair):
+    from test_batch import bound
+    from tiny_families import tiny_chat_target
+
+    llama, tokenizer, drafter = tiny_chat_pair
+    kv8 = tiny_chat_target("llama", llama.vocab_size, seed=5, num_hidden_layers=4, hidden_size=128,
+                           tie_word_embeddings=True)
+    kv8.quantize_kv(8, group_size=32, start=16)
+    return {"dense": (llama, drafter, tokenizer), "kv8": (kv8, bound(kv8), tokenizer)}
+
+
+LIMITS = [20, 7, 15, 3, 12]
+
+
+@pytest.mark.parametrize("name", ["dense", "kv8"])
+def test_batched_trees_give_each_request_its_single_output(chat_pairs, name):
+    """Each row its own tree in one padded forward, rows of their own lengths, rows leaving: every request's
+    greedy tokens are those of a chain alone (the target's own), trees forced at widths 3 and 8, and D-cut's."""
+    from conftest import PROMPTS, chat_ids
+    from mlx_dflash.decoding.batch_decoder import batch_generate
+    from mlx_dflash.generate import generate
+
+    target, drafter, tokenizer = chat_pairs[name]
+    ids = [chat_ids(tokenizer, p) for p in PROMPTS[: len(LIMITS)]]
+    want = [generate(target, drafter, tokenizer, p, max_tokens=n, width=4, tree=False).tokens
+            for p, n in zip(ids, LIMITS)]
+    for width in (3, 8, "auto"):
+        got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3, width=width,
+                             tree=None if width == "auto" else True)
+        assert got.token_ids == want, (name, width)
+        assert sum(s.tree_rounds for s in got.stats) > 0 and max(got.batch.rows) == 3
+    alone = [generate(target, drafter, tokenizer, p, max_tokens=n, width=8, tree=True) for p, n in zip(ids, LIMITS)]
+    assert [a.tokens for a in alone] == want and all(a.stats.tree_rounds > 0 for a in alone)
+
+
+def test_a_prefix_cache_state_left_by_tree_rounds_continues_exactly(chat_pairs):
+    """A second turn starts from the state the first turn's tree rounds left (its kept paths' keys and the
+    drafter's context): its tokens are those of a fresh run."""
+    from conftest import chat_ids
+    from mlx_dflash.decoding.prompt_cache import PromptCache
+    from mlx_dflash.generate import generate
+
+    target, drafter, tokenizer = chat_pairs["dense"]
+    first = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
+    cache = PromptCache("tiny", target.trimmable)
+    turn = generate(target, drafter, tokenizer, first, max_tokens=16, width=8, tree=True, prompt_cache=cache)
+    follow = first + turn.tokens + chat_ids(tokenizer, "And then?")[1:]
+    again = generate(target, drafter, tokenizer, follow, max_tokens=16, width=8, tree=True, prompt_cache=cache)
+    fresh = generate(target, drafter, tokenizer, follow, max_tokens=16, width=4, tree=False)
+    assert again.stats.cached_tokens > len(first) and again.tokens == fresh.tokens
+
+
+def test_a_sampled_walk_emits_each_token_as_the_target_draws_it():
+    """Sample then match, at a fixed tree and fixed logits: the first token emitted is distributed as the root's
+    distribution, and the token after a kept child as that child's (chi-square)."""
+    from conftest import assert_distributed_as
+    from mlx_dflash.decoding.sampling import SamplingParams, target_probs
+    from mlx_dflash.decoding.tree import accept_trees
+
+    mx.random.seed(0)
+    V, params = 6, SamplingParams(1.0)
+    block = block_of([-1, 0, 0, 1, 2], [0, 1, 2, 3, 4])  # children of the root hold tokens 1 and 2
+    logits = mx.random.normal((1, 5, V)) * 1.5
+    firsts, after_one = [], []
+    for trial in range(1500):
+        last, bonus = accept_trees(block, logits, [params], [mx.random.key(trial)])
+        path = block.path(0, last.item())
+        emitted = [int(block.tokens[0, i]) for i in path[1:]] + [bonus.item()]
+        firsts.append(emitted[0])
+        if emitted[0] == 1 and len(emitted) > 1:
+            after_one.append(emitted[1])
+    assert_distributed_as(firsts, target_probs(logits[0, 0], params))
+    assert_distributed_as(after_one, target_probs(logits[0, 1], params))
+
+
+def test_a_seeded_row_with_trees_samples_the_same_alone_and_batched(chat_pairs):
+    from conftest import chat_ids
+    from test_batch import scheduled
+    from mlx_dflash.decoding.batch_decoder import Request
+    from mlx_dflash.decoding.sampling import SamplingParams
+    from mlx_dflash.policies.dcut import build_policy
+    from mlx_dflash.policies.width import WidthOptions
+
+    target, drafter, tokenizer = chat_pairs["dense"]
+    ids = [chat_ids(tokenizer, p) for p in ("Write a haiku about autumn rain.", "List five fruits that are red.")]
+    policy = build_policy(target, drafter, WidthOptions(4, tree=True), 2)
+
+    def run(requests):
+        return scheduled(target, drafter, tokenizer, policy, 2, requests)
+
+    sampled = Request("s", ids[0], 12, SamplingParams(0.9, top_k=20), seed=11)
+    alone = run([sampled])["s"]
+    assert alone == run([Request("g", ids[1], 12), sampled])["s"]
+
+
+def test_dcut_costs_a_tree_by_its_nodes_reach_and_learns_from_every_node_judged():
+    """cut_tree picks the node count with the best expected tokens per second, a node expected as the product
+    of its path's calibrated acceptances; a tree round's verdict trains the calibration of each node judged."""
+    from mlx_dflash.decoding.tree import TreeVerdict
+    from mlx_dflash.policies.dcut import DCutPolicy
+
+    costs = {1: {w: 0.01 + 0.001 * w for w in range(1, 9)}}
+    policy = DCutPolicy(8, 8, costs)
+    probs = np.array([[[0.9, 0.05, 0.03, 0.02], [0.5, 0.3, 0.1, 0.1], [0.4, 0.4, 0.1, 0.1]] + [[0.25] * 4] * 4])
+    ids = np.arange(probs.size).reshape(probs.shape)
+    trees = grow(ids, probs, 8, [7])
+    width, tree = policy.cut_tree(8, trees, [list(probs[0, :, 0])], [0], [50])
+    rates = {w: policy.tree_expected[w] / policy.cost(1, w) for w in range(1, 9)}
+    assert tree and width == max(rates, key=rates.get)
+    # by hand: the best three nodes are 0.9, 0.45 (0.9 x 0.5) and 0.27 (0.9 x 0.3)
+    assert policy.tree_expected[4] == pytest.approx(1 + 0.9 + 0.45 + 0.27)
+    block = trees.first(4, [0], [4])
+    reached = np.array([[True, True, False, False]])  # the 0.9 node kept, its two children judged and refused
+    before = policy.calibration.trials.sum()
+    policy.observe([list(probs[0, :, 0])], [3], [1], 1, 4, 0.001, 0.014, [0],
+                   TreeVerdict(block.probs, block.depth, np.array([[False, True, True, True]]), reached))
+    assert policy.calibration.trials.sum() == before + 3 and policy.calibration.hits.sum() == 1
+    assert policy.tree_cost == pytest.approx(0.8 + 0.2 * 0.014 / 0.014)  # timed as a chain of 4 rows costs
+
+
+def test_dcut_verifies_a_chain_where_trees_cost_more_than_they_gain():
+    from mlx_dflash.policies.dcut import DCutPolicy
+
+    policy = DCutPolicy(8, 8, {1: {w: 0.01 + 0.001 * w for w in range(1, 9)}})
+    probs = np.array([[[0.55, 0.4, 0.03, 0.02]] * 7])  # a second choice nearly as likely: trees gain
+    trees = grow(np.arange(28).reshape(1, 7, 4), probs, 8, [7])
+    assert policy.cut_tree(8, trees, [[0.55] * 7], [0], [50])[1]
+    policy.tree_cost = 2.0  # trees' verifies have cost twice a chain's
+    assert not policy.cut_tree(8, trees, [[0.55] * 7], [0], [50])[1]
+
+
+def test_generate_tree_flags_say_how_many_rounds_verified_a_tree(tiny_pair_dirs):
+    from click.testing import CliRunner
+    from mlx_dflash.cli import main
+
+    target, drafter = tiny_pair_dirs
+    args = ["generate", "--model", str(target), "--drafter", str(drafter), "--prompt", "hi", "--max-tokens", "12"]
+    texts = {}
+    for flag in ("--tree", "--no-tree"):
+        result = CliRunner().invoke(main, [*args, "--width", "6", flag])
+        assert result.exit_code == 0, result.output
+        trees = int(result.stderr.split("; trees in ")[1].split(";")[0])
+        assert (trees > 0) if flag == "--tree" else (trees == 0)
+        texts[flag] = result.stdout
+    assert texts["--tree"] == texts["--no-tree"]
