@@ -19,7 +19,8 @@ def block_of(parents: list, tokens: list) -> TreeBlock:
     for p in parents[1:]:
         depth.append(depth[p] + 1)
     n = len(parents)
-    return TreeBlock(np.array([tokens]), np.array([parents]), np.array([depth]), np.ones((1, n), bool), np.ones((1, n)))
+    return TreeBlock(np.array([tokens]), np.array([parents]), np.array([depth]), np.ones((1, n), bool), np.ones((1, n)),
+                     np.zeros((1, n), bool))
 
 
 def device_tree(block: TreeBlock) -> tuple:
@@ -100,12 +101,12 @@ def test_a_row_that_may_emit_little_gets_a_shallow_tree_whose_extra_nodes_are_de
     assert list(block.depth[0]) == sorted(block.depth[0])
 
 
-def tree_emitted(target, drafter, prompt, width, max_tokens, sampling=None, tree=True):
+def tree_emitted(target, drafter, prompt, width, max_tokens, sampling=None, tree=True, lookup=True):
     from mlx_dflash.decoding.decoder import speculative_rounds
     from mlx_dflash.decoding.sampling import SamplingParams
     from mlx_dflash.policies.width import make_policy
 
-    policy = make_policy(drafter.block_size, width, tree=tree)
+    policy = make_policy(drafter.block_size, width, tree=tree, prompt_lookup=lookup)
     rounds = list(speculative_rounds(target, drafter, mx.array(prompt), policy, sampling or SamplingParams(),
                                      max_tokens))
     return [t for r in rounds for t in r.tokens], rounds
@@ -156,10 +157,10 @@ def test_a_tree_keeps_the_true_token_the_drafter_ranked_second_where_a_chain_kee
     want = mlx_lm_greedy(model, PROMPT, 20)
     every = set(range(40))  # the oracle's first choice is wrong everywhere
     chain_drafter = SecondChoice(OracleDrafter(real.config, len(PROMPT), want, every).bind(target), want, len(PROMPT))
-    got, rounds = tree_emitted(target, chain_drafter, PROMPT, 4, 20, tree=False)
+    got, rounds = tree_emitted(target, chain_drafter, PROMPT, 4, 20, tree=False, lookup=False)
     assert got == want and all(r.accepted == 0 for r in rounds[1:])
     tree_drafter = SecondChoice(OracleDrafter(real.config, len(PROMPT), want, every).bind(target), want, len(PROMPT))
-    got, rounds = tree_emitted(target, tree_drafter, PROMPT, 4, 20)
+    got, rounds = tree_emitted(target, tree_drafter, PROMPT, 4, 20, lookup=False)
     # 3 nodes past the anchor: the two best depth-1 candidates (0.6, 0.3) and the first's first child (0.36): the
     # true token at depth 1 is kept every round, no deeper (the last rounds, with fewer tokens left, verify fewer)
     full = [r for r in rounds if r.drafted == 3]
@@ -282,7 +283,7 @@ def test_dcut_costs_a_tree_by_its_nodes_reach_and_learns_from_every_node_judged(
     reached = np.array([[True, True, False, False]])  # the 0.9 node kept, its two children judged and refused
     before = policy.calibration.trials.sum()
     policy.observe([list(probs[0, :, 0])], [3], [1], 1, 4, 0.001, 0.014, [0],
-                   TreeVerdict(block.probs, block.depth, np.array([[False, True, True, True]]), reached))
+                   TreeVerdict(block.probs, block.depth, block.copied, np.array([[False, True, True, True]]), reached))
     assert policy.calibration.trials.sum() == before + 3 and policy.calibration.hits.sum() == 1
     assert policy.tree_cost == pytest.approx(0.8 + 0.2 * 0.014 / 0.014)  # timed as a chain of 4 rows costs
 
@@ -312,3 +313,27 @@ def test_generate_tree_flags_say_how_many_rounds_verified_a_tree(tiny_pair_dirs)
         assert (trees > 0) if flag == "--tree" else (trees == 0)
         texts[flag] = result.stdout
     assert texts["--tree"] == texts["--no-tree"]
+
+
+def test_prompt_lookups_copy_is_a_branch_beside_the_drafters_candidates():
+    """Row 0 copies [7, 8, 9]: the copy runs as one branch (its token at depth 2 follows only its own), beside
+    the drafter's candidates; where the drafter proposes the copy's token under the same parent (row 1: 5 at
+    depth 1), the copy takes that node, never a twin."""
+    ids = np.array([[[1, 2], [3, 4], [5, 6]], [[5, 2], [3, 4], [5, 6]]])
+    probs = np.array([[[0.45, 0.3], [0.6, 0.3], [0.6, 0.3]]] * 2)
+    copies = (np.array([[7, 8, 9], [5, 8, 0]]), [3, 2])
+    trees = grow(ids, probs, 9, [3, 3], copies)
+    for b in range(2):
+        nodes = {}
+        for r in range(8):
+            path, node = [], r
+            while node >= 0:
+                path.append(int(trees.tokens[b, node]))
+                node = trees.parents[b, node]
+            nodes[tuple(path[::-1])] = bool(trees.copied[b, r])
+        assert len(nodes) == 8  # no twin paths
+        if b == 0:
+            assert nodes[(7,)] and nodes[(7, 8)] and (1,) in nodes and (2,) in nodes
+            assert not any(p[1:2] == (8,) and p[0] != 7 for p in nodes)  # 8 follows the copy's 7 only
+        else:
+            assert nodes[(5,)] and nodes[(5, 8)] and (2,) in nodes

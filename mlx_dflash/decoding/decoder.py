@@ -26,7 +26,7 @@ from ..models.target import Target
 from ..policies.width import WidthPolicy
 from .lookup import PromptLookup, with_lookup
 from .sampling import SamplingParams, accept_rows, next_token
-from .tree import TreeVerdict, accept_trees, candidates_with_lookup, grow, tree_verdict
+from .tree import TreeVerdict, accept_trees, grow, tree_verdict
 
 
 class SingleProcess:
@@ -174,8 +174,9 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
             if any(r.key is not None for r in rows) else None
         draft = drafter.draft([r.anchor for r in rows], [r.state.context for r in rows], draft_cache,
                               policy.block_size, width, [r.sampling for r in rows], keys)
+        proposals = [r.history.propose(width - 1) if policy.prompt_lookup else [] for r in rows]
         if policy.prompt_lookup:
-            draft = with_lookup(draft, [r.history.propose(width - 1) for r in rows])
+            draft = with_lookup(draft, proposals)
         for r in rows:
             r.state.context = None  # the drafter's cache holds it now
         drafts, proposal = draft.ids.astype(mx.int32), draft.proposal
@@ -185,10 +186,10 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         tree = not ranks.lockstep and target.trees and draft.candidates is not None \
             and policy.trees([r.sampling for r in rows])
         if policy.uses_confidence or tree:
-            confidence, copied, *top = read(draft.confidence, looked_up, *((drafts, *draft.candidates) if tree else ()))
-            if tree:
-                trees = grow(*candidates_with_lookup(*map(np.array, top), copied), width,
-                             [min(width - 1, n - 1) for n in most])
+            confidence, copied, *top = read(draft.confidence, looked_up, *(draft.candidates if tree else ()))
+            if tree:  # prompt lookup's copy, where there is one, is a branch beside the drafter's candidates
+                copies = np.array([p + [0] * (width - 1 - len(p)) for p in proposals]), [len(p) for p in proposals]
+                trees = grow(*map(np.array, top), width, [min(width - 1, n - 1) for n in most], copies)
                 width, tree = policy.cut_tree(width, trees, confidence, copied, most)
                 trees = trees if tree else None
             else:
@@ -204,7 +205,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
     keys = [None if r.sampling.greedy else r.first_key if r.first else r.next_key() for r in rows]
     if trees is not None and width > 1:
-        v = verify_trees(target, cache, rows, trees, width, most, keys, looked_up)
+        v = verify_trees(target, cache, rows, trees, width, most, keys)
     else:
         v = verify_chains(target, cache, rows, drafts, proposal, limits, keys, looked_up, ranks)
     logits, features, accepted, bonus, copied = v.logits, v.features, v.accepted, v.bonus, v.looked_up
@@ -252,17 +253,17 @@ def verify_chains(target: Target, cache: list, rows: list, drafts: mx.array, pro
     return Verified(logits, features, drafts, accepted, bonus, copied, [list(range(a + 1)) for a in accepted])
 
 
-def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list,
-                 looked_up: mx.array) -> Verified:
+def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list) -> Verified:
     """The target's forward over each row's tree of `nodes` nodes (decoding/tree.py), then the walk along it. The
     kept path's cache entries move to follow the context; the other nodes' go with the round's rollback."""
     block = trees.first(nodes, [r.anchor for r in rows], [min(nodes, n) for n in most])
     logits, features = target.forward(mx.array(block.tokens, mx.int32), cache,
                                       (mx.array(block.depth, mx.int32), mx.array(block.ancestors)))
-    last, bonus, copied = read(*accept_trees(block, logits, [r.sampling for r in rows], keys), looked_up)
+    last, bonus = read(*accept_trees(block, logits, [r.sampling for r in rows], keys))
     paths = [block.path(b, n) for b, n in enumerate(last)]
     target.keep_paths(cache, paths, nodes)
     drafts = [block.tokens[b, p[1:]].tolist() for b, p in enumerate(paths)]
+    copied = [int(block.copied[b, p].sum()) for b, p in enumerate(paths)]  # kept tokens lookup's copy proposed
     return Verified(logits, features, drafts, [len(p) - 1 for p in paths], bonus, copied, paths,
                     tree_verdict(block, paths))
 

@@ -69,5 +69,5 @@ def with_lookup(draft: Draft, proposals: list, below: float = LOOKUP_BELOW) -> D
         ids=mx.where(copied, padded, draft.ids),
         confidence=mx.where(copied, 1.0, draft.confidence),
         looked_up=looked_up,
-        candidates=draft.candidates,  # a tree runs along the copy first (decoding/tree.py candidates_with_lookup)
+        candidates=draft.candidates,  # the drafter's own: a tree takes the copy as a branch beside them (tree.py)
     )

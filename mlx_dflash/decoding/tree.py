@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..policies.width import ACCEPTANCE_PRIOR
 from .sampling import filtered_logprobs
 
 NODE_KEYS = 64  # a seeded row's key splits into this many, one for each node of its tree
@@ -40,6 +41,7 @@ class Trees:
     depth: np.ndarray  # [B, M]
     probs: np.ndarray  # [B, M]
     alive: np.ndarray  # [B, M]
+    copied: np.ndarray  # [B, M]: prompt lookup's copy proposed the node (its probability is lookup's prior)
 
     def first(self, nodes: int, anchors: list, caps: list) -> "TreeBlock":
         """The trees of `nodes` rows each (the anchor and the nodes - 1 best), as the verify forward takes them:
@@ -66,6 +68,7 @@ class Trees:
             depth=placed(self.depth, 0),
             alive=placed(alive, True),
             probs=placed(self.probs, 1.0),
+            copied=placed(self.copied, False),
         )
 
 
@@ -78,6 +81,7 @@ class TreeBlock:
     depth: np.ndarray  # [B, N]
     alive: np.ndarray  # [B, N]
     probs: np.ndarray  # [B, N] the drafter's probability of each node's token at its depth (1 for the anchor)
+    copied: np.ndarray  # [B, N] proposed by prompt lookup's copy
 
     @property
     def ancestors(self) -> np.ndarray:
@@ -101,11 +105,12 @@ class TreeBlock:
 
 @dataclass
 class TreeVerdict:
-    """What a tree round showed, for the policy to learn from: each node's drafter probability and depth, and
-    whether it was judged (its parent was reached, so the target's pick there decided it) and reached."""
+    """What a tree round showed, for the policy to learn from: each node's probability, depth and source (the
+    drafter or prompt lookup's copy), and whether it was judged (its parent was reached, so the target's pick there decided it) and reached."""
 
     probs: np.ndarray  # [B, N]
     depth: np.ndarray  # [B, N]
+    copied: np.ndarray  # [B, N]
     judged: np.ndarray  # [B, N]
     reached: np.ndarray  # [B, N]
 
@@ -117,51 +122,62 @@ def tree_verdict(block: TreeBlock, paths: list) -> TreeVerdict:
         reached[b, path] = True
     parent_reached = np.take_along_axis(reached, np.maximum(block.parents, 0), axis=1)
     judged = parent_reached & block.alive & (np.arange(N) > 0)[None]
-    return TreeVerdict(block.probs, block.depth, judged, reached)
+    return TreeVerdict(block.probs, block.depth, block.copied, judged, reached)
 
 
-def candidates_with_lookup(drafts: np.ndarray, ids: np.ndarray, probs: np.ndarray, looked_up: list) -> tuple:
-    """The candidates (ids, probs [B, n, k]) where prompt lookup's copy replaced a row's leading positions: the
-    copied token alone (probability 1), so the tree runs along the copy and branches after it."""
-    ids, probs = ids.copy(), probs.copy()
-    for b, n in enumerate(looked_up):
-        if n:
-            ids[b, :n, 0] = drafts[b, :n]
-            probs[b, :n, 0] = 1.0
-            probs[b, :n, 1:] = 0.0
-    return ids, probs
-
-
-def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list) -> Trees:
+def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list, copies: tuple = None) -> Trees:
     """Rank each row's best `nodes` - 1 paths from its candidates (ids, probs [B, n, k]: position j's k
     likeliest tokens), row b's no deeper than depths[b]. Best-first by the product of probabilities: at each
-    depth only the m = nodes - 1 best so far can have ranked children, so a beam of m per depth finds them."""
+    depth only the m = nodes - 1 best so far can have ranked children, so a beam of m per depth finds them.
+
+    copies: (tokens [B, n], lengths [B]): prompt lookup's copy of each row's context (its first lengths[b]
+    tokens), a branch of its own: its token at depth d + 1 follows only its token at depth d, scored by lookup's
+    prior acceptance by position; where the drafter proposes the same token under the same parent, the copy
+    takes that node (at the better score). Nodes after a copied token are the drafter's candidates as anywhere."""
     B, n, k = ids.shape
     m = nodes - 1
+    copy_tokens, copy_lengths = copies if copies is not None else (np.zeros((B, n), np.int64), np.zeros(B, int))
+    copy_prob = np.array(ACCEPTANCE_PRIOR + (ACCEPTANCE_PRIOR[-1],) * n)[:n]
     with np.errstate(divide="ignore"):
         logp = np.log(probs.astype(np.float64))
-    scores, parents, tokens, depth, prob = [], [], [], [], []
-    beam_score = np.zeros((B, 1))
-    beam_index = np.full((B, 1), -1)  # the anchor
+        copy_logp = np.log(copy_prob)
+    found = {x: [] for x in ("score", "parent", "token", "prob", "copied")}
+    beam_score, beam_index = np.zeros((B, 1)), np.full((B, 1), -1)  # the anchor
+    copy_score, copy_parent = np.zeros(B), np.full(B, -1)  # the copy's last node kept (-1: the anchor)
+    rows = np.arange(B)
     offset = 0  # index of the first candidate of this depth in the concatenation
     for d in range(min(n, max(depths, default=0))):
-        child = (beam_score[:, :, None] + logp[:, d][:, None, :]).reshape(B, -1)  # [B, P * k]
+        P = beam_score.shape[1]
+        score = np.concatenate([(beam_score[:, :, None] + logp[:, d][:, None, :]).reshape(B, -1),
+                                (copy_score + copy_logp[d])[:, None]], axis=1)  # [B, P * k + 1]: the copy last
+        parent = np.concatenate([np.repeat(beam_index, k, axis=1), copy_parent[:, None]], axis=1)
+        token = np.concatenate([np.tile(ids[:, d], (1, P)), copy_tokens[:, d, None]], axis=1)
+        prob = np.concatenate([np.tile(probs[:, d], (1, P)), np.full((B, 1), copy_prob[d])], axis=1)
+        copied = np.zeros_like(score, bool)
+        copied[:, -1] = True
+        score[np.asarray(copy_lengths) <= d, -1] = -np.inf  # the copy ended (or its parent fell out of the beam)
+        same = (parent[:, :-1] == copy_parent[:, None]) & (token[:, :-1] == copy_tokens[:, d, None])
+        same &= np.isfinite(score[:, -1:])
+        score[:, -1] = np.maximum(score[:, -1], np.where(same, score[:, :-1], -np.inf).max(axis=1))
+        score[:, :-1][same] = -np.inf
         # a tie between a child and its parent (probability 1) ranks the parent first: deeper costs a hair
-        child = child - 1e-9 * (d + 1)
-        child[np.array(depths) <= d] = -np.inf
-        keep = np.argsort(-child, axis=1, kind="stable")[:, :m]
+        score = score - 1e-9 * (d + 1)
+        score[np.array(depths) <= d] = -np.inf
+        keep = np.argsort(-score, axis=1, kind="stable")[:, :m]
+        for name, values in (("score", score), ("parent", parent), ("token", token), ("prob", prob),
+                             ("copied", copied)):
+            found[name].append(np.take_along_axis(values, keep, axis=1))
         width = keep.shape[1]
-        parent_slot, cand = keep // k, keep % k
-        scores.append(np.take_along_axis(child, keep, axis=1))
-        parents.append(np.take_along_axis(beam_index, parent_slot, axis=1))
-        tokens.append(np.take_along_axis(ids[:, d], cand, axis=1))
-        prob.append(np.take_along_axis(probs[:, d], cand, axis=1))
-        depth.append(np.full((B, width), d + 1))
-        beam_score, beam_index = scores[-1], offset + np.arange(width)[None].repeat(B, 0)
+        beam_score, beam_index = found["score"][-1], offset + np.arange(width)[None].repeat(B, 0)
+        at = keep == score.shape[1] - 1  # where the copy's candidate was kept
+        copy_parent = np.where(at.any(axis=1), offset + at.argmax(axis=1), -2)  # -2: no parent, the copy ends
+        copy_score = np.where(at.any(axis=1), score[rows, -1], -np.inf)
         offset += width
-    if not scores:
+    if not found["score"]:
         raise ValueError("a tree needs at least one position to draft")
-    scores, parents, tokens, depth, prob = (np.concatenate(x, axis=1) for x in (scores, parents, tokens, depth, prob))
+    scores, parents, tokens, prob, copied = (np.concatenate(found[x], axis=1)
+                                             for x in ("score", "parent", "token", "prob", "copied"))
+    depth = np.concatenate([np.full(x.shape, d + 1) for d, x in enumerate(found["score"])], axis=1)
     rank = np.argsort(-scores, axis=1, kind="stable")[:, :m]
     if rank.shape[1] < m:  # fewer candidates than nodes: pad with dead ones
         rank = np.concatenate([rank, rank[:, :1].repeat(m - rank.shape[1], 1)], axis=1)
@@ -175,6 +191,7 @@ def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list) -> Trees:
         depth=np.take_along_axis(depth, rank, axis=1),
         probs=np.take_along_axis(prob, rank, axis=1),
         alive=alive,
+        copied=np.take_along_axis(copied, rank, axis=1),
     )
 
 

@@ -161,7 +161,7 @@ class DCutPolicy(WidthPolicy):
         policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times the running ratio of
         tree verifies' times to chains' (its mask and per-node positions). Returns (rows, tree or not)."""
         width = WidthPolicy.cut(self, width, confidence, copied, remaining)
-        accept = self.calibration.node_acceptance(trees.probs, trees.depth, copied) * trees.alive
+        accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied) * trees.alive
         reach = np.zeros_like(accept)
         for r in range(accept.shape[1]):  # parents rank before their children
             parent = trees.parents[:, r]
@@ -194,7 +194,7 @@ class DCutPolicy(WidthPolicy):
             plain = batch / self.cost(batch, 1)
             if tree is not None:
                 rate = self.tree_expected[width] / (self.draft_seconds + self.cost(batch, width) * self.tree_cost)
-                self.calibration.record_nodes(tree, copied)
+                self.calibration.record_nodes(tree)
                 self.tree_cost = running(self.tree_cost, verify_seconds / self.cost(batch, width), a)
                 verify_seconds /= self.tree_cost  # its cell keeps a chain's time
             else:

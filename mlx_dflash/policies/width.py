@@ -193,20 +193,19 @@ class Calibration:
             expected += survive
         return expected
 
-    def node_acceptance(self, probs: np.ndarray, depth: np.ndarray, looked_up: list) -> np.ndarray:
+    def node_acceptance(self, probs: np.ndarray, depth: np.ndarray, copied: np.ndarray) -> np.ndarray:
         """The chance that each tree node is kept once its parent was: by its drafter probability, as
-        `calibrated`; lookup's by position for the nodes prompt lookup copied (depth <= looked_up[b])."""
+        `calibrated`; for a node prompt lookup's copy proposed (`copied`), lookup's by its depth."""
         b = np.minimum((probs * self.BINS).astype(int), self.BINS - 1)
         drafted = (self.hits[b] + self.PRIOR * probs) / (self.trials[b] + self.PRIOR)
         k = np.clip(depth - 1, 0, len(self.lookup_hits) - 1)
         prior = np.array(ACCEPTANCE_PRIOR)[np.minimum(k, len(ACCEPTANCE_PRIOR) - 1)]
-        copied = (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
-        return np.where(depth <= np.array(looked_up)[:, None], copied, drafted)
+        looked = (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
+        return np.where(copied, looked, drafted)
 
-    def record_nodes(self, verdict, looked_up: list):
-        """A tree round's verdict (tree.py `TreeVerdict`): every node judged, kept or not."""
-        copied = verdict.depth <= np.array(looked_up)[:, None]
-        judged, kept = verdict.judged, verdict.reached
+    def record_nodes(self, verdict):
+        """A tree round's verdict (decoding/tree.py `TreeVerdict`): every node judged, kept or not."""
+        judged, kept, copied = verdict.judged, verdict.reached, verdict.copied
         b = np.minimum((verdict.probs * self.BINS).astype(int), self.BINS - 1)
         np.add.at(self.trials, b[judged & ~copied], 1)
         np.add.at(self.hits, b[judged & kept & ~copied], 1)
