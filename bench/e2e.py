@@ -86,8 +86,7 @@ FIXED_WIDTHS = (2, 4, 5, 8, 16)
 P_MINS = (0.3, 0.7)
 BASELINE = "target alone"
 NO_LOOKUP = " (drafter only)"
-TREE = " tree"  # the same width verifying a draft tree (--tree)
-CHAIN = " (chains only)"  # width auto with --no-tree
+TREE = " tree"  # the same width with draft trees (--tree)
 FULL_VOCAB = " (whole vocabulary, drafter only)"
 PEER = "z-lab"
 
@@ -202,8 +201,8 @@ def add_peer(pairs: dict, model_path: str, drafter_path: str, quantize: int, wan
 
 
 def configurations(block_size: int, peer: bool = False, full_vocab: bool = False, trees: bool = False) -> list[dict]:
-    """The rows, in table order (before the precision is attached). trees: every fixed width again verifying a
-    draft tree (`--tree`), and width auto again with chains only (`--no-tree`)."""
+    """The rows, in table order (before the precision is attached). trees: every fixed width and width auto again
+    with draft trees (`--tree`)."""
     rows = [{"name": BASELINE, "kind": "target"}]
     rows += [{"name": f"width {w}", "kind": "dflash", "width": w, "force_width": True, "p_min": 0.0,
               "auto": False} for w in FIXED_WIDTHS if w <= block_size]
@@ -212,9 +211,8 @@ def configurations(block_size: int, peer: bool = False, full_vocab: bool = False
     rows += [{"name": "width auto", "kind": "dflash", "width": None, "force_width": False, "p_min": 0.0,
               "auto": True}]
     if trees:
-        rows += [{**row, "name": row["name"] + TREE, "tree": True} for row in rows if row.get("width")]
-        rows += [{**rows_auto, "name": "width auto" + CHAIN, "tree": False}
-                 for rows_auto in rows if rows_auto["name"] == "width auto"]
+        rows += [{**row, "name": row["name"] + TREE, "tree": True} for row in rows
+                 if row.get("width") or row["name"] == "width auto"]
     if peer:
         rows += [{"name": f"{PEER} width {w}", "kind": "zlab", "block_size": w, "max_width": w}
                  for w in FIXED_WIDTHS if w <= block_size]
@@ -433,7 +431,7 @@ def parse_args(argv) -> argparse.Namespace:
                     help="z-lab's MLX backend (dflash==0.1.0 from PyPI) as peer rows (default: on when its "
                          "wheel can be fetched)")
     ap.add_argument("--trees", action="store_true",
-                    help="add each fixed width verifying a draft tree, and width auto with chains only")
+                    help="add each fixed width and width auto again with draft trees (--tree)")
     ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: e2e-<device>)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
     return ap.parse_args(argv)

@@ -2,6 +2,7 @@
 
     python bench/trees.py --sets gsm8k-train.jsonl:7000,humaneval,mt-bench --num-prompts 3 --max-tokens 64
     python bench/trees.py --sets humaneval --num-prompts 1 --max-tokens 16 --rows 4,8 --name quick   # a smoke run
+    python bench/trees.py --sets gsm8k-train.jsonl:7000 --quantize 4 --rows 5 --bare-rows 5   # a 4-bit target
 
 For each prompt set (a named PyPI set or a file, `:N` its first prompt) and each number of rows verified, the
 shipped pair (or --model / --drafter) decodes greedily at that fixed width as one path (`--no-tree`) and as a
@@ -47,6 +48,8 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rows", default="4,5,8,12,16", help="rows verified (anchor included), comma-separated")
     ap.add_argument("--bare-rows", default="8,16", help="rows also run without prompt lookup ('' for none)")
+    ap.add_argument("--quantize", type=int, choices=[0, 4, 8], default=0,
+                    help="run on the target quantized in memory to this many bits (group 64), as bench/e2e.py does")
     ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
     ap.add_argument("--name", default="trees-cpu", help="results go to bench/results/<name>/")
     return ap.parse_args(argv)
@@ -118,7 +121,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     model, drafter = args.model or str(default_target()), args.drafter or str(shipped_drafter_dir())
-    pair = load_pairs(model, drafter, 0, False)["float"]
+    pairs = load_pairs(model, drafter, args.quantize, False)
+    pair = pairs[f"q{args.quantize}"] if args.quantize else pairs["float"]
     rows = [int(n) for n in args.rows.split(",")]
     bare = [int(n) for n in args.bare_rows.split(",") if n]
     configs = configurations(rows, bare)

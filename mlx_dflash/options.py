@@ -126,9 +126,8 @@ width_options = grouped(
     click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
                  help="Where the drafter's first draft is unsure, draft what followed the context's last tokens."),
     click.option("--tree/--no-tree", default=None,
-                 help="Verify a tree of the drafter's likeliest paths (--tree: every round, at --width rows) or one "
-                      "path only (--no-tree); default: --width auto chooses trees for greedy rounds, a fixed width "
-                      "verifies one path."),
+                 help="Verify a tree of the drafter's likeliest paths: every round at a fixed --width (that many "
+                      "nodes), or where --width auto expects it to pay. Default: one path (--no-tree)."),
 )
 shard_options = grouped(
     "shard", lambda shard, rank_timeout: ShardOptions(shard, rank_timeout),

@@ -97,8 +97,7 @@ def test_a_row_that_may_emit_little_gets_a_shallow_tree_whose_extra_nodes_are_de
     assert trees.depth[1][trees.alive[1]].max() == 1 and trees.alive[1].sum() == 2
     assert trees.alive[0].all() and trees.depth[0].max() <= 5
     block = trees.first(9, [7, 7], [9, 9])
-    assert (block.parents[:, 1:] < np.arange(1, 9)).all()
-    assert list(block.depth[0]) == sorted(block.depth[0])
+    assert (block.parents[:, 1:] < np.arange(1, 9)).all()  # every parent before its children
 
 
 def tree_emitted(target, drafter, prompt, width, max_tokens, sampling=None, tree=True, lookup=True):
@@ -195,8 +194,7 @@ def test_batched_trees_give_each_request_its_single_output(chat_pairs, name):
     want = [generate(target, drafter, tokenizer, p, max_tokens=n, width=4, tree=False).tokens
             for p, n in zip(ids, LIMITS)]
     for width in (3, 8, "auto"):
-        got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3, width=width,
-                             tree=None if width == "auto" else True)
+        got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3, width=width, tree=True)
         assert got.token_ids == want, (name, width)
         assert sum(s.tree_rounds for s in got.stats) > 0 and max(got.batch.rows) == 3
     alone = [generate(target, drafter, tokenizer, p, max_tokens=n, width=8, tree=True) for p, n in zip(ids, LIMITS)]
@@ -337,3 +335,26 @@ def test_prompt_lookups_copy_is_a_branch_beside_the_drafters_candidates():
             assert not any(p[1:2] == (8,) and p[0] != 7 for p in nodes)  # 8 follows the copy's 7 only
         else:
             assert nodes[(5,)] and nodes[(5, 8)] and (2,) in nodes
+
+
+def test_chains_unless_trees_are_asked_for(chat_pairs):
+    """The default (width auto) and a fixed width verify chains; `tree=True` trees (D-cut's choice between the two
+    under auto: test_dcut_*)."""
+    from conftest import chat_ids
+    from mlx_dflash.generate import generate
+
+    target, drafter, tokenizer = chat_pairs["dense"]
+    ids = chat_ids(tokenizer, "Janet has 3 apples and buys 5 more. She eats 2. How many are left?")
+    runs = [generate(target, drafter, tokenizer, ids, max_tokens=24, **kw) for kw in ({}, {"width": 4},
+                                                                                      {"width": 4, "tree": True})]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    assert [r.stats.tree_rounds > 0 for r in runs] == [False, False, True]
+
+
+def test_the_principal_path_comes_first_so_keeping_a_prefix_of_it_moves_nothing():
+    probs = np.array([[[0.5, 0.4], [0.6, 0.3], [0.7, 0.2]]])
+    trees = grow(np.arange(6).reshape(1, 3, 2), probs, 7, [3])
+    block = trees.first(7, [9], [7])
+    assert list(block.parents[0, :4]) == [-1, 0, 1, 2]  # anchor, then the best child of each in turn
+    assert list(block.tokens[0, 1:4]) == [0, 2, 4]
+    assert (block.parents[0, 1:] < np.arange(1, 7)).all()

@@ -183,8 +183,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         if draft.looked_up is not None:
             looked_up = draft.looked_up
         # (ranks in lockstep, a sharded target's, verify chains: they agree on drafts, not on trees)
-        tree = not ranks.lockstep and target.trees and draft.candidates is not None \
-            and policy.trees([r.sampling for r in rows])
+        tree = bool(policy.tree) and not ranks.lockstep and target.trees and draft.candidates is not None
         if policy.uses_confidence or tree:
             confidence, copied, *top = read(draft.confidence, looked_up, *(draft.candidates if tree else ()))
             if tree:  # prompt lookup's copy, where there is one, is a branch beside the drafter's candidates

@@ -46,13 +46,20 @@ class Trees:
     def first(self, nodes: int, anchors: list, caps: list) -> "TreeBlock":
         """The trees of `nodes` rows each (the anchor and the nodes - 1 best), as the verify forward takes them:
         row b's first caps[b] alive (what it would verify alone, with fewer tokens left than the batch's widest
-        row), in depth order (every parent before its children), then its dead ones. A row's alive nodes so
-        sit where they would alone, and a seeded row draws at each from the same key (`accept_trees`)."""
+        row): first its principal path (from the anchor, each node's best-ranked child), then the others in depth
+        order (every parent before its children), then its dead ones. A round that keeps a prefix of the
+        principal path, the likeliest, has its kept entries in place already (`keep_paths` moves nothing); a
+        row's alive nodes sit where they would alone, so a seeded row draws at each from the same key."""
         m = nodes - 1
         B = len(anchors)
         alive = self.alive[:, :m] & (np.arange(m)[None] < np.array(caps)[:, None] - 1)
         depth = self.depth[:, :m]
-        order = np.argsort(np.where(alive, depth, depth + nodes), axis=1, kind="stable")  # ranked node per position
+        principal, tip = np.zeros((B, m), bool), np.full(B, -1)
+        for r in range(m):  # in rank order, a node's best child comes first
+            principal[:, r] = alive[:, r] & (self.parents[:, r] == tip)
+            tip = np.where(principal[:, r], r, tip)
+        key = np.where(principal, depth, np.where(alive, depth + nodes, depth + 2 * nodes))
+        order = np.argsort(key, axis=1, kind="stable")  # ranked node per position
         where = np.empty_like(order)
         np.put_along_axis(where, order, np.arange(1, m + 1)[None].repeat(B, 0), axis=1)
         rank_parent = np.take_along_axis(self.parents[:, :m], order, axis=1)

@@ -77,15 +77,6 @@ class DCutPolicy(WidthPolicy):
         self.tree_expected = {}  # the last tree round's expected tokens by its nodes
         self.tree_cost = 1.0  # a tree verify's time over a chain's of as many rows, as timed
 
-    def trees(self, samplings: list) -> bool:
-        """Greedy rounds verify trees unless told not to: the best-scored tree of n nodes holds the chain of n
-        as one choice among all, so it expects at least the chain's tokens. A sampled row's walk accepts a node
-        only where the target's own draw lands on it, below the chain's rejection sampling: those verify chains
-        unless trees are asked for."""
-        if self.tree is not None:
-            return self.tree
-        return all(s.greedy for s in samplings)
-
     @property
     def uses_confidence(self) -> bool:
         return True

@@ -52,12 +52,9 @@ class WidthPolicy:
     p_min: float = 0.0
     n_min: int = 0
     prompt_lookup: bool = True
-    tree: Optional[bool] = None  # verify draft trees: True always, False never, None as the policy chooses
-
-    def trees(self, samplings: list) -> bool:
-        """Whether this round may verify a tree of drafts (decoding/tree.py) rather than one path: a fixed width
-        verifies a path unless trees are asked for."""
-        return bool(self.tree)
+    # verify draft trees (decoding/tree.py): a fixed width every round, `--width auto` where it expects one to pay;
+    # None or False: one path (by default: with trees, auto measured below chains only, docs/benchmarks.md)
+    tree: Optional[bool] = None
 
     def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list) -> tuple:
         """(rows to verify, anchor included; whether they are the ranked `trees`' best nodes (tree.py `Trees`) or a
