@@ -146,7 +146,8 @@ def test_openai_tool_round_trip_with_tagged_calls(scripted):
 def test_openai_streamed_tool_calls(scripted, reply):
     url, engine = scripted
     engine.scripts.append(reply)
-    chunks = list(client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True))
+    chunks = list(client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True,
+                                                      max_tokens=8000))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
     assert text == ("Checking." if reply.startswith("Checking") else "")
@@ -578,3 +579,35 @@ def test_qwen_coder_forced_call_is_mlx_lm_greedy_after_the_opening(qwen_pair):
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", want["arguments"])
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+DEEP = "[" * 3000 + "]" * 3000
+
+
+@pytest.mark.parametrize("reply", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>',
+    '{"name": "get_weather", "arguments": {"city": Infinity}}',
+    '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": -Infinity}"}\n</tool_call>',
+    '<tool_call>\n{"name": "rm_rf", "arguments": {"path": "/"}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": ' + DEEP + '}}\n</tool_call>',
+    '{"name": "get_weather", "arguments": {"city": ' + DEEP + '}}', DEEP])
+def test_a_call_that_is_not_strict_json_or_names_a_tool_not_offered_is_text(reply):
+    """NaN, Infinity and nesting past MAX_DEPTH (JavaScript and Rust parsers refuse the first two; the third
+    recursed past Python's limit) and a tool the request did not offer: text, in the tagged and the bare form."""
+    pieces, _ = parse_in_pieces(reply, step=97)
+    assert pieces == [("text", reply)]
+
+
+def test_a_reply_with_nan_arguments_is_text_through_both_apis_never_a_500(scripted):
+    url, engine = scripted
+    nan = '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>'
+    engine.scripts += [nan, nan, "<tool_call>" + DEEP]
+    r = client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == nan
+    m = anthropic_client(url).messages.create(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER],
+                                              messages=[{"role": "user", "content": "What is the weather?"}])
+    assert m.stop_reason == "end_turn" and [b.type for b in m.content] == ["text"] and m.content[0].text == nan
+    chunks = list(client(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True,
+                                                      max_tokens=8000))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "<tool_call>" + DEEP and chunks[-1].choices[0].finish_reason == "stop"

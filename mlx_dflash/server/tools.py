@@ -21,6 +21,7 @@ that text first, so the reply parses as the call the model goes on to write.
 
 import json
 import logging
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -161,6 +162,38 @@ def forced_tool(name: str, tools: Optional[list], param: str = "tool_choice") ->
     return name
 
 
+# How deep a call's arguments may nest. A reply's call must be strict JSON that every client parses (the agents'
+# JavaScript and Rust parsers refuse NaN and Infinity) and that no parser here recurses too deep on: anything else
+# a model writes is text, by this one rule in every API.
+MAX_DEPTH = 64
+
+
+def _reject(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _loads(text: str):
+    """json.loads, strict: NaN and Infinity refused, and too deep a nesting a ValueError, not a RecursionError."""
+    try:
+        return json.loads(text, parse_constant=_reject)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
+def _strict(value) -> bool:
+    """Whether a parsed value is strict JSON: finite numbers, nested at most MAX_DEPTH deep."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH or (isinstance(v, float) and not math.isfinite(v)):
+            return False
+        if isinstance(v, dict):
+            stack += [(x, depth + 1) for x in v.values()]
+        elif isinstance(v, list):
+            stack += [(x, depth + 1) for x in v]
+    return True
+
+
 def _as_call(value, names: set) -> Optional[ToolCall]:
     """A JSON value as a call to one of `names`: {"name", "arguments"|"parameters"}, maybe under "function"."""
     if not isinstance(value, dict):
@@ -170,11 +203,11 @@ def _as_call(value, names: set) -> Optional[ToolCall]:
     name, arguments = value.get("name"), value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except ValueError:
             return None
     other_keys = set(value) - {"name", "arguments", "parameters", "id", "type"}
-    if name not in names or not isinstance(arguments, dict) or other_keys:
+    if name not in names or not isinstance(arguments, dict) or other_keys or not _strict(arguments):
         return None
     return ToolCall(name, arguments)
 
@@ -185,11 +218,11 @@ def json_calls(text: str, names: set) -> Optional[list]:
     fenced = _FENCE.findall(text)
     if fenced and not _FENCE.sub("", text).strip():
         text = "\n".join(fenced)
-    decoder, values, at = json.JSONDecoder(), [], 0
+    decoder, values, at = json.JSONDecoder(parse_constant=_reject), [], 0
     while at < len(text):
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         values += value if isinstance(value, list) else [value]
         while at < len(text) and text[at] in " \t\r\n,;":
@@ -217,8 +250,10 @@ def _not_calls_already(text: str, names: set) -> bool:
         block = _FENCE.match(s)
         return block is not None and json_calls(block.group(0), names) is None
     try:
-        value, _ = json.JSONDecoder().raw_decode(s)
-    except ValueError:
+        value, _ = json.JSONDecoder(parse_constant=_reject).raw_decode(s)
+    except RecursionError:  # nested past what a parser takes: never a call
+        return True
+    except ValueError:  # not complete yet (or NaN: the end of the reply decides)
         return False
     values = value if isinstance(value, list) else [value]
     return not values or not all(_as_call(v, names) for v in values)
@@ -290,7 +325,7 @@ class ReplyParser:
         except Exception as e:  # the parsers raise their own types; a truncated call is the usual cause
             log.info(f"a tool call could not be parsed ({type(e).__name__}); it is returned as text")
             parsed = None
-        calls = [_parsed_call(p) for p in (parsed if isinstance(parsed, list) else [parsed])]
+        calls = [_parsed_call(p, self.names) for p in (parsed if isinstance(parsed, list) else [parsed])]
         if not calls or not all(calls):
             return self._normal(self.support.start + text + ("" if final else self.support.end or ""))
         out = [("text", self.held)] if self.holding and self.held.strip() else []  # text before the marker
@@ -309,16 +344,17 @@ class ReplyParser:
         return out
 
 
-def _parsed_call(p) -> Optional[ToolCall]:
-    """A call dict from an mlx-lm tool parser ({"name", "arguments", maybe "id"}) as a ToolCall."""
-    if not (isinstance(p, dict) and isinstance(p.get("name"), str)):
+def _parsed_call(p, names: set) -> Optional[ToolCall]:
+    """A call dict from an mlx-lm tool parser ({"name", "arguments", maybe "id"}) as a ToolCall: one of `names`,
+    its arguments strict JSON (`_strict`), else None (the reply is text)."""
+    if not (isinstance(p, dict) and p.get("name") in names):
         return None
     arguments = p.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except ValueError:
             return None
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, dict) or not _strict(arguments):
         return None
     return ToolCall(p["name"], arguments, **({"id": p["id"]} if isinstance(p.get("id"), str) else {}))
