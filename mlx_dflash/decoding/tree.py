@@ -5,15 +5,16 @@ score is the product of its tokens' probabilities (the positions are drafted ind
 d has as children the candidates of position d + 1, whatever the path). The tree of n nodes the target verifies
 is the anchor and the n - 1 best-scored paths; since a child never scores above its parent, those are a tree
 (every node's parent among them), and the tree of a smaller budget is a prefix of the same order: `grow` ranks
-once, `Trees.first` takes any budget of it.
+once, `Trees.first` takes any budget of it. Prompt lookup's copy of the context, where there is one, is one more
+branch of its own (`grow`).
 
 The target scores every node in one forward (models/tree_verify.py); `accept_trees` then walks each row from
 the root: at each node the target's own token (argmax for greedy; a draw with the row's sampler), on to the
 child holding it, and where no child does, that token is the round's bonus. Every token emitted is the target's
 choice at its own prefix, so greedy output is the target's and sampled output is distributed as the target's.
 
-Ranking runs on the host over numpy arrays a row at a time in parallel, one depth per step (no Python loop
-over nodes): the policy has read the drafter's confidence by then, and a tree's shape is host data anyway.
+Ranking runs on the host, numpy over every row at once, one step a depth (no Python loop over nodes): the
+round has read the drafter's candidates back by then for the policy, and a tree's shape is host data anyway.
 """
 
 from __future__ import annotations
