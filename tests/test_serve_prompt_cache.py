@@ -152,9 +152,12 @@ def test_with_several_keys_a_client_hits_only_its_own_keys_entries(pair, batch):
         assert chat(client(url, key="key-b"), secret).usage.prompt_tokens_details.cached_tokens == 0
         assert chat(client(url, key="key-a"), secret).usage.prompt_tokens_details.cached_tokens > 50
         anonymous = raw(url, "/health")[2]
-        keyed = raw(url, "/health", headers={"Authorization": "Bearer key-b"})[2]
+        a, b = (raw(url, "/health", headers={"Authorization": f"Bearer key-{k}"})[2] for k in "ab")
     assert anonymous == {"status": "ok", "model": MODEL, "waiting": 0}
-    assert keyed["prompt_cache"]["hits"] >= 1 and keyed["batch"]["max_batch"] == batch
+    # each key sees its own entries and lookups only: B's never tell that A continued a conversation
+    assert (a["prompt_cache"]["hits"], a["prompt_cache"]["misses"]) == (1, 1) and a["prompt_cache"]["cached_tokens"] > 50
+    assert (b["prompt_cache"]["hits"], b["prompt_cache"]["misses"], b["prompt_cache"]["cached_tokens"]) == (0, 1, 0)
+    assert a["prompt_cache"]["entries"] >= 1 and b["prompt_cache"]["entries"] >= 1 and a["batch"]["max_batch"] == batch
 
 
 def test_with_several_keys_a_client_reads_only_its_own_keys_kept_responses(pair):

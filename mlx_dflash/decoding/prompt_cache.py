@@ -166,7 +166,7 @@ class PromptCache:
         self.directory = None if directory is None else Path(directory).expanduser()
         self._entries: OrderedDict[tuple, Entry] = OrderedDict()  # (scope, *tokens): least recently used first
         self._lock = threading.Lock()  # /health reads the counters from another thread
-        self.hits = self.misses = self.cached_tokens = 0
+        self._counts = {}  # scope -> [hits, misses, cached tokens]: a scope's counters are its own
         self.prefill_rate = None  # prompt tokens per second of recent cold prefills
         if self.directory is not None:
             self._load_directory()
@@ -190,11 +190,12 @@ class PromptCache:
         keeps), or (None, {}) if no entry of the scope holds one."""
         best, best_length = self.best(tokens, scope)
         with self._lock:
+            counts = self._counts.setdefault(scope, [0, 0, 0])
             if best is None:
-                self.misses += 1
+                counts[1] += 1
                 return None, {}
-            self.hits += 1
-            self.cached_tokens += best_length
+            counts[0] += 1
+            counts[2] += best_length
             self._entries.move_to_end(best)
         entry = self._entries[best]
         return entry.restore(best_length), entry.checkpoints_to(best_length)
@@ -261,11 +262,15 @@ class PromptCache:
     def seconds_saved(self, cached_tokens: int) -> float:
         return cached_tokens / self.prefill_rate if self.prefill_rate else 0.0
 
-    def stats(self) -> dict:
+    def stats(self, scope: Optional[str] = None) -> dict:
+        """Entries, bytes and lookups (hits, misses, prompt tokens restored): one scope's (a server's caller sees
+        its own API key's only), or every scope's together (None)."""
         with self._lock:
-            return {"entries": len(self._entries), "bytes": self.nbytes, "max_entries": self.max_entries,
-                    "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
-                    "cached_tokens": self.cached_tokens}
+            entries = [e for e in self._entries.values() if scope is None or e.scope == scope]
+            counts = [self._counts.get(scope, [0, 0, 0])] if scope is not None else list(self._counts.values())
+            hits, misses, cached = (sum(c[i] for c in counts) for i in range(3))
+            return {"entries": len(entries), "bytes": sum(e.nbytes for e in entries), "max_entries": self.max_entries,
+                    "max_bytes": self.max_bytes, "hits": hits, "misses": misses, "cached_tokens": cached}
 
     # Persistence: one file per entry in `directory`, or one file for `generate --prompt-cache-file`.
     def _file(self, entry: Entry) -> Path:

@@ -84,8 +84,8 @@ def make_app(engine: Engine, config: ServerConfig):
         body = {"status": "ok", "model": name, "waiting": engine.waiting}
         if not request.scope.get("dflash.authorized", True):  # the counters tell what others' requests did
             return JSONResponse(body)
-        if engine.prompt_cache is not None:
-            body["prompt_cache"] = engine.prompt_cache.stats()
+        if engine.prompt_cache is not None:  # the caller's API key's own entries and lookups
+            body["prompt_cache"] = engine.prompt_cache.stats(request.scope.get("dflash.cache_scope", ""))
         body["batch"] = engine.batch_report()
         return JSONResponse(body)
 
