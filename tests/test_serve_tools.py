@@ -611,3 +611,15 @@ def test_a_reply_with_nan_arguments_is_text_through_both_apis_never_a_500(script
                                                       max_tokens=8000))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "<tool_call>" + DEEP and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_malformed_tool_or_tool_call_is_named_with_the_shape_it_must_have():
+    """The 400's message shows the expected object with balanced braces (an extra "}" was once printed)."""
+    from mlx_dflash.server.protocol import _tool_calls, parse_tools
+
+    for refuse in (lambda: parse_tools([{"type": "function"}], None), lambda: _tool_calls([{"id": 1}], "tool_calls")):
+        with pytest.raises(APIError) as e:
+            refuse()
+        message = e.value.message
+        shape = message[message.index("{"):]
+        assert shape.count("{") == shape.count("}") and shape.endswith("}"), message

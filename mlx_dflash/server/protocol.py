@@ -84,7 +84,7 @@ def _tool_calls(calls, where: str) -> list:
         fn = call.get("function") if isinstance(call, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
             raise APIError(400, f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
-                           "\"arguments\"}}}}", param=f"{where}[{j}]")
+                           "\"arguments\"}}", param=f"{where}[{j}]")
         arguments = tool_arguments(fn.get("arguments"), f"{where}[{j}].function.arguments")
         out.append({"id": call.get("id") or "", "type": "function",
                     "function": {"name": fn["name"], "arguments": arguments}})
@@ -125,7 +125,7 @@ def parse_tools(tools, tool_choice, parallel=True) -> tuple:
         if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str) and fn["name"] and isinstance(fn.get("parameters", {}), dict)):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                           "\"description\": ..., \"parameters\": {...}}}}", param=f"tools[{i}]")
+                           "\"description\": ..., \"parameters\": {...}}}", param=f"tools[{i}]")
     return tools, parallel
 
 
