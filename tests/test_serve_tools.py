@@ -623,3 +623,8 @@ def test_a_malformed_tool_or_tool_call_is_named_with_the_shape_it_must_have():
         message = e.value.message
         shape = message[message.index("{"):]
         assert shape.count("{") == shape.count("}") and shape.endswith("}"), message
+
+
+def test_a_call_whose_name_is_not_a_string_is_text():
+    reply = '{"name": ["get_weather"], "arguments": {}}'
+    assert parse_in_pieces(reply)[0] == [("text", reply)]

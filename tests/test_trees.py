@@ -280,10 +280,11 @@ def test_dcut_costs_a_tree_by_its_nodes_reach_and_learns_from_every_node_judged(
     block = trees.first(4, [0], [4])
     reached = np.array([[True, True, False, False]])  # the 0.9 node kept, its two children judged and refused
     before = policy.calibration.trials.sum()
-    policy.observe([list(probs[0, :, 0])], [3], [1], 1, 4, 0.001, 0.014, [0],
+    policy.observe([list(probs[0, :, 0])], [3], [1], 1, 4, 0.001, 0.028, [0],
                    TreeVerdict(block.probs, block.depth, block.copied, np.array([[False, True, True, True]]), reached))
     assert policy.calibration.trials.sum() == before + 3 and policy.calibration.hits.sum() == 1
-    assert policy.tree_cost == pytest.approx(0.8 + 0.2 * 0.014 / 0.014)  # timed as a chain of 4 rows costs
+    # the tree took twice the 4-row cell's 0.014 s: the ratio moves from 1 towards 2, and the cell keeps a chain's time
+    assert policy.tree_cost == pytest.approx(0.8 + 0.2 * 2) and policy.costs[1][4] == pytest.approx(0.028 / 1.2)
 
 
 def test_dcut_verifies_a_chain_where_trees_cost_more_than_they_gain():

@@ -216,7 +216,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     rounds = []
     for b, r in enumerate(rows):
         kept = v.drafts[b][: accepted[b]]
-        path = slice(0, accepted[b] + 1) if v.tree is None else mx.array(v.paths[b])
+        path = slice(0, accepted[b] + 1) if v.paths is None else mx.array(v.paths[b])
         r.state.extend([r.anchor] + kept, ranks.whole_features(features[b : b + 1, path]))
         new = kept + [bonus[b]]
         r.history.extend(new)
@@ -229,7 +229,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
 @dataclass
 class Verified:
     """A verify forward and its verdict, read back: every row's drafts (as lists) and how many it keeps, its next
-    token and looked-up drafts, the node indices of its kept path, and for a tree what its nodes showed."""
+    token and looked-up drafts, and for a tree the node indices of each row's kept path and what its nodes showed
+    (a chain keeps its first nodes: None)."""
 
     logits: mx.array
     features: mx.array
@@ -237,7 +238,7 @@ class Verified:
     accepted: list
     bonus: list
     looked_up: list
-    paths: list
+    paths: Optional[list] = None
     tree: Optional[TreeVerdict] = None
 
 
@@ -249,7 +250,7 @@ def verify_chains(target: Target, cache: list, rows: list, drafts: mx.array, pro
     accepted, bonus = accept_rows(drafts, logits, [r.sampling for r in rows], limits, proposal, keys)
     drafts, accepted, bonus, copied = read(drafts, accepted, bonus, looked_up)
     accepted, bonus = ranks.settle(accepted, bonus)
-    return Verified(logits, features, drafts, accepted, bonus, copied, [list(range(a + 1)) for a in accepted])
+    return Verified(logits, features, drafts, accepted, bonus, copied)
 
 
 def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list) -> Verified:

@@ -20,6 +20,7 @@ round has read the drafter's candidates back by then for the policy, and a tree'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -91,9 +92,9 @@ class TreeBlock:
     probs: np.ndarray  # [B, N] the drafter's probability of each node's token at its depth (1 for the anchor)
     copied: np.ndarray  # [B, N] proposed by prompt lookup's copy
 
-    @property
+    @cached_property
     def ancestors(self) -> np.ndarray:
-        """[B, N, N]: node j is node i or one of its ancestors."""
+        """[B, N, N]: node j is node i or one of its ancestors (the verify's mask and the walk both read it)."""
         B, N = self.parents.shape
         out = np.zeros((B, N, N), bool)
         rows = np.arange(B)

@@ -163,9 +163,6 @@ def _move(layer, lengths: list, paths: list):
         return
     (n,), (path,) = lengths, paths
     source, end = mx.array([n + i for i in path]), n + len(path)
-    for name in ("keys", "values"):
-        stored = getattr(layer, name)
-        parts = stored if isinstance(stored, tuple) else (stored,)
-        for x in parts:
-            x[..., n:end, :] = x[..., source, :]
-        setattr(layer, name, stored)
+    for stored in (layer.keys, layer.values):
+        for x in stored if isinstance(stored, tuple) else (stored,):  # a quantized cache's parts, or the array
+            x[..., n:end, :] = x[..., source, :]  # in place: the cache holds this very array

@@ -194,22 +194,28 @@ def _strict(value) -> bool:
     return True
 
 
+def _call(name, arguments, names: set, **extra) -> Optional[ToolCall]:
+    """The one rule for a call a model wrote, in every form and API: a call to one of `names` whose arguments
+    (an object, or a string holding one) are strict JSON (`_strict`); None: the reply is text."""
+    if isinstance(arguments, str):
+        try:
+            arguments = _loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or name not in names or not isinstance(arguments, dict) or not _strict(arguments):
+        return None
+    return ToolCall(name, arguments, **extra)
+
+
 def _as_call(value, names: set) -> Optional[ToolCall]:
     """A JSON value as a call to one of `names`: {"name", "arguments"|"parameters"}, maybe under "function"."""
     if not isinstance(value, dict):
         return None
     if isinstance(value.get("function"), dict) and "name" not in value:
         value = value["function"]
-    name, arguments = value.get("name"), value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = _loads(arguments)
-        except ValueError:
-            return None
-    other_keys = set(value) - {"name", "arguments", "parameters", "id", "type"}
-    if name not in names or not isinstance(arguments, dict) or other_keys or not _strict(arguments):
+    if set(value) - {"name", "arguments", "parameters", "id", "type"}:
         return None
-    return ToolCall(name, arguments)
+    return _call(value.get("name"), value.get("arguments", value.get("parameters", {})), names)
 
 
 def json_calls(text: str, names: set) -> Optional[list]:
@@ -345,16 +351,8 @@ class ReplyParser:
 
 
 def _parsed_call(p, names: set) -> Optional[ToolCall]:
-    """A call dict from an mlx-lm tool parser ({"name", "arguments", maybe "id"}) as a ToolCall: one of `names`,
-    its arguments strict JSON (`_strict`), else None (the reply is text)."""
-    if not (isinstance(p, dict) and p.get("name") in names):
+    """A call dict from an mlx-lm tool parser ({"name", "arguments", maybe "id"}) as a ToolCall (`_call`'s rule)."""
+    if not isinstance(p, dict):
         return None
-    arguments = p.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = _loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict) or not _strict(arguments):
-        return None
-    return ToolCall(p["name"], arguments, **({"id": p["id"]} if isinstance(p.get("id"), str) else {}))
+    extra = {"id": p["id"]} if isinstance(p.get("id"), str) else {}
+    return _call(p.get("name"), p.get("arguments", {}), names, **extra)
