@@ -134,17 +134,17 @@ def load_sharded_target(model_dir: Path, mode: str, group: mx.distributed.Group)
     return PipelineStage(model), tokenizer
 
 
-def load_sharded_pair(target_path: str, drafter_path: str, mode: str, command: str = "generate"):
-    """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run."""
-    from .pair import load_drafter, resolve
+def load_sharded_pair(target_path: str, drafter_path, mode: str, command: str = "generate"):
+    """(Target shard, drafter bound to it, tokenizer, group) for this rank of an mlx.launch run; drafter_path as
+    pair.bind_drafter takes it."""
+    from .pair import bind_drafter, resolve
 
     group = launched_group(command)
     with said_once(group), lost_rank_errors(group.rank()):  # sharded_load ends in a collective
         model_dir = resolve(target_path, "target model")
         check_shardable(model_dir, mode, group.size())
-        drafter = load_drafter(drafter_path)
         target, tokenizer = load_sharded_target(model_dir, mode, group)
-        return target, drafter.bind(target), tokenizer, group
+        return target, bind_drafter(drafter_path, target), tokenizer, group
 
 
 @contextmanager
@@ -245,7 +245,7 @@ class Ranks(SingleProcess):
     def whole_features(self, rows: mx.array) -> mx.array:
         """The drafter's context rows with every captured layer filled: under pipeline sharding each rank
         computed only its own layers' (zeros elsewhere), so the rows are summed over the group."""
-        if not self.partial_features or rows is None:
+        if not self.partial_features or rows is None or not rows.shape[-1]:  # (no drafter: no features)
             return rows
         mx.eval(rows)  # the forward that made them, so that only the exchange below is timed
         return self._timed(self._sum(rows))

@@ -22,6 +22,7 @@ from .decoding.responses import GenerationResponse, GenerationStats, ResponseStr
 from .decoding.sampling import SamplingParams
 from .errors import DFlashError
 from .models.base import DraftModel
+from .models.no_drafter import NoDrafter
 from .models.target import Target
 from .options import check_seed, kv_options, pair_options, sampling_options, shard_options, width_options
 from .policies.dcut import build_policy
@@ -37,7 +38,7 @@ class GeneratedText(str):
 
 def stream_generate(
     target: Target,
-    drafter: DraftModel,
+    drafter: Optional[DraftModel],
     tokenizer,
     prompt,
     max_tokens: int = 256,
@@ -58,7 +59,8 @@ def stream_generate(
     ranks: SingleProcess = SingleProcess(),
     sampler=None,
 ) -> Iterator[GenerationResponse]:
-    """Stream the generation token by token. `prompt` is a string (used as given) or token ids.
+    """Stream the generation token by token. `prompt` is a string (used as given) or token ids. drafter: a
+    DFlash drafter, or None for drafts copied from the context alone (models/no_drafter.py).
 
     temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
     token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
@@ -75,6 +77,7 @@ def stream_generate(
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     check_seed(seed, "seed")
+    drafter = NoDrafter().bind(target) if drafter is None else drafter
     if not drafter.is_bound:
         drafter.bind(target)
     if policy is None:
@@ -158,11 +161,11 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
 @shard_options
 def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling, seed, widths, chat_template, verbose,
          prompt_cache_file, kv, shard):
-    """Generate text with a target model and its DFlash drafter."""
+    """Generate text with a target model and its DFlash drafter (or none: drafts copied from the context)."""
     from tqdm import tqdm
 
     from .distributed import Ranks, load_sharded_pair
-    from .downloads import default_target, shipped_drafter_dir
+    from .downloads import default_target
     from .machine import slow_blas_warning
     from .pair import load
     from .pitfalls import pair_warnings
@@ -181,7 +184,7 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling,
         if prompt_cache_file:
             raise DFlashError("--prompt-cache-file does not work with --shard (each rank holds its own shard's state)")
         target, drafter, tokenizer, group = load_sharded_pair(default_target(model_path),
-                                                              drafter_path or shipped_drafter_dir(), shard.mode)
+                                                              drafter_path, shard.mode)
     else:
         target, drafter, tokenizer = load(model_path, drafter_path)
     if drafter_window is not None:

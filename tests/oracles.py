@@ -148,7 +148,8 @@ def cut_one(policy, width: int, confidence: list, looked_up: int = 0) -> int:
 
 
 def observe_one(policy, confidence: list, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                looked_up: int = 0):
-    """A policy's observation of a one-row round (confidence [] when the round read none)."""
+                looked_up: int = 0, run: int = 1):
+    """A policy's observation of a one-row round (confidence [] when the round read none); run: how long the
+    copy lookup proposed had run."""
     policy.observe([confidence] if confidence else None, [drafted], [accepted], 1, drafted + 1, draft_seconds,
-                   verify_seconds, [looked_up])
+                   verify_seconds, [looked_up], runs=[run])

@@ -162,13 +162,32 @@ def test_replayed_acceptance_with_lookup_equals_decoding(pair, greedy):
         assert (judged[1:] <= kept[:-1]).all()  # a draft is judged only once the one before it was kept
 
 
-def test_auto_learns_looked_up_acceptance_apart_from_the_drafters():
+def test_auto_learns_looked_up_acceptance_apart_from_the_drafters_by_how_long_the_copy_has_run():
     policy = DCutPolicy(16, 16, {1: interpolate_costs({1: 0.1, 16: 0.2}, 16)})
-    before = policy.calibration.calibrated(0.99)
-    assert policy.calibration.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
-    for _ in range(50):  # looked-up drafts at confidence 1: kept at positions 1-2, the third rejected
-        observe_one(policy, [1.0, 1.0, 1.0, 0.4], drafted=4, accepted=2, draft_seconds=0.01, verify_seconds=0.1,
-                       looked_up=3)
-    assert policy.calibration.calibrated(0.99) == before  # the drafter's calibration is untouched
-    assert policy.calibration.looked_up_acceptance(0) > 0.9 and policy.calibration.looked_up_acceptance(2) < 0.1
-    assert policy.calibration.expected_tokens([1.0] * 3, 4, looked_up=3) > 2.8
+    calibration = policy.calibration
+    before = calibration.calibrated(0.99)
+    assert calibration.expected_tokens([1.0] * 3, 4, looked_up=3) < 2.2  # the prior: 1 + 0.5 + 0.35 + 0.26
+    for _ in range(50):
+        # a fresh copy (run 1): its first token kept, its second (run 2) rejected
+        observe_one(policy, [1.0, 1.0, 1.0, 0.4], drafted=4, accepted=1, draft_seconds=0.01, verify_seconds=0.1,
+                    looked_up=3, run=1)
+        # a copy under way (run 8): all three kept (runs 8, 9, 10)
+        observe_one(policy, [1.0, 1.0, 1.0, 0.4], drafted=4, accepted=3, draft_seconds=0.01, verify_seconds=0.1,
+                    looked_up=3, run=8)
+    assert calibration.calibrated(0.99) == before  # the drafter's calibration is untouched
+    got = calibration.copied_acceptance([1, 2, 3, 8, 15])
+    assert got[0] > 0.9 and got[1] < 0.1 and got[2] < 0.1 and got[3] > 0.9 and got[4] > 0.9
+    assert calibration.expected_tokens([1.0] * 3, 4, looked_up=3, run=8) > 3.6
+    assert calibration.expected_tokens([1.0] * 3, 4, looked_up=3, run=1) < 2.1
+    # a longer run never judged starts from the judged shorter runs' estimate, not from the prior
+    assert calibration.copied_acceptance(40) > 0.9
+
+
+def test_a_copys_run_counts_the_tokens_matching_its_source():
+    lookup = PromptLookup([5, 1, 2, 3, 4, 9, 1, 2, 3])
+    assert lookup.propose(3) == [4, 9, 1] and lookup.run == 3  # 1 2 3 matched (3-gram), and 5 != 9 before
+    lookup = PromptLookup([7, 8, 1, 2, 3, 4, 0, 7, 8, 1, 2, 3])
+    assert lookup.propose(2) == [4, 0] and lookup.run == 5  # the 3-gram's match reaches back over 7 8
+    assert PromptLookup([1, 2, 3]).propose(2) == [] and PromptLookup([1, 2, 3]).run == 0
+
+

@@ -178,7 +178,14 @@ def test_decoder_samples_like_mlx_lm(setting):
         assert second.drafted == 1
         ours.append((first.tokens[0], second.tokens[0]))
         rounds.close()
-    # mlx-lm: the first token from the prompt's last logits; the second from the logits after it.
+    assert_first_two_like_mlx_lm(model, prompt, setting, ours)
+
+
+def assert_first_two_like_mlx_lm(model, prompt: list, setting: tuple, ours: list):
+    """Our (first, second) tokens drawn after `prompt`, against as many of mlx-lm's own draws on the same model
+    (the first from the prompt's last logits, the second from the logits after it): a two-sample chi-square test
+    per position."""
+    runs = len(ours)
     first_logits = model(mx.array([prompt]))[:, -1]
     t1 = mlx_lm_draws(mx.broadcast_to(first_logits, (runs, first_logits.shape[-1])), *setting)
     after = model(mx.array([prompt + [t] for t in range(first_logits.shape[-1])]))[:, -1]

@@ -278,7 +278,9 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
                    prefill_step_size: Optional[int] = None):
     """Answer several prompts decoding together, as `mlx_lm.batch_generate` does: prompts are token-id lists
     (or strings, used as given); max_tokens one for all or one per prompt. Returns a `BatchResponse`: the
-    texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen)."""
+    texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen). drafter: a
+    DFlash drafter, or None for drafts copied from the context alone (models/no_drafter.py)."""
+    from ..models.no_drafter import NoDrafter
     from .prompt import check_context, encode_prompt
     from ..policies.dcut import build_policy
     from ..policies.width import WidthOptions
@@ -290,6 +292,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
         raise DFlashError("batch_generate needs non-empty prompts and, per prompt, max_tokens >= 1")
     limits = [check_context(target, len(i), n) for i, n in zip(ids, limits)]
     max_batch = max_batch or len(ids)
+    drafter = NoDrafter().bind(target) if drafter is None else drafter
     if not drafter.is_bound:
         drafter.bind(target)
     policy = policy or build_policy(target, drafter, WidthOptions(width, tree=tree).with_default(), max_batch)

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..models.base import DraftModel
+from ..models.no_drafter import NoDrafter
 from ..models.target import Target
 from ..policies.width import WidthPolicy
 from .lookup import PromptLookup, with_lookup
@@ -159,9 +160,13 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     context (`at_context`)."""
     most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
     width = policy.width(len(rows), max(most))
+    proposals = [r.history.propose(min(width, n) - 1) if policy.prompt_lookup else [] for r, n in zip(rows, most)]
+    runs = [r.history.run for r in rows]  # how long each row's copy has run: lookup's acceptance is kept by it
+    if isinstance(drafter, NoDrafter):  # no drafter: lookup's copies are the only drafts, and no more is verified
+        width = min(width, 1 + max(map(len, proposals)))
 
     # Draft: one drafter pass over [anchor, MASK...] per row proposes block positions 1..width-1; where a row's
-    # first draft is unsure, prompt lookup's copy of its context may replace it. A sampled draft brings its
+    # first draft is unsure, prompt lookup's copy of its context may replace it (with no drafter, it always does). A sampled draft brings its
     # proposal q. Nothing is evaluated here unless the policy reads the confidence or ranks a tree: otherwise
     # the drafter runs in the same evaluation as the verify below.
     tic = time.perf_counter()
@@ -174,7 +179,6 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
             if any(r.key is not None for r in rows) else None
         draft = drafter.draft([r.anchor for r in rows], [r.state.context for r in rows], draft_cache,
                               policy.block_size, width, [r.sampling for r in rows], keys)
-        proposals = [r.history.propose(width - 1) if policy.prompt_lookup else [] for r in rows]
         if policy.prompt_lookup:
             draft = with_lookup(draft, proposals)
         for r in rows:
@@ -189,10 +193,10 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
             if tree:  # prompt lookup's copy, where there is one, is a branch beside the drafter's candidates
                 copies = np.array([p + [0] * (width - 1 - len(p)) for p in proposals]), [len(p) for p in proposals]
                 trees = grow(*map(np.array, top), width, [min(width - 1, n - 1) for n in most], copies)
-                width, tree = policy.cut_tree(width, trees, confidence, copied, most)
+                width, tree = policy.cut_tree(width, trees, confidence, copied, most, runs)
                 trees = trees if tree else None
             else:
-                width = policy.cut(width, confidence, copied, most)
+                width = policy.cut(width, confidence, copied, most, runs)
             drafts = drafts[:, : width - 1]
     drafts, confidence = ranks.agree(drafts, confidence)
     width = drafts.shape[1] + 1  # rank 0's, under a sharded target
@@ -209,7 +213,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         v = verify_chains(target, cache, rows, drafts, proposal, limits, keys, looked_up, ranks)
     logits, features, accepted, bonus, copied = v.logits, v.features, v.accepted, v.bonus, v.looked_up
     policy.observe(confidence, limits, accepted, len(rows), width, draft_seconds,
-                   time.perf_counter() - tic - draft_seconds, copied, v.tree)
+                   time.perf_counter() - tic - draft_seconds, copied, v.tree, runs)
 
     # Roll back: each row's cache keeps its anchor and accepted drafts, whose features join its context.
     target.trim_rows(cache, [width - 1 - a for a in accepted])

@@ -16,11 +16,14 @@ from ..models.base import Draft
 
 LOOKUP_BELOW = 0.5  # use lookup when the drafter's first draft is less likely than this
 LONGEST_NGRAM = 3
+LONGEST_RUN = 64  # how far back `run` compares a copy's source with the history
 
 
 class PromptLookup:
     """Proposals from the token history (prompt + emitted tokens): the tokens that followed the latest
-    earlier occurrence of the history's last n tokens, for the longest n <= longest_ngram found.
+    earlier occurrence of the history's last n tokens, for the longest n <= longest_ngram found. `run` says how
+    long the copy has run: how many of the history's last tokens equal those before that occurrence (up to
+    LONGEST_RUN), which the width policy's calibration keeps lookup's acceptance by (policies/width.py).
 
     An index of every n-gram's latest end position makes a proposal O(longest_ngram), whatever the
     context length (a scan of the history per round would grow with it)."""
@@ -29,6 +32,7 @@ class PromptLookup:
         self.history = []
         self.longest_ngram = longest_ngram
         self._latest_end = {}  # n-gram tuple -> end position of its latest occurrence (before the last token)
+        self.run = 0  # the last proposal's: tokens of the history matching the copy's source (0: no proposal)
         self.extend(tokens)
 
     def extend(self, tokens: list):
@@ -46,7 +50,12 @@ class PromptLookup:
         for n in range(min(self.longest_ngram, last), 0, -1):
             end = self._latest_end.get(tuple(h[last - n + 1 :]))
             if end is not None:
+                run = n
+                while run < min(LONGEST_RUN, end + 1) and h[end - run] == h[last - run]:
+                    run += 1
+                self.run = run
                 return h[end + 1 : min(end + 1 + k, last + 1)]
+        self.run = 0
         return []
 
 

@@ -41,6 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_pr
 
 from ..errors import DFlashError
 from ..machine import prefill_step
+from ..models.no_drafter import NoDrafter
 from .decoder import DecodeState, SingleProcess
 
 RUNG_EVERY = 2048  # tokens between a hybrid target's checkpoints inside a long prompt
@@ -65,16 +66,17 @@ def pair_identity(target, drafter) -> str:
     target's weight files (names and sizes) and the KV cache settings, read from the directories they were
     loaded from (a pair built in memory gets a name of its own, never found on disk). A state is never
     used for another pair."""
-    if target.source is None or drafter.source is None:
+    no_drafter = isinstance(drafter, NoDrafter)
+    if target.source is None or (drafter.source is None and not no_drafter):
         return f"in-memory-{id(target):x}-{id(drafter):x}"
-    h = hashlib.sha256()
-    target_dir, drafter_dir = Path(target.source), Path(drafter.source)
-    for directory in (target_dir, drafter_dir):
+    h = hashlib.sha256(b"no drafter" if no_drafter else b"")
+    directories = [Path(target.source)] + ([] if no_drafter else [Path(drafter.source)])
+    for directory in directories:
         for f in sorted(directory.glob("*.json")):
             h.update(f.name.encode() + f.read_bytes())
         for f in sorted(directory.glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
-    for f in sorted(drafter_dir.glob("*.safetensors")):
+    for f in sorted(directories[-1].glob("*.safetensors")) if not no_drafter else ():  # the drafter's weights
         h.update(f.read_bytes())
     h.update(json.dumps(target.kv_quantization).encode())
     return h.hexdigest()[:16]

@@ -98,6 +98,8 @@ def warn_mask_token(tokenizer, drafter, vocab_size: int) -> None:
     """One line on stderr when a drafter's mask token is not reserved for this target's tokenizer."""
     import sys
 
+    if drafter.mask_token_id is None:  # no drafter (models/no_drafter.py)
+        return
     problem = mask_token_problem(tokenizer, drafter.mask_token_id, vocab_size)
     if problem:
         where = f" {drafter.source}" if getattr(drafter, "source", None) else ""

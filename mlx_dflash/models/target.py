@@ -296,7 +296,7 @@ class Target:
         """Run ids [B, L] through the model. Returns (logits [B, L, V], features [B, L, n*H]).
 
         Features are the captured layer outputs concatenated in `layer_ids` order, the order the
-        drafter's `fc` expects. On a hybrid target the call is taped, so that `trim` can rewind it; with
+        drafter's `fc` expects (n = 0 where none is captured). On a hybrid target the call is taped, so that `trim` can rewind it; with
         `install_attention_kernel`, its attention runs through our multi-row kernel where that is faster.
         tree: (depth [B, L], ancestors [B, L, L]) when ids are draft trees' nodes (tree_verify.py): each at its
         own position, seeing its ancestors only. Afterwards `keep_paths` says which nodes stay.
@@ -332,8 +332,9 @@ class Target:
     def _run(self, ids: mx.array, cache: list):
         with self._recording() as sink:
             logits = self.model(ids, cache=cache)
-        features = mx.concatenate([sink[i] for i in self.layer_ids], axis=-1) if self.layer_ids else None
-        return logits, features
+        if not self.layer_ids:  # nothing captured (a target without a drafter): zero-width features
+            return logits, mx.zeros((*ids.shape, 0), logits.dtype)
+        return logits, mx.concatenate([sink[i] for i in self.layer_ids], axis=-1)
 
     def read(self, ids: mx.array, cache: list, step: Optional[int] = None, progress=None, total: int = 0):
         """Run tokens ids [P] into the cache in chunks of `step` (default: the machine's,

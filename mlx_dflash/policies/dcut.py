@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import DFlashError
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
                            probe_costs, read_cost_table, running, table_context_costs, table_costs)
+from ..models.no_drafter import NoDrafter
 from .width import Backoff, Calibration, WidthOptions, WidthPolicy, fixed_policy, has_quantized_layers
 
 
@@ -56,8 +57,10 @@ class DCutPolicy(WidthPolicy):
     EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
     def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None, max_batch: int = 1, tree=None):
+                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None, max_batch: int = 1, tree=None,
+                 reads_out=True):
         super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup, tree)
+        self.reads_out = reads_out  # the drafter reads out each position it drafts (no drafter: nothing to read)
         # what the probe or table says for every batch size up to the largest measured or served; each learns
         # on its own
         self.guessed = {b: {w: between(costs, b, w) for w in costs[max(costs)]}
@@ -129,30 +132,32 @@ class DCutPolicy(WidthPolicy):
         return widest
 
     def reach(self) -> int:
-        """Positions worth drafting: a margin past the widest width chosen lately (all, before any)."""
-        return max(self.chosen) + self.REACH_MARGIN if self.chosen else self.block_size
+        """Positions worth drafting: a margin past the widest width chosen lately (all, before any; all, always,
+        where positions cost nothing to read out: no drafter)."""
+        return max(self.chosen) + self.REACH_MARGIN if self.chosen and self.reads_out else self.block_size
 
-    def expected(self, confidence: list, copied: list, remaining: list, width: int) -> float:
+    def expected(self, confidence: list, copied: list, remaining: list, width: int, runs=None) -> float:
         """The batch's expected tokens from a round verifying `width` rows."""
-        return sum(self.calibration.expected_tokens(conf, min(width, left), lookup)
-                   for conf, lookup, left in zip(confidence, copied, remaining))
+        return sum(self.calibration.expected_tokens(conf, min(width, left), lookup, run)
+                   for conf, lookup, left, run in zip(confidence, copied, remaining, runs or [1] * len(copied)))
 
-    def rate(self, confidence, copied, remaining, width: int) -> float:
+    def rate(self, confidence, copied, remaining, width: int, runs=None) -> float:
         batch = len(confidence)
-        return self.expected(confidence, copied, remaining, width) / (self.draft_seconds + self.cost(batch, width))
+        expected = self.expected(confidence, copied, remaining, width, runs)
+        return expected / (self.draft_seconds + self.cost(batch, width))
 
-    def cut(self, width: int, confidence: list, copied: list, remaining: list) -> int:
+    def cut(self, width: int, confidence: list, copied: list, remaining: list, runs=None) -> int:
         width = super().cut(width, confidence, copied, remaining)  # p-min / n-min first, when given
-        return self.choose({w: self.rate(confidence, copied, remaining, w) for w in range(1, width + 1)},
+        return self.choose({w: self.rate(confidence, copied, remaining, w, runs) for w in range(1, width + 1)},
                            len(confidence))
 
-    def cut_tree(self, width: int, trees, confidence: list, copied: list, remaining: list) -> tuple:
+    def cut_tree(self, width: int, trees, confidence: list, copied: list, remaining: list, runs=None) -> tuple:
         """As `cut`, choosing between a chain and a tree of each size: a tree of n nodes expects 1 + the sum of
         its n - 1 best nodes' chances of being reached (each the product of its path's calibrated acceptances,
         policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times the running ratio of
         tree verifies' times to chains' (its mask and per-node positions). Returns (rows, tree or not)."""
         width = WidthPolicy.cut(self, width, confidence, copied, remaining)
-        accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied) * trees.alive
+        accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied, runs) * trees.alive
         reach = np.zeros_like(accept)
         for r in range(accept.shape[1]):  # parents rank before their children
             parent = trees.parents[:, r]
@@ -161,7 +166,7 @@ class DCutPolicy(WidthPolicy):
         totals = np.concatenate([[0.0], np.cumsum(reach.sum(axis=0))])  # the batch's, by nodes past the anchor
         batch = len(confidence)
         self.tree_expected = {w: batch + totals[w - 1] for w in range(1, width + 1)}
-        rates = {(w, False): self.rate(confidence, copied, remaining, w) for w in range(1, width + 1)}
+        rates = {(w, False): self.rate(confidence, copied, remaining, w, runs) for w in range(1, width + 1)}
         rates.update({(w, True): self.tree_expected[w] / (self.draft_seconds + self.cost(batch, w) * self.tree_cost)
                       for w in range(2, width + 1)})
         best = max(rates, key=rates.get)
@@ -179,19 +184,20 @@ class DCutPolicy(WidthPolicy):
         near = [w for w in rates if rates[w] >= (1 - self.EXPLORE_LOSS) * rates[best]]
         return min(near, key=lambda w: (timed[w], -rates[w]))
 
-    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied, tree=None):
+    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied, tree=None,
+                runs=None):
         a = self.SMOOTHING
         if confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
             plain = batch / self.cost(batch, 1)
             if tree is not None:
                 rate = self.tree_expected[width] / (self.draft_seconds + self.cost(batch, width) * self.tree_cost)
-                self.calibration.record_nodes(tree)
+                self.calibration.record_nodes(tree, runs)
                 self.tree_cost = running(self.tree_cost, verify_seconds / self.cost(batch, width), a)
                 verify_seconds /= self.tree_cost  # its cell keeps a chain's time
             else:
-                rate = self.rate(confidence, copied, [n + 1 for n in limits], width)
-                for conf, n, kept, lookup in zip(confidence, limits, accepted, copied):
-                    self.calibration.record(conf, n, kept, min(int(lookup), n))
+                rate = self.rate(confidence, copied, [n + 1 for n in limits], width, runs)
+                for conf, n, kept, lookup, run in zip(confidence, limits, accepted, copied, runs or [1] * batch):
+                    self.calibration.record(conf, n, kept, min(int(lookup), n), run)
             self.gain = running(self.gain, rate / plain, a)
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
             if width >= self.drafted:  # it wanted every position it had: the next draft gets them all
@@ -281,7 +287,7 @@ def build_policy(target, drafter, options: Optional[WidthOptions] = None, max_ba
         notes.append(f"quantized model: D-cut verifies up to {fixed.max_width} rows a request, each round's width "
                      "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
     return DCutPolicy(fixed.block_size, fixed.max_width, costs, notes, options.p_min, options.n_min,
-                      options.prompt_lookup, context_costs, max_batch, options.tree)
+                      options.prompt_lookup, context_costs, max_batch, options.tree, not isinstance(drafter, NoDrafter))
 
 
 _PROBED = weakref.WeakKeyDictionary()  # target -> {(max_batch, max_width): (costs, context costs)}

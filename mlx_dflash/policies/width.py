@@ -17,16 +17,26 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import DFlashError
+from ..models.no_drafter import NoDrafter
 
 QUANTIZED_MAX_WIDTH = 5
 # Every entry point's default: a fixed width that is best on short prompts loses most at long contexts and under
 # load, where auto keeps up with the target alone (docs/benchmarks.md).
 DEFAULT_WIDTH = "auto"
-# The chance that looked-up draft k+1 is kept once the ones before it were, under prompt lookup's rule
-# (decoding/lookup.py), rounded from
-# what bench/acceptance.py prints on held-out GSM8K answers: it grows with k (a copy that starts right tends
-# to go on). `--width auto` starts from these and learns the run's own.
-ACCEPTANCE_PRIOR = (0.5, 0.7, 0.75, 0.8)  # positions past the last: 0.8
+# The chance that a copied token is kept once the ones before it were, by how long its copy has run when it is
+# judged (decoding/lookup.py `PromptLookup.run`, plus the copied tokens before it): 1, 2-3, 4-7 and 8 or more
+# tokens, rounded from what bench/acceptance.py prints by draft position on held-out GSM8K answers (a copy that
+# starts right tends to go on). `--width auto` starts from these and learns the run's own.
+ACCEPTANCE_PRIOR = (0.5, 0.7, 0.75, 0.8)  # runs past the last class: 0.8
+NO_DRAFTER_NOTE = ("speculation: no drafter, so drafts are copied from the context (prompt lookup) and each is "
+                   "verified by the target; --drafter DIR adds a DFlash drafter")
+COPY_RUNS = 7  # classes of runs: 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64 or more
+
+
+def copy_class(run) -> np.ndarray:
+    """The class of a copy that has run `run` tokens (0..COPY_RUNS - 1), elementwise."""
+    run = np.maximum(np.asarray(run, dtype=np.int64), 1)
+    return np.minimum(np.floor(np.log2(run)).astype(int) + 1, COPY_RUNS) - 1
 
 
 def has_quantized_layers(model: nn.Module) -> bool:
@@ -56,7 +66,7 @@ class WidthPolicy:
     # None or False: one path (by default: with trees, auto measured below chains only, docs/benchmarks.md)
     tree: Optional[bool] = None
 
-    def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list) -> tuple:
+    def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list, runs=None) -> tuple:
         """(rows to verify, anchor included; whether they are the ranked `trees`' best nodes (tree.py `Trees`) or a
         chain), where the round may verify a tree; the arguments after `trees` as `cut` takes them."""
         return self.cut(width, confidence, looked_up, remaining), True
@@ -92,10 +102,10 @@ class WidthPolicy:
     def at_context(self, context: int):
         """The next round's longest row attends to `context` tokens (adaptive policies cost widths by it)."""
 
-    def cut(self, width: int, confidence: list, looked_up: list, remaining: list) -> int:
+    def cut(self, width: int, confidence: list, looked_up: list, remaining: list, runs=None) -> int:
         """The width after the confidence controls. confidence[b][k] is the top-1 probability of row b's draft
         k+1 (1 for its first looked_up[b] drafts, which prompt lookup proposed); remaining[b]: the tokens row b
-        may still emit."""
+        may still emit; runs[b]: how long row b's copy has run (decoding/lookup.py `PromptLookup.run`)."""
         drafts = 0
         for conf, lookup in zip(confidence, looked_up):
             cut = width - 1
@@ -105,10 +115,10 @@ class WidthPolicy:
         return 1 if drafts < self.n_min else drafts + 1
 
     def observe(self, confidence, limits: list, accepted: list, rows: int, width: int, draft_seconds: float,
-                verify_seconds: float, looked_up: list, tree=None):
+                verify_seconds: float, looked_up: list, tree=None, runs=None):
         """What a round showed: the confidence it read (None: none), each row's drafts verified (`limits`) and
-        kept, the round's rows and width, its times, each row's looked-up drafts, and for a tree its nodes'
-        verdict (tree.py `TreeVerdict`). Fixed widths ignore it."""
+        kept, the round's rows and width, its times, each row's looked-up drafts, for a tree its nodes'
+        verdict (tree.py `TreeVerdict`), and each row's copy run (as `cut`). Fixed widths ignore it."""
 
 
 def make_policy(
@@ -164,58 +174,78 @@ class Calibration:
     """The chance that a draft is kept once the drafts before it were, learned as rounds run: for the
     drafter's own drafts, the acceptance rate seen so far of drafts whose top-1 probability fell in the
     same tenth of [0, 1] (starting from the raw probability); for drafts prompt lookup proposed, the rate
-    seen so far at that position (starting from decoding/lookup.py's measured prior)."""
+    seen so far of copied tokens whose copy had run as long when they were judged (`copy_class`: a copy that has
+    run r tokens proposes its draft k+1 having run r + k). A run class not judged yet starts from the shorter
+    runs' estimate once that has been judged (a copy that goes on is at least as likely to go on), else from
+    ACCEPTANCE_PRIOR: a width never verified yet is still chosen where it would pay."""
 
     BINS = 10
     PRIOR = 4.0  # pseudo-observations of the prior in each bin
 
     def __init__(self, block_size: int):
         self.hits, self.trials = np.zeros(self.BINS), np.zeros(self.BINS)
-        self.lookup_hits, self.lookup_trials = np.zeros(block_size), np.zeros(block_size)  # by draft position
+        self.lookup_hits, self.lookup_trials = np.zeros(COPY_RUNS), np.zeros(COPY_RUNS)  # by run class
+        self._lookup = None  # the run classes' acceptance, until the next record
 
     def calibrated(self, confidence: float) -> float:
         b = min(int(confidence * self.BINS), self.BINS - 1)
         return (self.hits[b] + self.PRIOR * confidence) / (self.trials[b] + self.PRIOR)
 
-    def looked_up_acceptance(self, k: int) -> float:
-        """The observed chance that looked-up draft k+1 is kept once the ones before it were."""
-        prior = ACCEPTANCE_PRIOR[min(k, len(ACCEPTANCE_PRIOR) - 1)]
-        return (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
+    def copied_acceptance(self, runs) -> np.ndarray:
+        """The observed chance that a copied token whose copy has run `runs` tokens is kept (elementwise)."""
+        if self._lookup is None:
+            table, judged = np.empty(COPY_RUNS), False
+            for c in range(COPY_RUNS):
+                prior = table[c - 1] if judged else ACCEPTANCE_PRIOR[min(c, len(ACCEPTANCE_PRIOR) - 1)]
+                table[c] = (self.lookup_hits[c] + self.PRIOR * prior) / (self.lookup_trials[c] + self.PRIOR)
+                judged = judged or self.lookup_trials[c] > 0
+            self._lookup = table
+        return self._lookup[copy_class(runs)]
 
-    def expected_tokens(self, confidence: list, width: int, looked_up: int = 0) -> float:
-        """Tokens a round verifying `width` rows emits in expectation: 1 + sum_k prod_{j<=k} a_j."""
+    def expected_tokens(self, confidence: list, width: int, looked_up: int = 0, run: int = 1) -> float:
+        """Tokens a round verifying `width` rows emits in expectation: 1 + sum_k prod_{j<=k} a_j (the first
+        `looked_up` drafts copied by a copy that has run `run` tokens)."""
         expected, survive = 1.0, 1.0
+        copied = self.copied_acceptance(run + np.arange(looked_up))
         for k, c in enumerate(confidence[: width - 1]):
-            survive *= self.looked_up_acceptance(k) if k < looked_up else self.calibrated(c)
+            survive *= copied[k] if k < looked_up else self.calibrated(c)
             expected += survive
         return expected
 
-    def node_acceptance(self, probs: np.ndarray, depth: np.ndarray, copied: np.ndarray) -> np.ndarray:
-        """The chance that each tree node is kept once its parent was: by its drafter probability, as
-        `calibrated`; for a node prompt lookup's copy proposed (`copied`), lookup's by its depth."""
+    def node_acceptance(self, probs: np.ndarray, depth: np.ndarray, copied: np.ndarray, runs=None) -> np.ndarray:
+        """The chance that each tree node [B, N] is kept once its parent was: by its drafter probability, as
+        `calibrated`; for a node prompt lookup's copy proposed (`copied`), lookup's by how long its copy has run
+        there (its row's run, runs[b], None: 1, plus its depth - 1)."""
         b = np.minimum((probs * self.BINS).astype(int), self.BINS - 1)
         drafted = (self.hits[b] + self.PRIOR * probs) / (self.trials[b] + self.PRIOR)
-        k = np.clip(depth - 1, 0, len(self.lookup_hits) - 1)
-        prior = np.array(ACCEPTANCE_PRIOR)[np.minimum(k, len(ACCEPTANCE_PRIOR) - 1)]
-        looked = (self.lookup_hits[k] + self.PRIOR * prior) / (self.lookup_trials[k] + self.PRIOR)
-        return np.where(copied, looked, drafted)
+        return np.where(copied, self.copied_acceptance(self._runs(runs, depth)), drafted)
 
-    def record_nodes(self, verdict):
-        """A tree round's verdict (decoding/tree.py `TreeVerdict`): every node judged, kept or not."""
+    def record_nodes(self, verdict, runs=None):
+        """A tree round's verdict (decoding/tree.py `TreeVerdict`): every node judged, kept or not; runs as
+        `node_acceptance` takes them."""
         judged, kept, copied = verdict.judged, verdict.reached, verdict.copied
         b = np.minimum((verdict.probs * self.BINS).astype(int), self.BINS - 1)
         np.add.at(self.trials, b[judged & ~copied], 1)
         np.add.at(self.hits, b[judged & kept & ~copied], 1)
-        k = np.clip(verdict.depth - 1, 0, len(self.lookup_hits) - 1)
-        np.add.at(self.lookup_trials, k[judged & copied], 1)
-        np.add.at(self.lookup_hits, k[judged & kept & copied], 1)
+        c = copy_class(self._runs(runs, verdict.depth))
+        np.add.at(self.lookup_trials, c[judged & copied], 1)
+        np.add.at(self.lookup_hits, c[judged & kept & copied], 1)
+        self._lookup = None
 
-    def record(self, confidence: list, drafted: int, accepted: int, looked_up: int = 0):
+    @staticmethod
+    def _runs(runs, depth: np.ndarray) -> np.ndarray:
+        """How long each tree node's copy has run at it, [B, N]."""
+        runs = np.ones(depth.shape[0], dtype=int) if runs is None else np.asarray(runs)
+        return runs[:, None] + np.maximum(depth - 1, 0)
+
+    def record(self, confidence: list, drafted: int, accepted: int, looked_up: int = 0, run: int = 1):
         """A round's verdict. Drafts up to the first rejection were judged; later ones say nothing."""
         for k in range(min(accepted + 1, drafted)):
             if k < looked_up:
-                self.lookup_trials[k] += 1
-                self.lookup_hits[k] += k < accepted
+                c = int(copy_class(run + k))
+                self.lookup_trials[c] += 1
+                self.lookup_hits[c] += k < accepted
+                self._lookup = None
             else:
                 b = min(int(confidence[k] * self.BINS), self.BINS - 1)
                 self.trials[b] += 1
@@ -293,7 +323,10 @@ def fixed_policy(target, drafter, options: WidthOptions = WidthOptions(), quanti
         raise DFlashError(f"--n-max {n_max} is out of range: this drafter drafts blocks of {trained} rows, so "
                           f"it verifies at most {trained - 1} drafted tokens (--n-max 0..{trained - 1})")
     fixed = (n_max + 1 if n_max is not None else None) if options.auto or options.width is None else options.width
-    return make_policy(
+    if isinstance(drafter, NoDrafter) and not options.prompt_lookup:
+        raise DFlashError("--no-prompt-lookup leaves a target without a drafter nothing to draft: drop it, or give "
+                          "a DFlash drafter with --drafter")
+    policy = make_policy(
         trained,
         fixed,
         quantized=quantized_rule and (has_quantized_layers(target.model) or has_quantized_layers(drafter)),
@@ -304,5 +337,8 @@ def fixed_policy(target, drafter, options: WidthOptions = WidthOptions(), quanti
         prompt_lookup=options.prompt_lookup,
         tree=options.tree,
     )
+    if isinstance(drafter, NoDrafter):  # said once at start: no DFlash drafter runs
+        policy.notes.insert(0, NO_DRAFTER_NOTE)
+    return policy
 
 

@@ -67,7 +67,7 @@ class TargetFeatures:
             self._memo.move_to_end(key)
             return kept
         logits, features = self.target.forward(mx.array(ids)[None], None)
-        if features is None:
+        if not features.shape[-1]:
             raise DFlashError("the target captures no layers yet: bind the drafter to it before computing features")
         choices = None
         if with_choices:  # else the head's logits stay lazy and never run
