@@ -3,6 +3,7 @@
     python bench/editing.py                                   # both targets, 128 tokens, servers at 1 and 4 clients
     python bench/editing.py --models qwen --no-serve --max-tokens 32 --name quick   # a smoke run
     python bench/editing.py --little ../shared/data/gsm8k/train.jsonl --little-first 7000   # GSM8K as little to copy
+    python bench/editing.py --trees --no-serve --name editing-trees-cpu    # also trees of copies (--tree)
 
 Targets (--models): Qwen2.5-Coder-0.5B-Instruct (`downloads.ensure_qwen25_coder_05b`, float32), which has no
 DFlash drafter, and the default target (SmolLM2-135M-Instruct), whose shipped drafter runs beside as one more row.
@@ -16,8 +17,8 @@ Prompts, each one user message in the target's chat template:
 * little to copy (4): first turns of MT-Bench (writing, roleplay, reasoning, math), or --little FILE's prompts.
 
 In-process rows, per target: mlx-lm alone (`generate_step`, bench/e2e.py's timing), ours without a drafter at
---width auto and at width 16 (`generate(target, None, ...)`), and on the default target ours with its shipped
-drafter (auto). Each prompt runs every row in a seeded random order; decode tokens/s as bench/e2e.py defines it,
+--width auto and at width 16 (`generate(target, None, ...)`; with --trees each again with `--tree`: trees of the
+copies of every earlier occurrence), and on the default target ours with its shipped drafter (auto). Each prompt runs every row in a seeded random order; decode tokens/s as bench/e2e.py defines it,
 the median over the prompts of a group, and its ratio to mlx-lm alone's. Every output must equal mlx-lm's (a
 difference prints a loud line and makes the exit status 1).
 
@@ -64,6 +65,7 @@ SCHEMA = "mlx-dflash/bench-editing/1"
 MODELS = {"qwen": "Qwen2.5-Coder-0.5B-Instruct", "default": "SmolLM2-135M-Instruct"}
 ALONE, AUTO, WIDE, DRAFTER = "mlx-lm alone", "ours, no drafter (auto)", "ours, no drafter (width 16)", \
     "ours, shipped drafter (auto)"
+AUTO_TREE, WIDE_TREE = "ours, no drafter (auto --tree)", "ours, no drafter (width 16 --tree)"
 HUMANEVAL_PICKS = (0, 4, 12, 22, 29, 34, 35, 46, 55, 58)  # short, plain functions
 LITTLE_CATEGORIES = ("writing", "roleplay", "reasoning", "math")
 CLIENTS = (1, 4)
@@ -138,19 +140,22 @@ def model_path(key: str) -> str:
     return str(ensure_qwen25_coder_05b("float32")) if key == "qwen" else default_target()
 
 
-def load_rows(key: str) -> tuple:
-    """(rows {name: (drafter, policy)}, target, tokenizer, the mlx-lm model) of one target."""
+def load_rows(key: str, trees: bool) -> tuple:
+    """(rows {name: (drafter, policy)}, target, tokenizer) of one target."""
     target, drafter, tokenizer = load(model_path(key))
     rows = {AUTO: (None, build_policy(target, NoDrafter(), WidthOptions("auto"))),
             WIDE: (None, build_policy(target, NoDrafter(), WidthOptions(16)))}
+    if trees:
+        rows[AUTO_TREE] = (None, build_policy(target, NoDrafter(), WidthOptions("auto", tree=True)))
+        rows[WIDE_TREE] = (None, build_policy(target, NoDrafter(), WidthOptions(16, tree=True)))
     if key == "default":
         rows[DRAFTER] = (drafter, build_policy(target, drafter, WidthOptions("auto")))
     return rows, target, tokenizer
 
 
-def measure_local(key: str, groups: dict, max_tokens: int, seed: int, log) -> tuple:
+def measure_local(key: str, groups: dict, max_tokens: int, seed: int, trees: bool, log) -> tuple:
     """Every row on every prompt of every group, in a random order per prompt; returns (records, mismatches)."""
-    rows, target, tokenizer = load_rows(key)
+    rows, target, tokenizer = load_rows(key, trees)
     rng = random.Random(seed)
     records, mismatches = [], 0
     warm = encode_prompt(tokenizer, "hi", True)
@@ -226,7 +231,8 @@ def summarize(records: list, levels: list) -> list:
         for group in dict.fromkeys(r["group"] for r in records if r["model"] == key):
             mine = [r for r in records if r["model"] == key and r["group"] == group]
             alone = statistics.median(r["decode_tps"] for r in mine if r["row"] == ALONE)
-            for row in [row for row in (ALONE, AUTO, WIDE, DRAFTER) if any(r["row"] == row for r in mine)]:
+            for row in [row for row in (ALONE, AUTO, WIDE, AUTO_TREE, WIDE_TREE, DRAFTER)
+                        if any(r["row"] == row for r in mine)]:
                 these = [r for r in mine if r["row"] == row]
                 tps = statistics.median(r["decode_tps"] for r in these)
                 table.append({"model": MODELS[key], "group": group, "row": row, "tokens_per_s": tps,
@@ -270,6 +276,7 @@ def parse_args(argv):
     p.add_argument("--little-first", type=int, default=0)
     p.add_argument("--little-count", type=int, default=4)
     p.add_argument("--no-serve", action="store_true", help="in-process rows only")
+    p.add_argument("--trees", action="store_true", help="also the no-drafter rows with --tree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="editing-cpu")
     return p.parse_args(argv)
@@ -287,7 +294,7 @@ def main(argv=None) -> int:
     for key in args.models.split(","):
         if key not in MODELS:
             raise SystemExit(f"--models: unknown {key!r}; known: {', '.join(MODELS)}")
-        got, bad = measure_local(key, groups, args.max_tokens, args.seed, log)
+        got, bad = measure_local(key, groups, args.max_tokens, args.seed, args.trees, log)
         records += got
         mismatches += bad
         mx.clear_cache()

@@ -112,8 +112,8 @@ class PipelineStage(Target):
     def _run(self, ids: mx.array, cache: list):  # under both forward (verify) and prefill
         with self._recording() as sink:
             logits = self.model(ids, cache=cache)
-        if not self.layer_ids:
-            return logits, None
+        if not self.layer_ids:  # nothing captured (no drafter): zero-width features, as Target's
+            return logits, mx.zeros((*ids.shape, 0), logits.dtype)
         # One dtype on every rank (the logits', the hidden states' in mlx-lm), or the sum over ranks fails.
         zeros = mx.zeros((*ids.shape, self.hidden_size), dtype=logits.dtype)
         parts = [sink[i].astype(logits.dtype) if i in sink else zeros for i in self.layer_ids]

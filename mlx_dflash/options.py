@@ -127,8 +127,9 @@ width_options = grouped(
     click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
                  help="Where the drafter's first draft is unsure, draft what followed the context's last tokens."),
     click.option("--tree/--no-tree", default=None,
-                 help="Verify a tree of the drafter's likeliest paths: every round at a fixed --width (that many "
-                      "nodes), or where --width auto expects it to pay. Default: one path (--no-tree)."),
+                 help="Verify a tree of the drafter's likeliest paths (no drafter: of the context's copies): every "
+                      "round at a fixed --width (that many nodes), or where --width auto expects it to pay. Default: "
+                      "one path (--no-tree)."),
 )
 shard_options = grouped(
     "shard", lambda shard, rank_timeout: ShardOptions(shard, rank_timeout),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -16,6 +17,8 @@ from tiny_families import DENSE, FAMILIES, PROMPT, tiny_chat_target, tiny_model
 from mlx_dflash.cli import main
 from mlx_dflash.decoding import engine_report
 from mlx_dflash.decoding.batch_decoder import batch_generate
+from mlx_dflash.decoding.lookup import PromptLookup
+from mlx_dflash.decoding.tree import copy_trees
 from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity
 from mlx_dflash.decoding.sampling import SamplingParams
@@ -32,16 +35,17 @@ COPY = ("Repeat this sentence exactly, word for word: The quick brown fox jumps 
         "farmer counts seven sheep by the old mill.")
 
 
-def copies_run(family: str, width: int):
+def copies_run(family: str, width: int, tree: bool = False):
     """Greedy rounds of a tiny target of the family with no drafter, against mlx-lm's own tokens."""
     model = tiny_model(family)
-    prompt = PROMPT * 2  # a context that repeats: lookup has copies to propose from the first round
+    prompt = PROMPT * 2 + PROMPT[::-1]  # a context that repeats: lookup has copies from the first round, branching
     want = mlx_lm_greedy(model, prompt, N_TOKENS)
-    policy = make_policy(LOOKUP_BLOCK, width)
+    policy = make_policy(LOOKUP_BLOCK, width, tree=tree)
     rounds = list(speculative_rounds(Target(model), NoDrafter(), mx.array(prompt), policy, SamplingParams(),
                                      N_TOKENS))
     assert [t for r in rounds for t in r.tokens] == want, f"{family} at width {width}"
-    assert all(r.drafted == r.looked_up and r.drafted < width for r in rounds)  # every draft is a copy
+    if not tree:
+        assert all(r.drafted == r.looked_up and r.drafted < width for r in rounds)  # every draft is a copy
     return rounds
 
 
@@ -50,6 +54,29 @@ def copies_run(family: str, width: int):
 def test_copies_alone_give_mlx_lms_greedy_tokens(family, width):
     rounds = copies_run(family, width)
     assert sum(r.drafted for r in rounds) > 0
+
+
+@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("width", [4, 16])
+def test_a_tree_of_copies_gives_mlx_lms_greedy_tokens(family, width):
+    rounds = copies_run(family, width, tree=True)
+    assert any(r.tree for r in rounds)
+
+
+def test_copies_follow_the_latest_occurrences_first():
+    lookup = PromptLookup([1, 2, 3, 9, 1, 2, 5, 6, 7, 1, 2])
+    assert lookup.propose(3) == [5, 6, 7] and lookup.copies(3) == [[5, 6, 7], [3, 9, 1]]
+    assert lookup.copies(3, scan=1) == [[5, 6, 7]] and PromptLookup([4, 5]).copies(3) == []
+
+
+def test_a_copy_tree_is_a_trie_of_the_copies_ranked_latest_first_then_by_share():
+    trees = copy_trees([[[2, 1], [4, 5], [2, 7]], []], 5, [2, 2])
+    # the latest copy 2 1 first; then 4 (a third of the copies), 5 under it, 7 (half of those through 2) last
+    assert trees.tokens[0].tolist() == [2, 1, 4, 5] and trees.parents[0].tolist() == [-1, 0, -1, 2]
+    assert trees.depth[0].tolist() == [1, 2, 1, 2] and trees.copied[0].tolist() == [True, True, False, False]
+    assert np.allclose(trees.probs[0], [2 / 3, 1 / 2, 1 / 3, 1]) and trees.alive[0].all()
+    assert not trees.alive[1].any()  # nothing to copy
+    assert copy_trees([[[2, 1, 8]]], 3, [1]).tokens[0].tolist() == [2, 0]  # no deeper than the row's depth
 
 
 @pytest.mark.slow
@@ -62,16 +89,17 @@ def test_copies_alone_give_mlx_lms_greedy_tokens_on_every_family(family, width):
 
 def test_the_real_target_without_a_drafter_gives_its_own_greedy_text(smollm2):
     target, tokenizer = smollm2
-    kept = 0
+    kept = trees = 0
     for prompt in [COPY] + PROMPTS[:2]:
         ids = chat_ids(tokenizer, prompt)
         want = mlx_lm_greedy(target.model, ids, 48)
         want = want[: next((i for i, t in enumerate(want) if t in tokenizer.eos_token_ids), len(want))]
-        for width in (16, "auto"):
-            got = generate(target, None, tokenizer, ids, max_tokens=48, width=width)
-            assert got.tokens == want, (prompt, width)
+        for width, tree in ((16, False), ("auto", False), (16, True), ("auto", True)):
+            got = generate(target, None, tokenizer, ids, max_tokens=48, width=width, tree=tree)
+            assert got.tokens == want, (prompt, width, tree)
             kept += sum((n - 1) * c for n, c in got.stats.accepted_lengths.items())
-    assert kept > 10  # copies of the sentence were kept
+            trees += got.stats.tree_rounds
+    assert kept > 10 and trees > 0  # copies of the sentence were kept; trees of copies verified
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])  # a hybrid target rolls its recurrent state back
@@ -95,6 +123,8 @@ def test_batched_copies_on_the_real_target_give_each_requests_own_tokens(smollm2
     got = batch_generate(target, None, tokenizer, ids, max_tokens=limits, max_batch=3, width="auto")
     assert got.token_ids == want and max(got.batch.rows) == 3
     assert max(got.batch.widths) > 4 and sum(s.looked_up_rounds for s in got.stats) > 4
+    trees = batch_generate(target, None, tokenizer, ids, max_tokens=limits, max_batch=3, width=8, tree=True)
+    assert trees.token_ids == want and sum(s.tree_rounds for s in trees.stats) > 4
 
 
 def test_a_prefix_cache_keeps_states_without_a_drafter(tiny_chat_pair):
@@ -177,22 +207,23 @@ def test_a_served_pair_without_a_drafter_answers_batched_clients(tiny_chat_pair)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("setting", MLX_LM_SETTINGS, ids=SETTING_IDS)
-def test_copies_sample_like_mlx_lm(setting):
-    """The second token, drawn through a round whose one draft is lookup's copy (every token of the vocabulary is
-    in the prompt, so each first token has an earlier occurrence to copy after), against mlx-lm's own sampler on
-    the same model: a two-sample chi-square test per position."""
+def test_copies_sample_like_mlx_lm(setting, tree):
+    """The second token, drawn through a round that verifies lookup's copy (every token of the vocabulary is in the
+    prompt, twice, so each first token has earlier occurrences to copy after: one draft as a chain, two branches
+    as a tree), against mlx-lm's own sampler on the same model: a two-sample chi-square test per position."""
     runs = 1000
     model, target, _ = tiny_pair()
-    prompt = list(range(16)) + [3]
+    prompt = list(range(16)) + list(range(15, -1, -1)) + [3]
     params = SamplingParams(*setting[:3], min_p=setting[3])
-    policy = make_policy(LOOKUP_BLOCK, 2)
-    mx.random.seed(5)
+    policy = make_policy(LOOKUP_BLOCK, 4 if tree else 2, tree=tree)
+    mx.random.seed(6)
     ours = []
     for _ in range(runs):
         rounds = speculative_rounds(target, NoDrafter(), mx.array(prompt), policy, params, max_tokens=3)
         first, second = next(rounds), next(rounds)
-        assert second.drafted == second.looked_up == 1
+        assert second.tree == tree and (tree or second.drafted == second.looked_up == 1)
         ours.append((first.tokens[0], second.tokens[0]))
         rounds.close()
     assert_first_two_like_mlx_lm(model, prompt, setting, ours)

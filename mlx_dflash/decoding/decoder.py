@@ -27,7 +27,7 @@ from ..models.target import Target
 from ..policies.width import WidthPolicy
 from .lookup import PromptLookup, with_lookup
 from .sampling import SamplingParams, accept_rows, next_token
-from .tree import TreeVerdict, accept_trees, grow, tree_verdict
+from .tree import TreeVerdict, accept_trees, copy_trees, grow, tree_verdict
 
 
 class SingleProcess:
@@ -162,16 +162,23 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     width = policy.width(len(rows), max(most))
     proposals = [r.history.propose(min(width, n) - 1) if policy.prompt_lookup else [] for r, n in zip(rows, most)]
     runs = [r.history.run for r in rows]  # how long each row's copy has run: lookup's acceptance is kept by it
+    depths = [min(width - 1, n - 1) for n in most]
+    # (ranks in lockstep, a sharded target's, verify chains: they agree on drafts, not on trees)
+    may_tree, trees = bool(policy.tree) and not ranks.lockstep and target.trees, None
     if isinstance(drafter, NoDrafter):  # no drafter: lookup's copies are the only drafts, and no more is verified
-        width = min(width, 1 + max(map(len, proposals)))
+        if may_tree and width > 1:  # the copies of every earlier occurrence, as one tree
+            trees = copy_trees([r.history.copies(d) for r, d in zip(rows, depths)], width, depths)
+            width = min(width, 1 + int(trees.alive.sum(axis=1).max()))
+        else:
+            width = min(width, 1 + max(map(len, proposals)))
 
     # Draft: one drafter pass over [anchor, MASK...] per row proposes block positions 1..width-1; where a row's
-    # first draft is unsure, prompt lookup's copy of its context may replace it (with no drafter, it always does). A sampled draft brings its
-    # proposal q. Nothing is evaluated here unless the policy reads the confidence or ranks a tree: otherwise
+    # first draft is unsure, prompt lookup's copy of its context may replace it (with no drafter, it always
+    # does). A sampled draft brings its proposal q. Nothing is evaluated here unless the policy reads the confidence or ranks a tree: otherwise
     # the drafter runs in the same evaluation as the verify below.
     tic = time.perf_counter()
     # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
-    drafts, proposal, confidence, trees = mx.zeros((len(rows), 0), dtype=mx.int32), None, None, None
+    drafts, proposal, confidence = mx.zeros((len(rows), 0), dtype=mx.int32), None, None
     looked_up = mx.zeros(len(rows), dtype=mx.int32)
     if width > 1:
         # a row draws from its own stream only when it drafts: what it samples never depends on its neighbours
@@ -186,13 +193,14 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         drafts, proposal = draft.ids.astype(mx.int32), draft.proposal
         if draft.looked_up is not None:
             looked_up = draft.looked_up
-        # (ranks in lockstep, a sharded target's, verify chains: they agree on drafts, not on trees)
-        tree = bool(policy.tree) and not ranks.lockstep and target.trees and draft.candidates is not None
+        tree = may_tree and (draft.candidates is not None or trees is not None)
         if policy.uses_confidence or tree:
-            confidence, copied, *top = read(draft.confidence, looked_up, *(draft.candidates if tree else ()))
-            if tree:  # prompt lookup's copy, where there is one, is a branch beside the drafter's candidates
+            ranked = tree and trees is None  # the drafter's candidates, for a tree of them
+            confidence, copied, *top = read(draft.confidence, looked_up, *(draft.candidates if ranked else ()))
+            if ranked:  # prompt lookup's copy, where there is one, is a branch beside the drafter's candidates
                 copies = np.array([p + [0] * (width - 1 - len(p)) for p in proposals]), [len(p) for p in proposals]
-                trees = grow(*map(np.array, top), width, [min(width - 1, n - 1) for n in most], copies)
+                trees = grow(*map(np.array, top), width, depths, copies)
+            if tree:
                 width, tree = policy.cut_tree(width, trees, confidence, copied, most, runs)
                 trees = trees if tree else None
             else:

@@ -17,6 +17,7 @@ from ..models.base import Draft
 LOOKUP_BELOW = 0.5  # use lookup when the drafter's first draft is less likely than this
 LONGEST_NGRAM = 3
 LONGEST_RUN = 64  # how far back `run` compares a copy's source with the history
+LOOKUP_SCAN = 16  # earlier occurrences whose copies a copy tree holds (decoding/tree.py `copy_trees`), the latest first
 
 
 class PromptLookup:
@@ -25,13 +26,13 @@ class PromptLookup:
     long the copy has run: how many of the history's last tokens equal those before that occurrence (up to
     LONGEST_RUN), which the width policy's calibration keeps lookup's acceptance by (policies/width.py).
 
-    An index of every n-gram's latest end position makes a proposal O(longest_ngram), whatever the
-    context length (a scan of the history per round would grow with it)."""
+    An index of every n-gram's end positions makes a proposal O(longest_ngram), whatever the context length (a
+    scan of the history per round would grow with it)."""
 
     def __init__(self, tokens: list, longest_ngram: int = LONGEST_NGRAM):
         self.history = []
         self.longest_ngram = longest_ngram
-        self._latest_end = {}  # n-gram tuple -> end position of its latest occurrence (before the last token)
+        self._ends = {}  # n-gram tuple -> end positions of its occurrences before the last token, in order
         self.run = 0  # the last proposal's: tokens of the history matching the copy's source (0: no proposal)
         self.extend(tokens)
 
@@ -42,21 +43,35 @@ class PromptLookup:
             h.append(int(t))
             end = len(h) - 2  # the n-grams ending at the previous token become "earlier occurrences"
             for n in range(1, min(self.longest_ngram, end + 1) + 1):
-                self._latest_end[tuple(h[end - n + 1 : end + 1])] = end
+                self._ends.setdefault(tuple(h[end - n + 1 : end + 1]), []).append(end)
+
+    def _occurrences(self) -> list:
+        """End positions of the earlier occurrences of the history's longest matched last n-gram, in order."""
+        h, last = self.history, len(self.history) - 1
+        for n in range(min(self.longest_ngram, last), 0, -1):
+            ends = self._ends.get(tuple(h[last - n + 1 :]))
+            if ends:
+                return ends
+        return []
 
     def propose(self, k: int) -> list:
         """Up to k tokens to follow the history (only tokens it already holds can be copied)."""
         h, last = self.history, len(self.history) - 1
-        for n in range(min(self.longest_ngram, last), 0, -1):
-            end = self._latest_end.get(tuple(h[last - n + 1 :]))
-            if end is not None:
-                run = n
-                while run < min(LONGEST_RUN, end + 1) and h[end - run] == h[last - run]:
-                    run += 1
-                self.run = run
-                return h[end + 1 : min(end + 1 + k, last + 1)]
-        self.run = 0
-        return []
+        ends = self._occurrences()
+        if not ends:
+            self.run = 0
+            return []
+        end, run = ends[-1], 0
+        while run < min(LONGEST_RUN, end + 1) and h[end - run] == h[last - run]:
+            run += 1
+        self.run = run
+        return h[end + 1 : min(end + 1 + k, last + 1)]
+
+    def copies(self, k: int, scan: int = LOOKUP_SCAN) -> list:
+        """Up to k tokens after each of the latest `scan` earlier occurrences of what `propose` matches, the
+        latest first (its proposal), for a tree of copies (decoding/tree.py `copy_trees`)."""
+        h, last = self.history, len(self.history) - 1
+        return [h[end + 1 : min(end + 1 + k, last + 1)] for end in reversed(self._occurrences()[-scan:])]
 
 
 def with_lookup(draft: Draft, proposals: list, below: float = LOOKUP_BELOW) -> Draft:

@@ -204,6 +204,47 @@ def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list, copies: t
     )
 
 
+def copy_trees(copies: list, nodes: int, depths: list) -> Trees:
+    """The trees of prompt lookup's copies, for a target without a drafter: copies[b] holds row b's copies of what
+    followed the earlier occurrences of its context's last tokens, the latest first (decoding/lookup.py
+    `PromptLookup.copies`). A row's copies form a trie: a node's probability is the share of the copies reaching
+    its parent that go on with its token. Ranked: the latest copy's path first (the chain a round without a tree
+    verifies; `copied`, so lookup's calibration judges it), then the other nodes by the product of the shares
+    along their path (judged as a drafter's by their share); row b's no deeper than depths[b]."""
+    m, B = nodes - 1, len(copies)
+    tokens, parents, depth = np.zeros((B, m), np.int64), np.full((B, m), -1), np.ones((B, m), np.int64)
+    probs, alive, copied = np.zeros((B, m)), np.zeros((B, m), bool), np.zeros((B, m), bool)
+    for b, row in enumerate(copies):
+        token, parent, level, reached, children = [0], [-1], [0], [len(row)], [{}]  # node 0: the anchor
+        principal = []
+        for i, copy in enumerate(row):
+            node = 0
+            for t in copy[: depths[b]]:
+                if t not in children[node]:
+                    children[node][t] = len(token)
+                    token.append(t), parent.append(node), level.append(level[node] + 1), reached.append(0)
+                    children.append({})
+                node = children[node][t]
+                reached[node] += 1
+            if i == 0:
+                principal = list(range(1, len(token)))  # the latest copy made every node so far
+        share = [1.0] + [reached[n] / reached[parent[n]] for n in range(1, len(token))]
+        score = [1.0]
+        for n in range(1, len(token)):  # parents come before children
+            score.append(score[parent[n]] * share[n])
+        others = sorted(range(len(principal) + 1, len(token)), key=lambda n: (-score[n], level[n]))
+        ranked = (principal + others)[:m]
+        rank_of = {0: -1, **{n: r for r, n in enumerate(ranked)}}
+        k = len(ranked)
+        tokens[b, :k] = [token[n] for n in ranked]
+        parents[b, :k] = [rank_of[parent[n]] for n in ranked]
+        depth[b, :k] = [level[n] for n in ranked]
+        probs[b, :k] = [share[n] for n in ranked]
+        alive[b, :k] = True
+        copied[b, : min(k, len(principal))] = True
+    return Trees(tokens, parents, depth, probs, alive, copied)
+
+
 def accept_trees(block: TreeBlock, logits: mx.array, samplings: list, keys: list) -> tuple:
     """(deepest accepted node [B], the token the target picks there [B]), lazy: each row's walk from the root
     (module docstring). A greedy row picks argmax at every node; a sampled row draws at every node from its
