@@ -35,6 +35,15 @@ COPY = ("Repeat this sentence exactly, word for word: The quick brown fox jumps 
         "farmer counts seven sheep by the old mill.")
 
 
+def with_a_copy(model, ids: list) -> list:
+    """`ids` grown at the front until the model's greedy first token is one of them: a random model over a large
+    vocabulary repeats nothing of its context, so its first round would have nothing to copy."""
+    ids = list(ids)
+    while (first := mlx_lm_greedy(model, ids, 1)[0]) not in ids:
+        ids.insert(0, first)
+    return ids
+
+
 def copies_run(family: str, width: int, tree: bool = False):
     """Greedy rounds of a tiny target of the family with no drafter, against mlx-lm's own tokens."""
     model = tiny_model(family)
@@ -106,13 +115,14 @@ def test_the_real_target_without_a_drafter_gives_its_own_greedy_text(smollm2):
 def test_batched_rows_without_a_drafter_give_each_requests_own_tokens(tiny_chat_pair, family):
     _, tokenizer, _ = tiny_chat_pair
     target = tiny_chat_target(family, 49152, seed=3)
-    ids = [chat_ids(tokenizer, p) for p in PROMPTS[:5]]
+    ids = [with_a_copy(target.model, chat_ids(tokenizer, p)) for p in PROMPTS[:5]]
     limits = [24, 9, 17, 5, 13]
     want = [mlx_lm_greedy(target.model, p, n) for p, n in zip(ids, limits)]
     for width in (8, "auto"):
         got = batch_generate(target, None, tokenizer, ids, max_tokens=limits, max_batch=3, width=width)
         cut = [w[: len(g)] for w, g in zip(want, got.token_ids)]  # a row may stop at an end token
         assert got.token_ids == cut and max(got.batch.rows) == 3, width
+        assert width == "auto" or sum(s.looked_up_rounds for s in got.stats) >= len(ids)  # copies verified
 
 
 def test_batched_copies_on_the_real_target_give_each_requests_own_tokens(smollm2):
@@ -125,6 +135,20 @@ def test_batched_copies_on_the_real_target_give_each_requests_own_tokens(smollm2
     assert max(got.batch.widths) > 4 and sum(s.looked_up_rounds for s in got.stats) > 4
     trees = batch_generate(target, None, tokenizer, ids, max_tokens=limits, max_batch=3, width=8, tree=True)
     assert trees.token_ids == want and sum(s.tree_rounds for s in trees.stats) > 4
+
+
+def test_copies_on_a_quantized_kv_cache_give_the_targets_own_tokens(tiny_chat_pair):
+    """--kv-bits 8 without a drafter: the same tokens at every width as the target's own steps on that cache."""
+    _, tokenizer, _ = tiny_chat_pair
+    target = tiny_chat_target("llama", 49152, seed=5, num_hidden_layers=4, hidden_size=128, tie_word_embeddings=True)
+    target.quantize_kv(8, group_size=32, start=16)  # every chat prompt passes it as it is read
+    ids = [with_a_copy(target.model, chat_ids(tokenizer, p)) for p in PROMPTS[:3]]
+    want = [generate(target, None, tokenizer, p, max_tokens=16, width=1).tokens for p in ids]
+    for width in (8, "auto"):
+        got = [generate(target, None, tokenizer, p, max_tokens=16, width=width) for p in ids]
+        assert [g.tokens for g in got] == want
+        assert width == "auto" or all(g.stats.looked_up_rounds for g in got)  # copies verified on the quantized cache
+    assert batch_generate(target, None, tokenizer, ids, max_tokens=16, max_batch=3, width=8).token_ids == want
 
 
 def test_a_prefix_cache_keeps_states_without_a_drafter(tiny_chat_pair):
