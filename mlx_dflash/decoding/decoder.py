@@ -174,8 +174,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
 
     # Draft: one drafter pass over [anchor, MASK...] per row proposes block positions 1..width-1; where a row's
     # first draft is unsure, prompt lookup's copy of its context may replace it (with no drafter, it always
-    # does). A sampled draft brings its proposal q. Nothing is evaluated here unless the policy reads the confidence or ranks a tree: otherwise
-    # the drafter runs in the same evaluation as the verify below.
+    # does). A sampled draft brings its proposal q. Nothing is evaluated here unless the policy reads the
+    # confidence or ranks a tree: otherwise the drafter runs in the same evaluation as the verify below.
     tic = time.perf_counter()
     # (made here, not at import: an MLX array belongs to the stream of the thread that made it)
     drafts, proposal, confidence = mx.zeros((len(rows), 0), dtype=mx.int32), None, None

@@ -70,13 +70,13 @@ def pair_identity(target, drafter) -> str:
     if target.source is None or (drafter.source is None and not no_drafter):
         return f"in-memory-{id(target):x}-{id(drafter):x}"
     h = hashlib.sha256(b"no drafter" if no_drafter else b"")
-    directories = [Path(target.source)] + ([] if no_drafter else [Path(drafter.source)])
-    for directory in directories:
+    drafter_dirs = [] if no_drafter else [Path(drafter.source)]
+    for directory in [Path(target.source), *drafter_dirs]:
         for f in sorted(directory.glob("*.json")):
             h.update(f.name.encode() + f.read_bytes())
         for f in sorted(directory.glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
-    for f in sorted(directories[-1].glob("*.safetensors")) if not no_drafter else ():  # the drafter's weights
+    for f in sorted(f for d in drafter_dirs for f in d.glob("*.safetensors")):  # the drafter's weights
         h.update(f.read_bytes())
     h.update(json.dumps(target.kv_quantization).encode())
     return h.hexdigest()[:16]

@@ -206,7 +206,7 @@ class Calibration:
         """Tokens a round verifying `width` rows emits in expectation: 1 + sum_k prod_{j<=k} a_j (the first
         `looked_up` drafts copied by a copy that has run `run` tokens)."""
         expected, survive = 1.0, 1.0
-        copied = self.copied_acceptance(run + np.arange(looked_up))
+        copied = self.copied_acceptance(run + np.arange(looked_up)) if looked_up else ()
         for k, c in enumerate(confidence[: width - 1]):
             survive *= copied[k] if k < looked_up else self.calibrated(c)
             expected += survive
