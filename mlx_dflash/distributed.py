@@ -144,6 +144,8 @@ def load_sharded_pair(target_path: str, drafter_path, mode: str, command: str = 
         model_dir = resolve(target_path, "target model")
         check_shardable(model_dir, mode, group.size())
         target, tokenizer = load_sharded_target(model_dir, mode, group)
+        target.install_wide_kernels()  # on Metal, as one process does (pair.load): each rank races its own
+        target.install_attention_kernel()
         return target, bind_drafter(drafter_path, target), tokenizer, group
 
 

@@ -4,9 +4,11 @@ The machine (chip, Metal or not, memory, MLX and mlx-lm versions, on Linux the B
 matmuls), then the checks, one line each:
 * blas (Linux CPU): which BLAS serves MLX's matmuls, and a measured float32 matmul rate;
 * kernel sources (no Metal): the Metal source MLX generates for each of our kernels' launches;
-* wide_qmm, mr_attention (Metal): each kernel compiled and compared with MLX's own result on a few
-  shapes, within the tests' tolerances, then raced: the race gate's verdict and both timings per shape;
-* race verdicts: the verdicts this machine's race gate has cached, and any disagreement among them;
+* wide_qmm, mr_attention (Metal): each kernel compiled and run on a few shapes (the worst the router sends
+  among them), raced against MLX's path and soaked longer than a first use does, then compared with MLX's
+  own result within the tests' tolerances: launch size, verdict, timings and soak per shape; a kernel that
+  fails to compile, launch or run is a warning (MLX's path serves it), a wrong result a failure;
+* race verdicts: the verdicts this machine's race gate has cached: disagreements, failures and stalls;
 * verify-width sweep: what a quantized matmul costs per verify width, MLX's (and ours on Metal);
 * pair, generation: the target and drafter (given, or the default pair once it is downloaded): the
   pitfalls checked before generating, then a short generation and what served it (decoding/engine_report.py).
@@ -28,7 +30,7 @@ import mlx.core as mx
 from .errors import DFlashError
 from .kernels import checks, routes
 from .kernels.metal import race_gate
-from .kernels.race_gate import RaceGate
+from .kernels.race_gate import RaceGate, describe, is_fallback
 from .machine import blas_library, machine_info, metal_available, slow_blas_warning, versions
 from .utils import portable_path, write_json
 
@@ -84,40 +86,59 @@ def check_sources() -> Check:
                  f"{len(found)} shapes (compiling them needs a Mac)", found)
 
 
+DOCTOR_SOAK = 200  # calls of each in the doctor's soak (a first use soaks SOAK_REPEATS)
+
+
 def _shape_line(entry: dict) -> str:
     if "error" in entry:
-        return f"{entry['shape']}: {entry['error']}"
-    line = f"{entry['shape']}: error {entry['error_share_of_tolerance']:.2g} of the tolerance"
-    if "route" in entry:
+        return f"{entry['shape']}: {entry['error']}" + ("; MLX's path serves it" if entry.get("failed_to_run") else "")
+    share = entry["error_share_of_tolerance"]
+    line = f"{entry['shape']}, {entry['threads']} threads: error {share:.2g} of the tolerance"
+    if entry.get("dflash_ms") is not None:
         who = "ours" if entry["route"] == "dflash" else "MLX's"
-        line += f"; race: ours {entry['dflash_ms']:.3g} ms, MLX's {entry['mlx_ms']:.3g} ms: {who}"
+        line += f"; race: ours {entry['dflash_ms']:.3g} ms, MLX's {entry['mlx_ms']:.3g} ms"
+        if entry["soak_calls"]:
+            line += (f"; soak of {entry['soak_calls']}: ours {entry['soak_dflash_ms']:.3g} ms (slowest "
+                     f"{entry['soak_dflash_worst_ms']:.3g}), MLX's {entry['soak_mlx_ms']:.3g} ms"
+                     + (", a stall" if entry["stalled"] else ""))
+        line += f": {who}"
     return line
 
 
 def check_kernel(name: str, run, what: str) -> Check:
-    """One kernel on a Mac: numerics per shape (a failure fails the check) and the race's verdicts."""
+    """One kernel on a Mac: per shape, the launch, the race and a long soak, then the numerics. A wrong result
+    fails the check; a kernel that fails to run on a shape is a warning (MLX's path serves it)."""
     with tempfile.TemporaryDirectory(prefix="mlx-dflash-doctor-") as tmp:
-        found = run(RaceGate(Path(tmp) / "race_verdicts.json"))
-    bad, lines = [e for e in found if not e["ok"]], [_shape_line(e) for e in found]
-    if bad:
-        return Check(name, "fail", f"{len(bad)} of {len(found)} shapes wrong against {what}: {_shape_line(bad[0])}",
-                     found, lines)
+        found = run(RaceGate(Path(tmp) / "race_verdicts.json", soak_repeats=DOCTOR_SOAK))
+    lines = [_shape_line(e) for e in found]
+    wrong = [e for e in found if not e["ok"] and not e.get("failed_to_run")]
+    failed = [e for e in found if e.get("failed_to_run")]
+    if wrong:
+        return Check(name, "fail", f"{len(wrong)} of {len(found)} shapes wrong against {what}: "
+                     f"{_shape_line(wrong[0])}", found, lines)
+    if failed:
+        return Check(name, "warn", f"ours failed to run on {len(failed)} of {len(found)} shapes, {what} serves "
+                     f"those: {_shape_line(failed[0])}", found, lines)
     ours = sum(e["route"] == "dflash" for e in found)
-    return Check(name, "ok", f"agrees with {what} on {len(found)} shapes; the race picked ours on {ours}", found,
-                 lines)
+    stalls = sum(e.get("stalled", False) for e in found)
+    return Check(name, "ok", f"agrees with {what} on {len(found)} shapes; the race picked ours on {ours}"
+                 + (f"; {stalls} stalled in the soak" if stalls else ""), found, lines)
 
 
 def check_verdict_cache() -> Check:
     gate = race_gate()
     where = portable_path(gate.path)
     verdicts = gate.verdicts
-    details = [{"key": k, **v} for k, v in sorted(verdicts.items())]
-    wrong = [d for d in details if not d.get("numerics_ok", True)]
-    if wrong:
-        return Check("race verdicts", "warn", f"{len(wrong)} of {len(details)} cached verdicts ({where}) found our "
-                     f"kernel disagreeing with MLX's, e.g. {wrong[0]['key']}: MLX's path serves those", details)
+    details = [{"key": k, **v, "current": gate.current(k) is not None} for k, v in sorted(verdicts.items())]
+    faults = [d for d in details if is_fallback(d)]
+    if faults:
+        return Check("race verdicts", "warn", f"{len(faults)} of {len(details)} cached verdicts ({where}) send a "
+                     f"shape to MLX's path for a fault of ours, e.g. {faults[0]['key']}: {describe(faults[0])}",
+                     details)
     ours = sum(d["route"] == "dflash" for d in details)
-    return Check("race verdicts", "ok", f"{len(details)} cached ({where}), ours in {ours}" if details else
+    stale = sum(not d["current"] for d in details)
+    more = f"; {stale} made under other versions, raced again on first use" if stale else ""
+    return Check("race verdicts", "ok", f"{len(details)} cached ({where}), ours in {ours}{more}" if details else
                  f"none cached yet ({where})", details)
 
 

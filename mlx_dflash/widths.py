@@ -34,9 +34,12 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .errors import DFlashError
+from .kernels import routes
+from .kernels.race_gate import OURS
 from .kernels.traffic import format_widths_model, widths_model
 from .kernels.wide_qmm import (MAX_ROWS, MIN_ROWS, SUPPORTED_BITS, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES,
-                               WideQuantizedLinear, install_wide_kernels, metal_available, wide_quantized_matmul)
+                               WideQuantizedLinear, choose, install_wide_kernels, metal_available,
+                               wide_quantized_matmul)
 from .machine import machine_info, versions
 from .plot import charts_available, widths_chart_png
 from .policies.cliff import CLIFF_RULE, verdict
@@ -97,7 +100,9 @@ def _qmm_case(shape: dict, dtype, wide: bool, widths, seed: int):
     def measure(w):
         x = xs[w]
         if wide and MIN_ROWS <= w <= MAX_ROWS:
-            return timed(lambda: wide_quantized_matmul(x, wq, s, b, gs, bits))
+            choice = choose(x, wq, s, b, gs, bits, OURS)  # ours, or MLX's where ours fails here (a fallback)
+            if choice.route == OURS:
+                return timed(lambda: wide_quantized_matmul(x, wq, s, b, gs, bits, choice.size))
         return timed(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits, mode=mode))
     return measure
 
@@ -240,12 +245,16 @@ def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, *
     impls = ["mlx", "dflash"] if metal_available() else ["mlx"]
     log(f"quantized matmul: {len(shape_list)} shapes x {impls}, widths {s.widths[0]}..{s.widths[-1]}, "
         f"{s.repeats} repeats, {record['dtype']}")
+    before = routes.snapshot()
     series = measure_matmuls(shape_list, impls, act, s, progress)
     if target is not None:
         series += measure_verify(target, "dflash" in impls and record["model_quantized"], s, progress)
+    fallbacks = routes.fallback_notes(routes.since(before))  # ours forced, MLX's measured where ours failed
+    for note in fallbacks:
+        log(note)
     results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": machine_info(), "versions": versions(), "settings": record, "cliff_rule": CLIFF_RULE,
-               "series": series, "cliff": {x["name"]: x["cliff_width"] for x in series}}
+               "series": series, "cliff": {x["name"]: x["cliff_width"] for x in series}, "fallbacks": fallbacks}
     results["cost_table"] = cost_table(results)
     results["best_width_by_context"] = best_widths(results["cost_table"])
     results["traffic_model"] = traffic_model(shape_list, s.widths, act)

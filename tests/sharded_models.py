@@ -32,7 +32,7 @@ CLI = ["-m", "mlx_dflash.cli"]
 def save_tiny_target(out: Path, family: str, tokenizer_dir: Path, **overrides) -> Path:
     """A random `family` model with the vocabulary of the tokenizer in tokenizer_dir."""
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    config = dict(TINY, model_type=family, vocab_size=vocab, **FAMILIES[family], **overrides)
+    config = dict(TINY, model_type=family, vocab_size=vocab, **{**FAMILIES[family], **overrides})
     model_class, args_class = _get_classes(config)
     mx.random.seed(sum(map(ord, family)))
     model = model_class(args_class.from_dict(config))
@@ -60,12 +60,14 @@ def rank_env() -> dict:
     return dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 
-def launch(args: list, ranks: int = 2, timeout: float = 300, **kwargs):
-    """`mlx.launch --backend ring -n ranks -- python args...`; returns the CompletedProcess."""
+def launch(args: list, ranks: int = 2, timeout: float = 300, env: dict | None = None, **kwargs):
+    """`mlx.launch --backend ring -n ranks -- python args...` (env: more variables for the ranks); returns the
+    CompletedProcess."""
     port_args = ["--starting-port", str(free_port())]
     cmd = [sys.executable, *LAUNCH, "--backend", "ring", "-n", str(ranks), *port_args,
            "--env", "OPENBLAS_NUM_THREADS=1", "--", sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(), **kwargs)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(rank_env(), **(env or {})),
+                          **kwargs)
 
 
 def free_port(ranks: int = 2) -> int:
@@ -86,11 +88,11 @@ def free_port(ranks: int = 2) -> int:
     raise RuntimeError("no free port pair for the ring backend")
 
 
-def start_ranks(args: list, hostfile: Path, ranks: int = 2) -> list:
+def start_ranks(args: list, hostfile: Path, ranks: int = 2, env: dict | None = None) -> list:
     """Start the ranks of a ring run by hand, as mlx.launch does (MLX_RANK, MLX_HOSTFILE), so that a test
-    holds every rank's process and can kill one."""
+    holds every rank's process and can kill one. env: more variables for the ranks."""
     port = free_port()
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)]))
     return [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(rank_env(), MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)))
+                             env=dict(rank_env(), **(env or {}), MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)))
             for r in range(ranks)]

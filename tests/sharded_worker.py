@@ -31,7 +31,8 @@ def main(model, drafter_dir, mode, cases_file, out):
                             temp=case.get("temp", 0.0), policy=policy, seed=seed, ranks=ranks)
             tokens, stats = text.tokens, text.stats
         results[case["name"]] = dict(tokens=tokens, widths=dict(stats.widths), accepted=sum(
-            (n - 1) * c for n, c in stats.accepted_lengths.items()), exchanges=ranks.exchanges)
+            (n - 1) * c for n, c in stats.accepted_lengths.items()), exchanges=ranks.exchanges, notes=stats.notes,
+            routes=stats.routes)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
 
 

@@ -23,6 +23,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.downloads import ensure_smollm2
 from mlx_dflash.models.target import Target
 from conftest import mlx_lm_greedy
+from metal_fakes import failing_kernels_env
 from sharded_models import CLI, launch, save_random_drafter, save_tiny_target, start_ranks
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190]
@@ -109,11 +110,11 @@ def single_process(target_dir, drafter_dir, cases):
     return out
 
 
-def run_sharded(tmp_path, target_dir, drafter_dir, mode, cases, timeout=300):
+def run_sharded(tmp_path, target_dir, drafter_dir, mode, cases, timeout=300, env=None):
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     worker = str(Path(__file__).with_name("sharded_worker.py"))
     result = launch([worker, str(target_dir), str(drafter_dir), mode, str(tmp_path / "cases.json"), str(tmp_path)],
-                    timeout=timeout)
+                    timeout=timeout, env=env)
     assert "exited with code" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -156,6 +157,28 @@ def test_two_ranks_without_a_drafter_decode_like_one_process(tmp_path, pairs, mo
         name = case["name"]
         assert rank0[name]["tokens"] == rank1[name]["tokens"] == want[name] == want["width 1"], f"{mode} {name}"
     assert max(map(int, rank0["width 16"]["widths"])) > 1  # copies were verified sharded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, family, head", [("tensor", "qwen3", dict(head_dim=64)),
+                                                ("pipeline", "qwen2", dict(hidden_size=256))])
+def test_two_ranks_fall_back_from_a_failing_attention_kernel(tmp_path, mode, family, head):
+    """Metal faked in each rank, our kernels failing at run time: both ranks verify through MLX's path, decode
+    as one process does, and note what fell back (head dim 64: a shape our attention kernel takes)."""
+    target_dir = save_tiny_target(tmp_path / family, family, ensure_smollm2("float32"), **head)
+    drafter_dir = save_random_drafter(tmp_path / "drafter", target_dir)
+    cases = [dict(name=f"width {w}", block_size=w, prompt=PROMPT, max_tokens=16) for w in (4, 16)]
+    ranks = run_sharded(tmp_path, target_dir, drafter_dir, mode, cases,
+                        env=failing_kernels_env("run", tmp_path / "verdicts.json"))
+    want = single_process(target_dir, drafter_dir, cases)
+    for case in cases:
+        name = case["name"]
+        assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == want[name], f"{mode} {name}"
+    for rank in ranks:
+        routed = [e for case in cases for e in rank[case["name"]]["routes"]]
+        assert routed and all(e["kernel"] == "mr_attention" and e["route"] == "mlx" and e["fallback"] for e in routed)
+        assert any(n.startswith("note: verify attention: MLX's SDPA instead of ours (ours failed here: RuntimeError")
+                   for n in rank["width 16"]["notes"])
 
 
 @pytest.mark.slow

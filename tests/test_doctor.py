@@ -19,6 +19,7 @@ from mlx_dflash.cli import main as cli
 from mlx_dflash.kernels import attention as attn
 from mlx_dflash.kernels import checks
 from mlx_dflash.kernels import wide_qmm
+from metal_fakes import FixedTimer
 from mlx_dflash.kernels.race_gate import RaceGate
 
 SCHEMA = json.loads((Path(__file__).parent / "doctor.schema.json").read_text())
@@ -112,16 +113,15 @@ def fake_metal(monkeypatch, qmm, attention, ours_s=1e-3, mlx_s=2e-3):
     monkeypatch.setattr(attn, "multi_row_attention", attention)
     monkeypatch.setattr(checks, "QMM_SHAPES", QMM)
     monkeypatch.setattr(checks, "ATTENTION_SHAPES", ATTENTION)
-    timer = lambda calls: {"dflash": ours_s, "mlx": mlx_s}  # noqa: E731
-    monkeypatch.setattr(doctor, "RaceGate", lambda path: RaceGate(path, timer=timer))
+    monkeypatch.setattr(doctor, "RaceGate", lambda path, **kw: RaceGate(path, timer=FixedTimer(ours_s, mlx_s), **kw))
     monkeypatch.setattr(doctor, "_default_pair_cached", lambda: False)
 
 
-def mlx_qmm(x, w, s, b, gs, bits):
+def mlx_qmm(x, w, s, b, gs, bits, threads=None):
     return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
 
 
-def mlx_attention(q, k, v, scale, keys=None, lengths=None):
+def mlx_attention(q, k, v, scale, keys=None, lengths=None, threads=None):
     return attn.reference_attention(q, k, v, scale, keys, lengths)
 
 
@@ -138,13 +138,15 @@ def test_the_mac_checks_with_kernels_that_agree(quick, monkeypatch):
         assert [d["route"] for d in check["details"]] == ["dflash"] * len(shapes)
         assert all(d["dflash_ms"] == 1.0 and d["mlx_ms"] == 2.0 for d in check["details"])
         assert all(d["error_share_of_tolerance"] <= 1 for d in check["details"])
-        assert check["notes"][0].endswith("race: ours 1 ms, MLX's 2 ms: ours")
+        assert check["notes"][0].endswith("race: ours 1 ms, MLX's 2 ms; soak of 200: ours 1 ms (slowest 1), MLX's "
+                                          "2 ms: ours")
+        assert all(d["threads"] in (256, 512) and d["soak_calls"] == 200 and not d["stalled"] for d in check["details"])
     lost = doctor.check_kernel("wide_qmm", checks.check_qmm, "MLX's quantized matmul")
     assert lost.status == "ok"
-    monkeypatch.setattr(doctor, "RaceGate", lambda path: RaceGate(path, timer=lambda c: {"dflash": 3e-3, "mlx": 2e-3}))
+    monkeypatch.setattr(doctor, "RaceGate", lambda path, **kw: RaceGate(path, timer=FixedTimer(3e-3, 2e-3), **kw))
     lost = doctor.check_kernel("mr_attention", checks.check_attention, "MLX's SDPA")
     assert lost.status == "ok" and "the race picked ours on 0" in lost.line
-    assert lost.notes[0].endswith("race: ours 3 ms, MLX's 2 ms: MLX's")
+    assert lost.notes[0].endswith("race: ours 3 ms, MLX's 2 ms: MLX's")  # lost the race: no soak
 
 
 def test_a_kernel_that_disagrees_fails_the_doctor(quick, monkeypatch):
@@ -162,7 +164,7 @@ def test_a_kernel_that_disagrees_fails_the_doctor(quick, monkeypatch):
 
 
 def test_an_attention_kernel_that_ignores_a_batchs_row_lengths_fails_on_the_ragged_shape(quick, monkeypatch):
-    def unragged(q, k, v, scale, keys=None, lengths=None):  # every row over all the keys
+    def unragged(q, k, v, scale, keys=None, lengths=None, threads=None):  # every row over all the keys
         return attn.reference_attention(q, k, v, scale, keys)
 
     fake_metal(monkeypatch, mlx_qmm, unragged)
@@ -171,15 +173,15 @@ def test_an_attention_kernel_that_ignores_a_batchs_row_lengths_fails_on_the_ragg
     assert [d["ok"] for d in check.details] == [True, True, False] and "batch of 3" in check.details[2]["shape"]
 
 
-def test_a_kernel_that_does_not_compile_is_a_failed_check(quick, monkeypatch):
+def test_a_kernel_that_does_not_compile_is_a_warning_and_mlx_serves(quick, monkeypatch):
     def broken(*args):
         raise RuntimeError("[metal::Device] Unable to build metal library from source\nerror: use of undeclared")
 
     fake_metal(monkeypatch, mlx_qmm, broken)
     check = doctor.check_kernel("mr_attention", checks.check_attention, "MLX's SDPA")
-    assert check.status == "fail"
+    assert check.status == "warn" and check.line.startswith(f"ours failed to run on {len(ATTENTION)} of ")
     assert check.details[0]["error"] == "RuntimeError: [metal::Device] Unable to build metal library from source"
-    assert "\n" not in check.line
+    assert "\n" not in check.line and check.line.endswith("; MLX's path serves it")
 
 
 def test_cached_verdicts_that_disagreed_are_a_warning(quick, monkeypatch, tmp_path):

@@ -13,7 +13,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from click.testing import CliRunner
-from mlx_lm.utils import _get_classes
 
 from mlx_dflash import machine, pitfalls
 from mlx_dflash.decoding import engine_report
@@ -21,8 +20,8 @@ from mlx_dflash.cli import main as cli
 from mlx_dflash.generate import generate
 from mlx_dflash.kernels import attention as attn
 from mlx_dflash.kernels import wide_qmm
+from metal_fakes import FixedTimer, head_dim_64_pair
 from mlx_dflash.kernels.race_gate import RaceGate
-from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
 from mlx_dflash.policies.width import WidthPolicy, has_quantized_layers, make_policy
 from mlx_dflash.server.protocol import Outcome
@@ -37,34 +36,18 @@ def fresh_announcements(monkeypatch):
     monkeypatch.setattr(engine_report, "_announced", set())
 
 
-def head_dim_64_pair(bits=4):
-    """A 4-layer llama with head dim 64 (what our attention kernel takes), quantized to `bits` (None: not),
-    and a drafter for it."""
-    config = dict(model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=49152,
-                  tie_word_embeddings=False)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(11)
-    model = model_class(args_class.from_dict(config))
-    if bits:
-        nn.quantize(model, group_size=64, bits=bits)
-    mx.eval(model.parameters())
-    target = Target(model)
-    drafter = init_drafter(drafter_config_for(target, num_layers=1, block_size=8, num_target_features=2), seed=0)
-    return target, drafter
-
-
 def fake_metal(monkeypatch, tmp_path, ours_s=1e-3, mlx_s=2e-3, qmm=None):
     """Metal reported available to both kernels, each computed by MLX's own function (or `qmm`), and one
     race gate timing ours at ours_s and MLX's at mlx_s."""
-    gate = RaceGate(tmp_path / "verdicts.json", timer=lambda calls: {"dflash": ours_s, "mlx": mlx_s})
+    gate = RaceGate(tmp_path / "verdicts.json", timer=FixedTimer(ours_s, mlx_s))
     for module in (wide_qmm, attn, engine_report):
         monkeypatch.setattr(module, "metal_available", lambda: True)
     monkeypatch.setattr(wide_qmm, "race_gate", lambda: gate)
     monkeypatch.setattr(attn, "race_gate", lambda: gate)
     monkeypatch.setattr(wide_qmm, "wide_quantized_matmul", qmm or (
-        lambda x, w, s, b, gs, bits: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)))
-    monkeypatch.setattr(attn, "multi_row_attention", attn.reference_attention)
+        lambda x, w, s, b, gs, bits, threads=None: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)))
+    monkeypatch.setattr(attn, "multi_row_attention", lambda q, k, v, scale, keys, lengths, threads: (
+        attn.reference_attention(q, k, v, scale, keys, lengths)))
 
 
 def run(target, drafter, tokenizer, **kwargs):
@@ -121,8 +104,10 @@ def test_each_shape_bin_as_the_race_decided(monkeypatch, tmp_path, tiny_chat_pai
 def test_a_kernel_that_disagrees_is_a_fallback_noted_once(monkeypatch, tmp_path, tiny_chat_pair, capsys):
     _, tokenizer, _ = tiny_chat_pair
     target, drafter = head_dim_64_pair()
-    wrong = lambda x, w, s, b, gs, bits: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs,  # noqa: E731
-                                                             bits=bits) + 1.0
+
+    def wrong(x, w, s, b, gs, bits, threads=None):
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits) + 1.0
+
     fake_metal(monkeypatch, tmp_path, qmm=wrong)
     target.install_wide_kernels()
     first, second = run(target, drafter, tokenizer).stats, run(target, drafter, tokenizer).stats

@@ -15,6 +15,7 @@ from metal_emulator import OutOfBoundsError, run_kernel  # noqa: E402
 
 from mlx_dflash.kernels import attention as attn  # noqa: E402
 from mlx_dflash.kernels import traffic as traffic  # noqa: E402
+from metal_fakes import FixedTimer  # noqa: E402
 from mlx_dflash.kernels.race_gate import RaceGate  # noqa: E402
 
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
@@ -210,20 +211,15 @@ def test_traffic_model_for_the_published_shapes():
 
 def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
     """Metal forced, a CPU stand-in for our kernel: the gate races once per (shape, rows, cache bin)."""
-    class Timer:
-        races = 0
-
-        def __call__(self, calls):
-            Timer.races += 1
-            return {"dflash": 1.0, "mlx": 2.0}
+    timer = FixedTimer(1.0, 2.0)
 
     ran = []
 
-    def stand_in(q, k, v, scale, keys, lengths=None):
+    def stand_in(q, k, v, scale, keys, lengths=None, threads=None):
         ran.append(q.shape[2])
         return attn.reference_attention(q, k, v, scale, keys, lengths)
 
-    gate = RaceGate(tmp_path / "v.json", timer=Timer())
+    gate = RaceGate(tmp_path / "v.json", timer=timer)
     monkeypatch.setattr(attn, "metal_available", lambda: True)
     monkeypatch.setattr(attn, "multi_row_attention", stand_in)
     monkeypatch.setattr(attn, "race_gate", lambda: gate)
@@ -231,11 +227,11 @@ def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
     ref = attn.reference_attention(q, k, v, 0.125, 100)
     for _ in range(2):
         assert mx.allclose(attn.block_attention(q, k, v, 0.125, 100), ref)
-    assert Timer.races == 1 and ran == [8, 8, 8]  # race (numerics), then two routed calls
+    assert timer.races == 1 and ran == [8, 8, 8]  # race (numerics), then two routed calls
     (key,) = gate.verdicts
     assert key.endswith("|mr_attention|float32|B1|Hq8|Hkv2|D64|keys<=128|rows8")
     assert mx.allclose(attn.block_attention(q[:, :, :1], k, v, 0.125, 100), attn.reference_attention(
         q[:, :, :1], k, v, 0.125, 100))  # one row: MLX's, no race
-    assert Timer.races == 1
+    assert timer.races == 1
     attn.block_attention(q, k, v, 0.125, 100, route="mlx")
     assert ran == [8, 8, 8]

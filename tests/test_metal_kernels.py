@@ -277,7 +277,7 @@ def test_wide_linear_equals_quantized_linear_without_metal(bias, monkeypatch):
 def test_wide_linear_routing_with_metal_forced(monkeypatch):
     calls = []
 
-    def fake(x, w, scales, biases, group_size, bits):
+    def fake(x, w, scales, biases, group_size, bits, threads=None):
         calls.append(int(np.prod(x.shape[:-1])))
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
@@ -288,10 +288,10 @@ def test_wide_linear_routing_with_metal_forced(monkeypatch):
     for m in [1, 5, 6, 8, 16, 17, 32]:
         x = mx.random.normal((1, m, 64))
         assert mx.array_equal(wl(x), ql(x))
-    assert calls == [6, 8, 16]
+    assert calls == [6, 6, 8, 8, 16, 16]  # forced: each new shape run alone once (a failure falls back), then used
     q2 = kernels.WideQuantizedLinear(nn.QuantizedLinear(64, 32, group_size=64, bits=2), route="dflash")
     q2(mx.random.normal((8, 64)))  # 2-bit: not a kernel config, stays on mx.quantized_matmul
-    assert calls == [6, 8, 16]
+    assert calls == [6, 6, 8, 8, 16, 16]
 
 
 def test_a_batched_verify_routes_on_its_rows_times_its_width(monkeypatch):
@@ -299,7 +299,7 @@ def test_a_batched_verify_routes_on_its_rows_times_its_width(monkeypatch):
     5 tokens are 10 rows (ours), 4 x 5 are 20 (MLX's), whatever each request's own width."""
     calls = []
 
-    def fake(x, w, scales, biases, group_size, bits):
+    def fake(x, w, scales, biases, group_size, bits, threads=None):
         calls.append(tuple(x.shape[:-1]))
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
@@ -310,7 +310,7 @@ def test_a_batched_verify_routes_on_its_rows_times_its_width(monkeypatch):
     for shape in [(1, 5), (2, 5), (3, 2), (4, 4), (4, 5), (2, 16)]:
         x = mx.random.normal((*shape, 64))
         assert mx.array_equal(wl(x), ql(x))
-    assert calls == [(2, 5), (3, 2), (4, 4)]
+    assert calls == [(2, 5)] * 2 + [(3, 2)] * 2 + [(4, 4)] * 2  # run alone once per shape, then used
     model = tiny_quantized_llama()
     kernels.install_wide_kernels(model, route="dflash")
     calls.clear()
@@ -339,7 +339,7 @@ def test_install_replaces_quantized_linears(monkeypatch):
 
     calls = []
 
-    def fake(x, w, scales, biases, group_size, bits):
+    def fake(x, w, scales, biases, group_size, bits, threads=None):
         calls.append(x.shape)
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
@@ -360,5 +360,7 @@ def test_install_replaces_quantized_linears(monkeypatch):
     assert [k for k, _ in tree_flatten(model.trainable_parameters())] == \
         [k for k, _ in tree_flatten(reference.trainable_parameters())]
     assert mx.array_equal(model(tokens), expected)
-    assert len(calls) == len(qnames)  # 8 rows: every linear went to the wide path
+    shapes = {(m.weight.shape, m.group_size, m.bits) for n, m in mods.items() if n in qnames}
+    assert len(calls) == len(qnames) + len(shapes)  # 8 rows: every linear went to the wide path (each shape first
+    # run alone once)
     assert kernels.install_wide_kernels(model) == 0  # already wrapped

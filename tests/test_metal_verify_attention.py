@@ -28,7 +28,7 @@ from mlx_dflash.models.batch_cache import add_row, batched  # noqa: E402
 from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.policies.width import make_policy  # noqa: E402
-from mlx_dflash.kernels.race_gate import RaceGate  # noqa: E402
+from mlx_dflash.kernels.race_gate import RACE_REPEATS, RaceGate  # noqa: E402
 from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
 from mlx_dflash.models.target import Target  # noqa: E402
 
@@ -84,15 +84,24 @@ def numpy_block_attention(q, k, v, scale, keys, lengths=None):
 
 
 class Gate(RaceGate):
-    """A race gate in a temp file with injected timings; counts races."""
+    """A race gate in a temp file with injected timings; counts races and first runs of ours (`probing` while
+    it runs ours alone, before a shape's first routed call)."""
 
     def __init__(self, path, ours_faster):
         super().__init__(path, timer=self.timed)
-        self.ours_faster, self.races = ours_faster, 0
+        self.ours_faster, self.races, self.probes, self.probing = ours_faster, 0, 0, False
 
-    def timed(self, calls):
-        self.races += 1
-        return {"dflash": 1.0, "mlx": 2.0} if self.ours_faster else {"dflash": 2.0, "mlx": 1.0}
+    def _run(self, key, ours, sizes):
+        self.probes, self.probing = self.probes + 1, True
+        try:
+            return super()._run(key, ours, sizes)
+        finally:
+            self.probing = False
+
+    def timed(self, calls, repeats):
+        self.races += repeats == RACE_REPEATS
+        return {"dflash": [1.0] * repeats, "mlx": [2.0] * repeats} if self.ours_faster else {
+            "dflash": [2.0] * repeats, "mlx": [1.0] * repeats}
 
 
 @pytest.fixture
@@ -102,8 +111,9 @@ def forced(monkeypatch, tmp_path):
     monkeypatch.setattr(attn, "metal_available", lambda: True)
     state = dict(calls=[], kernel=numpy_block_attention, gate=Gate(tmp_path / "verdicts.json", ours_faster=True))
 
-    def stand_in(q, k, v, scale, keys=None, lengths=None):
-        state["calls"].append(q.shape[2])
+    def stand_in(q, k, v, scale, keys=None, lengths=None, threads=None):
+        if not state["gate"].probing:  # the calls inside forwards
+            state["calls"].append(q.shape[2])
         return state["kernel"](q, k, v, scale, k.shape[2] if keys is None else keys, lengths)
 
     monkeypatch.setattr(attn, "multi_row_attention", stand_in)
@@ -168,6 +178,7 @@ def test_routed_verify_logits_equal_the_unrouted(forced, family):
         got, features = target.forward(ids, cache)
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4) and mx.allclose(features, want_features, atol=1e-4)
     assert forced["calls"] == [2, 2, 7, 7, 16, 16]  # each layer, every verify of 2..16 rows, no race (forced)
+    assert forced["gate"].probes == 3  # ours run alone once per shape first: a failure would fall back
     assert forced["gate"].races == 0
 
 
@@ -232,9 +243,9 @@ def test_race_verdict_routes_the_verify(forced, ours_faster):
         ids = mx.array([[3, 1, 4, 1, 5, 9]])  # 18, 24, 30 keys: one cache bin
         want, _ = plain.forward(ids, plain_cache)
         assert mx.allclose(target.forward(ids, cache)[0], want, atol=1e-4, rtol=1e-4)
-    # One race for both layers (same shape, rows, cache bin); its numerics check runs ours once, then
-    # ours runs in both layers of all three forwards only if it won.
-    assert gate.races == 1 and forced["calls"] == ([6] * 7 if ours_faster else [6])
+    # One race for both layers (same shape, rows, cache bin), its numerics check running ours once alone;
+    # then ours runs in both layers of all three forwards only if it won.
+    assert gate.races == 1 and gate.probes == 1 and forced["calls"] == ([6] * 6 if ours_faster else [])
     (key, verdict), = RaceGate(gate.path).verdicts.items()
     assert key.endswith("|mr_attention|float32|B1|Hq4|Hkv1|D64|keys<=32|rows6")
     assert verdict["route"] == ("dflash" if ours_faster else "mlx") and verdict["numerics_ok"]
@@ -255,7 +266,15 @@ def test_mlx_lm_is_untouched(forced):
     target, cache, _ = prefilled("llama", "dflash")
     attention = [layer.self_attn for layer in target.model.model.layers]
     target.forward(mx.array([[1, 2, 3]]), cache)
-    forced["kernel"] = lambda *a: (_ for _ in ()).throw(RuntimeError("kernel failed"))
+    ran = []
+
+    def fails_inside_the_forward(*a):  # runs alone (the gate's first run of a shape), then raises in the forward
+        ran.append(1)
+        if len(ran) > 1:
+            raise RuntimeError("kernel failed")
+        return numpy_block_attention(*a)
+
+    forced["kernel"] = fails_inside_the_forward
     with pytest.raises(RuntimeError, match="kernel failed"):
         target.forward(mx.array([[1, 2, 3]]), cache)
     assert llama.Attention.__call__ is call and llama.scaled_dot_product_attention is base.scaled_dot_product_attention

@@ -10,25 +10,21 @@ import pytest
 from conftest import tiny_quantized_llama
 from mlx_dflash.kernels import wide_qmm as kernels
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.kernels.race_gate import RaceGate, cache_path, median_times
+from metal_fakes import FixedTimer
+from mlx_dflash.kernels.race_gate import RaceGate, cache_path, call_times
 
 
-class Timer:
-    """Injected timings: {name: seconds}; counts the races."""
-
-    def __init__(self, **seconds):
-        self.seconds = seconds
-        self.races = 0
-
-    def __call__(self, calls):
-        self.races += 1
-        assert set(calls) == {"dflash", "mlx"}
-        return dict(self.seconds)
+def Timer(dflash, mlx):
+    return FixedTimer(dflash, mlx)
 
 
 def _pair(noise=0.0):
     x = mx.random.normal((8, 64), key=mx.random.key(1))
-    return (lambda: x * 2 + noise), (lambda: x * 2)
+    return (lambda threads: x * 2 + noise), (lambda: x * 2)
+
+
+def route(gate, key, ours, theirs, dtype, forced=False):
+    return gate.choose(key, ours, theirs, dtype, [256], forced).route
 
 
 @pytest.mark.parametrize("ours_s, mlx_s, expected", [(1e-4, 3e-4, "dflash"), (5e-4, 2e-4, "mlx")])
@@ -37,16 +33,16 @@ def test_verdict_follows_the_timings_and_is_cached(tmp_path, ours_s, mlx_s, expe
     timer = Timer(dflash=ours_s, mlx=mlx_s)
     gate = RaceGate(path, timer=timer)
     ours, theirs = _pair()
-    assert gate.route("chip|shape|rows8", ours, theirs, mx.float32) == expected
-    assert gate.route("chip|shape|rows8", ours, theirs, mx.float32) == expected
-    assert timer.races == 1  # raced once, then the verdict
-    saved = json.loads(path.read_text())["chip|shape|rows8"]
+    assert route(gate, "chip|wide_qmm|rows8", ours, theirs, mx.float32) == expected
+    assert route(gate, "chip|wide_qmm|rows8", ours, theirs, mx.float32) == expected
+    assert timer.races == 1 and timer.soaks == (expected == "dflash")  # raced once (a winner soaked), then the verdict
+    saved = json.loads(path.read_text())["chip|wide_qmm|rows8"]
     assert saved["route"] == expected and saved["numerics_ok"] is True
     assert (saved["dflash_s"], saved["mlx_s"]) == (ours_s, mlx_s)
     again = Timer(dflash=mlx_s, mlx=ours_s)  # a new process reads the verdict from disk, no new race
-    assert RaceGate(path, timer=again).route("chip|shape|rows8", ours, theirs, mx.float32) == expected
+    assert route(RaceGate(path, timer=again), "chip|wide_qmm|rows8", ours, theirs, mx.float32) == expected
     assert again.races == 0
-    assert RaceGate(path, timer=again).route("chip|shape|rows9", ours, theirs, mx.float32) != expected
+    assert route(RaceGate(path, timer=again), "chip|wide_qmm|rows9", ours, theirs, mx.float32) != expected
     assert again.races == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["verdicts.json"]  # no temporary files left
 
@@ -55,11 +51,12 @@ def test_wrong_numerics_route_to_mlx_without_a_race(tmp_path, capsys):
     timer = Timer(dflash=1e-6, mlx=1.0)  # ours would win the race, but its result is wrong
     gate = RaceGate(tmp_path / "v.json", timer=timer)
     ours, theirs = _pair(noise=0.5)
-    assert gate.route("k", ours, theirs, mx.float32) == "mlx"
+    assert route(gate, "c|wide_qmm|k", ours, theirs, mx.float32) == "mlx"
     assert timer.races == 0
     assert "disagrees with MLX's" in capsys.readouterr().err
     nan = mx.array([float("nan")])
-    assert RaceGate(tmp_path / "w.json", timer=timer).route("k", lambda: nan, lambda: mx.ones(1), mx.float16) == "mlx"
+    gate = RaceGate(tmp_path / "w.json", timer=timer)
+    assert route(gate, "c|wide_qmm|k", lambda t: nan, lambda: mx.ones(1), mx.float16) == "mlx"
 
 
 @pytest.mark.parametrize("garbage", [b"{not json", b"[1, 2]", b'{"k": {"route": "fastest"}}', b"\xff\xfe"])
@@ -70,22 +67,22 @@ def test_corrupt_cache_is_ignored_and_rewritten(tmp_path, capsys, garbage):
     assert "ignoring the unreadable race-verdict cache" in capsys.readouterr().err
     assert gate.verdicts == {}
     ours, theirs = _pair()
-    assert gate.route("k", ours, theirs, mx.float32) == "dflash"
-    assert json.loads(path.read_text())["k"]["route"] == "dflash"
+    assert route(gate, "c|wide_qmm|k", ours, theirs, mx.float32) == "dflash"
+    assert json.loads(path.read_text())["c|wide_qmm|k"]["route"] == "dflash"
 
 
 def test_cache_location_and_real_timer(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path))
     assert cache_path() == tmp_path / "race_verdicts.json"
     x = mx.ones((4, 4))
-    times = median_times({"dflash": lambda: x + 1, "mlx": lambda: x @ x}, repeats=3)
-    assert set(times) == {"dflash", "mlx"} and all(t > 0 for t in times.values())
+    times = call_times({"dflash": lambda: x + 1, "mlx": lambda: x @ x}, repeats=3)
+    assert set(times) == {"dflash", "mlx"} and all(len(t) == 3 and min(t) > 0 for t in times.values())
 
 
 def _wide_layer(route, monkeypatch, tmp_path, timer):
     calls = []
 
-    def stand_in(x, w, scales, biases, group_size, bits):
+    def stand_in(x, w, scales, biases, group_size, bits, threads=None):
         calls.append(x.size // x.shape[-1])
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
@@ -119,7 +116,7 @@ def test_forced_routes_skip_the_race(tmp_path, monkeypatch, route, wide):
     timer = Timer(dflash=2.0, mlx=1.0)
     wl, ql, calls, _ = _wide_layer(route, monkeypatch, tmp_path, timer)
     wl(mx.random.normal((10, 64)))
-    assert timer.races == 0 and calls == ([10] if wide else [])
+    assert timer.races == 0 and calls == ([10, 10] if wide else [])  # forced: run once alone, then in the call
 
 
 def test_route_from_environment(monkeypatch):

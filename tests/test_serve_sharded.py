@@ -27,6 +27,7 @@ from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.server.protocol import Defaults, parse_completion
 from mlx_dflash.server.sharded import BEAT, HEADER_WORDS, REQUEST, SHUTDOWN, STEP, Header, Leader, RanksOutOfStep, follow
 from mlx_dflash.models.target import Target
+from metal_fakes import failing_kernels_env
 from sharded_models import CLI, save_random_drafter, save_tiny_target, start_ranks
 from serving import client, raw, running
 
@@ -166,7 +167,7 @@ def qwen2_pair(tmp_path_factory):
 class ShardedServer:
     """Both ranks of `mlx-dflash serve --shard MODE`, started by hand; rank 0 listens on a free port."""
 
-    def __init__(self, tmp_path, pair, mode, *extra):
+    def __init__(self, tmp_path, pair, mode, *extra, env=None):
         from sharded_models import free_port
 
         target_dir, drafter_dir, _ = pair
@@ -174,7 +175,7 @@ class ShardedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ranks = start_ranks([*CLI, "serve", "--model", str(target_dir), "--drafter", str(drafter_dir),
                                   "--model-name", "tiny", "--port", str(self.port), "--shard", mode, *extra],
-                                 tmp_path / "hostfile.json")
+                                 tmp_path / "hostfile.json", env=env)
         self.client = client(self.url, timeout=300)
         deadline = time.monotonic() + 300
         while True:
@@ -277,6 +278,38 @@ def test_two_rank_server_answers_like_one_process(tmp_path, qwen2_pair, mode):
     cancelled = [line for line in err0 if "finish=cancelled" in line]
     assert len(cancelled) == 1 and int(cancelled[0].split("completion=")[1].split()[0]) < 5000, err0
     assert sum(" 200 id=" in line for line in err0) == 14 and not any(" 200 id=" in line for line in err1)
+
+
+@pytest.mark.slow
+def test_a_two_rank_server_answers_through_a_failing_kernel(tmp_path, tmp_path_factory):
+    """Metal faked in both ranks, our attention kernel failing to compile (tests/failing_kernels): the sharded
+    server answers one request and a batch as the single-process server does, and logs the fallback once."""
+    from mlx_dflash.downloads import ensure_smollm2
+
+    target_dir = save_tiny_target(tmp_path / "qwen3", "qwen3", ensure_smollm2("float32"), head_dim=64)
+    drafter_dir = save_random_drafter(tmp_path / "drafter", target_dir)
+    model, tokenizer = load(str(target_dir))
+    target = Target(model)
+    pair = (target_dir, drafter_dir, (target, drafter_from_dir(drafter_dir).bind(target), tokenizer))
+    asks = [lambda c: completion(c), lambda c: chat(c), lambda c: completion(c, prompt=PROMPT[3:], max_tokens=12)]
+    with running(pair[2]) as (url, _):
+        want = [ask(client(url)) for ask in asks]
+    server = ShardedServer(tmp_path, pair, "tensor", "--width", "8",
+                           env=failing_kernels_env("compile", tmp_path / "verdicts.json"))
+    try:
+        c = server.client
+        assert completion(c) == want[0]
+        with ThreadPoolExecutor(len(asks)) as pool:  # decoded together: ragged rows through the fallback
+            assert list(pool.map(lambda ask: ask(c), asks)) == want
+        for rank in server.ranks:
+            rank.send_signal(signal.SIGINT)
+        (code0, err0, _), (code1, err1, _) = server.finish()
+    finally:
+        server.kill()
+    assert (code0, code1) == (0, 0), (err0[-5:], err1[-5:])
+    note = ("note: verify attention: MLX's SDPA instead of ours (ours failed here: RuntimeError: [metal::Device] "
+            "Unable to build metal library from source; the shape bins are in the routes)")
+    assert err0.count(note) == 1, err0
 
 
 @pytest.mark.slow

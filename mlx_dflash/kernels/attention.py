@@ -83,9 +83,21 @@ def check_supported(q, k, v, keys: int, lengths: list | None = None) -> str | No
     return None
 
 
-def attention_calls(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None) -> list[tuple]:
+def thread_sizes(q, k) -> list[int]:
+    """Pass 1's launch sizes to try, largest first: a simdgroup per query row of a kv head up to 16, then halves
+    down to one (a pipeline whose registers allow fewer threads refuses the larger ones; the race gate
+    retries; fewer simdgroups each take more rows)."""
+    sizes = [32 * min(16, (q.shape[1] // k.shape[1]) * q.shape[2])]
+    while sizes[-1] > 32:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+def attention_calls(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None,
+                    threads: int | None = None) -> list[tuple]:
     """[(kernel, call)] of pass 1 and pass 2 for ``softmax(q k[:keys]^T * scale + block mask) v[:keys]``, batch
-    row b over its first lengths[b] keys (default: `keys`, the most any row has)."""
+    row b over its first lengths[b] keys (default: `keys`, the most any row has); pass 1 at `threads` per
+    threadgroup (default: thread_sizes' first)."""
     keys = k.shape[2] if keys is None else keys
     reason = check_supported(q, k, v, keys, lengths)
     if reason is not None:
@@ -95,7 +107,7 @@ def attention_calls(q, k, v, scale: float, keys: int | None = None, lengths: lis
     groups = hq // hkv
     n_rows = b * hq * rows
     chunks, split = key_chunks(n_rows, b * hkv, keys, d, q.dtype.size)
-    simdgroups = min(16, groups * rows)
+    simdgroups = (threads or thread_sizes(q, k)[0]) // 32
     tile = 2048 // d  # keys per staged tile: K and V tiles of 8 KiB each
     first = dict(
         inputs=[q, k, v, float(scale), mx.array(lengths or [keys] * b, dtype=mx.int32), split],
@@ -112,11 +124,12 @@ def attention_calls(q, k, v, scale: float, keys: int | None = None, lengths: lis
     return [(partial_kernel(), first), (combine_kernel(), second)]
 
 
-def multi_row_attention(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None):
-    """The two-pass kernel on Metal; out (B, Hq, L, D) in q's dtype."""
+def multi_row_attention(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None,
+                        threads: int | None = None):
+    """The two-pass kernel on Metal, pass 1 at `threads` per threadgroup; out (B, Hq, L, D) in q's dtype."""
     if not metal_available():
         raise RuntimeError("multi_row_attention needs Metal; use mx.fast.scaled_dot_product_attention")
-    (k1, c1), (k2, c2) = attention_calls(q, k, v, scale, keys, lengths)
+    (k1, c1), (k2, c2) = attention_calls(q, k, v, scale, keys, lengths, threads)
     o_part, ml = k1(**c1)
     (out,) = k2(**{**c2, "inputs": [o_part, ml, c2["inputs"][2]]})
     return out.reshape(q.shape)
@@ -154,13 +167,10 @@ def block_attention(q, k, v, scale: float, keys: int | None = None, route: str =
     if route == "mlx" or not metal_available() or check_supported(q, k, v, keys, lengths) is not None:
         return reference_attention(q, k, v, scale, keys, lengths)
     key = race_key(q, k, keys)
-    if route == "auto":
-        gate = race_gate()
-        route = gate.route(key, lambda: multi_row_attention(q, k, v, scale, keys, lengths),
-                           lambda: reference_attention(q, k, v, scale, keys, lengths), q.dtype)
-        routes.record(key, route, gate.describe(key), fallback=gate.disagreed(key))
-    else:
-        routes.record(key, route, f"route {route!r} forced")
-    if route == OURS:
-        return multi_row_attention(q, k, v, scale, keys, lengths)
+    choice = race_gate().choose(key, lambda threads: multi_row_attention(q, k, v, scale, keys, lengths, threads),
+                                lambda: reference_attention(q, k, v, scale, keys, lengths), q.dtype,
+                                thread_sizes(q, k), forced=route == OURS)
+    routes.record(key, choice.route, choice.reason, fallback=choice.fallback)
+    if choice.route == OURS:
+        return multi_row_attention(q, k, v, scale, keys, lengths, choice.size)
     return reference_attention(q, k, v, scale, keys, lengths)

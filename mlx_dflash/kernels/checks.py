@@ -1,8 +1,10 @@
 """Our Metal kernels checked on this machine, for `mlx-dflash doctor`.
 
-* On a Mac (Metal): each kernel compiled and run on a few shapes, its result compared with MLX's own
-  (quantized matmul, SDPA, in float32) within the tests' tolerances, then raced against MLX's path by a
-  race gate of its own (the user's verdict cache is left alone): the verdict and both timings per shape.
+* On a Mac (Metal): each kernel run on a few shapes, the worst the router sends among them, through a race
+  gate of its own (the user's verdict cache is left alone) that soaks a winner longer than a first use does:
+  the launch size that ran, the verdict, both timings and the soak's; then its result compared with MLX's
+  own (quantized matmul, SDPA, in float32) within the tests' tolerances. A kernel that fails to compile,
+  launch or run is reported with MLX's error: MLX's path serves that shape.
 * Anywhere: the exact Metal source MLX generates for each of those launches (source.py): the sources
   ship with the package, their templates instantiate and this MLX accepts the calls. Compiling and
   running them needs Metal.
@@ -16,7 +18,7 @@ import mlx.core as mx
 
 from . import attention as attn
 from . import wide_qmm
-from .race_gate import RaceGate
+from .race_gate import RaceGate, first_line
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # The tests' tolerances. Wide matmul (tests/test_metal_kernels.py): |ours - MLX's| <= RTOL |MLX's| +
@@ -27,14 +29,18 @@ QMM_ATOL_SHARE = 2e-5
 ATTENTION_ATOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 
 # (rows, K, N, group size, bits, dtype): both ends of the row range, 4 and 8 bits, the three dtypes, a
-# 7B-class layer and its MLP width.
+# 7B-class layer and its MLP width; 16 rows in float32 is the launch with the most threads and registers.
 QMM_SHAPES = [(6, 4096, 4096, 64, 4, "float16"), (16, 4096, 4096, 64, 4, "float16"),
-              (11, 4096, 14336, 64, 4, "bfloat16"), (16, 2048, 2048, 32, 8, "float32")]
+              (11, 4096, 14336, 64, 4, "bfloat16"), (16, 2048, 2048, 32, 8, "float32"),
+              (16, 4096, 4096, 64, 4, "float32")]
 # (rows, kv heads, query heads per kv head, head dim, keys, dtype[, each batch row's keys]): GQA 4 and 8,
-# both head dims, short and long caches, and a batch of rows of their own lengths (a ragged batch cache).
+# both head dims, short and long caches, a batch of rows of their own lengths (a ragged batch cache), and
+# the worst the router sends: GQA 8 x 16 rows x head dim 128 in float32 (512 threads, the most registers),
+# and a ragged batch of 8 rows (MLX binds 8 or more lengths as `device` memory, fewer as `constant`).
 ATTENTION_SHAPES = [(2, 8, 4, 128, 1024, "float16"), (9, 8, 4, 128, 4096, "bfloat16"),
                     (16, 8, 4, 128, 4096, "float16"), (16, 2, 8, 64, 600, "float32"),
-                    (4, 8, 4, 128, 2048, "float16", (2048, 1500, 600))]
+                    (4, 8, 4, 128, 2048, "float16", (2048, 1500, 600)), (16, 8, 8, 128, 2048, "float32"),
+                    (4, 8, 4, 128, 1024, "float16", (1024, 1000, 900, 800, 700, 600, 500, 64))]
 
 
 def qmm_inputs(rows, k, n, group_size, bits, dtype, seed: int = 0):
@@ -95,56 +101,61 @@ def attention_sources(shapes=None) -> list[dict]:
     return out
 
 
-def _raced(gate: RaceGate, key: str, ours, theirs, dtype) -> dict:
-    gate.route(key, ours, theirs, dtype)
-    v = gate.verdicts[key]
+def _checked(label: str, gate: RaceGate, key: str, ours, theirs, dtype, sizes, share) -> dict:
+    """One shape through `gate` (ours(size) against theirs(), the launch sizes to try), then share(size): the
+    worst error of ours at the size that ran, as a share of the tolerance (ok when <= 1). A kernel that fails
+    to compile, launch or run is a failed shape with MLX's error; MLX's path then serves it."""
     ms = lambda seconds: None if seconds is None else seconds * 1e3  # noqa: E731
-    return {"route": v["route"], "dflash_ms": ms(v["dflash_s"]), "mlx_ms": ms(v["mlx_s"])}
-
-
-def _checked(label: str, run) -> dict:
-    """run() -> (worst error as a share of the tolerance, race thunk); a kernel that fails to compile or
-    run is a failed check with the first line of its error."""
     try:
-        share, race = run()
-        entry = {"shape": label, "error_share_of_tolerance": share, "ok": share <= 1.0}  # NaN: not ok
-        if entry["ok"]:
-            entry.update(race())
-    except Exception as e:  # a Metal compile or launch error: reported, not raised
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        entry = {"shape": label, "ok": False, "error": f"{type(e).__name__}: {first}"}
+        gate.choose(key, ours, theirs, dtype, sizes)
+        v = gate.verdicts[key]
+        if v.get("failed"):
+            return {"shape": label, "ok": False, "error": v["failed"], "failed_to_run": True}
+        entry = {"shape": label, "threads": v["size"], "error_share_of_tolerance": share(v["size"])}
+    except Exception as e:  # an error only the float32 comparison met
+        return {"shape": label, "ok": False, "error": first_line(e), "failed_to_run": True}
+    entry["ok"] = entry["error_share_of_tolerance"] <= 1.0  # NaN: not ok
+    if entry["ok"]:
+        soak = v.get("soak") or {}
+        entry.update(route=v["route"], dflash_ms=ms(v.get("dflash_s")), mlx_ms=ms(v.get("mlx_s")),
+                     soak_calls=soak.get("calls", 0), soak_dflash_ms=ms(soak.get("dflash_s")),
+                     soak_mlx_ms=ms(soak.get("mlx_s")), soak_dflash_worst_ms=ms(soak.get("dflash_worst_s")),
+                     stalled=bool(soak.get("stalled")))
     return entry
 
 
 def check_qmm(gate: RaceGate, shapes=None) -> list[dict]:
-    """Per shape: our wide kernel against MLX's quantized matmul in float32 (worst error as a share of the
-    tolerance, ok when <= 1), then the race gate's verdict and both timings."""
+    """Per shape: our wide kernel through the race gate (launch size, verdict, timings, soak), then against
+    MLX's quantized matmul in float32 (worst error as a share of the tolerance, ok when <= 1)."""
 
     def run(rows, k, n, gs, bits, dtype):
         x, wq, s, b = qmm_inputs(rows, k, n, gs, bits, dtype)
-        ours = lambda: wide_qmm.wide_quantized_matmul(x, wq, s, b, gs, bits)  # noqa: E731
+        ours = lambda threads: wide_qmm.wide_quantized_matmul(x, wq, s, b, gs, bits, threads)  # noqa: E731
         theirs = lambda: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits)  # noqa: E731
         f = mx.float32
         ref = mx.quantized_matmul(x.astype(f), wq, s.astype(f), b.astype(f), transpose=True, group_size=gs, bits=bits)
         bound = QMM_RTOL[x.dtype] * mx.abs(ref) + QMM_ATOL_SHARE * mx.abs(ref).max()
-        share = (mx.abs(ours().astype(f) - ref) / bound).max().item()
-        return share, lambda: _raced(gate, wide_qmm.race_key(x, wq, gs, bits), ours, theirs, x.dtype)
+        share = lambda threads: (mx.abs(ours(threads).astype(f) - ref) / bound).max().item()  # noqa: E731
+        return _checked(qmm_label(rows, k, n, gs, bits, dtype), gate, wide_qmm.race_key(x, wq, gs, bits), ours,
+                        theirs, x.dtype, wide_qmm.thread_sizes(x.dtype), share)
 
-    return [_checked(qmm_label(*shape), lambda: run(*shape)) for shape in shapes or QMM_SHAPES]
+    return [run(*shape) for shape in shapes or QMM_SHAPES]
 
 
 def check_attention(gate: RaceGate, shapes=None) -> list[dict]:
-    """Per shape: our multi-row attention against MLX's SDPA in float32 (worst absolute error as a share
-    of the tolerance), then the race gate's verdict and both timings."""
+    """Per shape: our multi-row attention through the race gate (launch size, verdict, timings, soak), then
+    against MLX's SDPA in float32 (worst absolute error as a share of the tolerance)."""
 
     def run(*shape):
         q, k, v = attention_inputs(*shape)
         scale, keys, lengths = q.shape[-1] ** -0.5, k.shape[2], shape[6] if len(shape) > 6 else None
-        ours = lambda: attn.multi_row_attention(q, k, v, scale, keys, lengths)  # noqa: E731
+        ours = lambda threads: attn.multi_row_attention(q, k, v, scale, keys, lengths, threads)  # noqa: E731
         theirs = lambda: attn.reference_attention(q, k, v, scale, keys, lengths)  # noqa: E731
         f = mx.float32
         ref = attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), scale, keys, lengths)
-        share = mx.abs(ours().astype(f) - ref).max().item() / ATTENTION_ATOL[q.dtype]
-        return share, lambda: _raced(gate, attn.race_key(q, k, k.shape[2]), ours, theirs, q.dtype)
+        tolerance = ATTENTION_ATOL[q.dtype]
+        share = lambda threads: mx.abs(ours(threads).astype(f) - ref).max().item() / tolerance  # noqa: E731
+        return _checked(attention_label(*shape), gate, attn.race_key(q, k, keys), ours, theirs, q.dtype,
+                        attn.thread_sizes(q, k), share)
 
-    return [_checked(attention_label(*shape), lambda: run(*shape)) for shape in shapes or ATTENTION_SHAPES]
+    return [run(*shape) for shape in shapes or ATTENTION_SHAPES]

@@ -10,7 +10,7 @@ MLX's) is marked a fallback: the generation turns it into a note (decoding/engin
 
 from __future__ import annotations
 
-from .race_gate import MLX, OURS
+from .race_gate import MLX, OURS, kernel_of
 
 _calls: dict[tuple[str, str], int] = {}  # (race key, route) -> calls
 _reasons: dict[tuple[str, str], tuple[str, bool]] = {}  # (race key, route) -> (why that route, a fallback)
@@ -24,10 +24,6 @@ def record(key: str, route: str, reason: str, fallback: bool = False):
     entry = (key, route)
     _calls[entry] = _calls.get(entry, 0) + 1
     _reasons[entry] = (reason, fallback)  # the latest: a forced route or a new gate may have changed it
-
-
-def kernel_of(key: str) -> str:
-    return key.split("|")[1]
 
 
 def shape_bin(key: str) -> str:

@@ -27,7 +27,7 @@ from ..errors import DFlashError
 from ..machine import chip_name, metal_available
 from . import routes
 from .metal import race_gate, read_metal_file
-from .race_gate import MLX, OURS
+from .race_gate import MLX, OURS, Choice
 
 MIN_ROWS = 6
 MAX_ROWS = 16
@@ -43,6 +43,18 @@ def wide_threads(dtype) -> int:
     owns 512 features (1024 for float32 activations, whose x tile costs twice the bytes) and the launch
     reads x only ceil(N / features) times (metal_kernels/README.md, traffic model)."""
     return 512 if dtype == mx.float32 else 256
+
+
+def thread_sizes(dtype) -> list[int]:
+    """The launch sizes to try, largest first: wide_threads, then halves down to one simdgroup (a pipeline
+    whose registers allow fewer threads refuses the larger ones; the race gate retries)."""
+    sizes = [wide_threads(dtype)]
+    while sizes[-1] > 32:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+MAX_CONSTANT = 8  # MLX binds an input of fewer elements as `constant` memory (metal_kernel.cpp)
 
 
 ROUTE_ENV = "MLX_DFLASH_WIDE_KERNEL"
@@ -82,6 +94,8 @@ def check_wide_supported(x_shape, w, scales, biases, group_size: int, bits: int,
         return "only affine quantization (with biases) is supported"
     if len(x_shape) < 1 or w.ndim != 2 or scales.ndim != 2 or w.dtype != mx.uint32:
         return "expected x (..., K), w (N, K*bits/32) uint32, scales/biases (N, K/group_size)"
+    if w.size < MAX_CONSTANT:  # the kernel reads w as `device uint4`
+        return f"w of {w.size} words: MLX binds it as constant memory, which the kernel cannot read"
     k = x_shape[-1]
     n = w.shape[0]
     if k % group_size or w.shape[1] * 32 != k * bits:
@@ -98,9 +112,9 @@ def check_wide_supported(x_shape, w, scales, biases, group_size: int, bits: int,
     return None
 
 
-def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int) -> tuple[Any, dict]:
-    """The kernel object and the keyword arguments of its call for ``x (M, K)``; shared by the Metal
-    path and the emulator so both run exactly the same launch."""
+def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int, threads: int | None = None) -> tuple[Any, dict]:
+    """The kernel object and the keyword arguments of its call for ``x (M, K)`` at `threads` per threadgroup
+    (default wide_threads); shared by the Metal path and the emulator so both run exactly the same launch."""
     reason = check_wide_supported(x.shape, w, scales, biases, group_size, bits, x.dtype)
     if reason is None and x.ndim != 2:
         reason = f"x must be 2-D (M, K), got shape {x.shape}"
@@ -108,7 +122,7 @@ def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int) -> tuple[Any
         raise ValueError(f"wide_quantized_matmul: {reason}")
     m, k = x.shape[0], x.shape[1]
     n = w.shape[0]
-    nt = wide_threads(x.dtype)
+    nt = threads or wide_threads(x.dtype)
     tgs = -(-n // (nt * FEATURES_PER_THREAD))
     call = dict(
         inputs=[x, w, scales, biases, k, n],
@@ -121,14 +135,14 @@ def wide_qmm_call(x, w, scales, biases, group_size: int, bits: int) -> tuple[Any
     return wide_qmm_kernel(), call
 
 
-def wide_quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
+def wide_quantized_matmul(x, w, scales, biases, group_size: int, bits: int, threads: int | None = None):
     """``x @ dequantize(w).T`` for 6..16 rows (product of x's leading dims) with one pass over w.
 
     Metal only; raises RuntimeError elsewhere (use ``mx.quantized_matmul`` there)."""
     if not metal_available():
         raise RuntimeError("wide_quantized_matmul needs Metal; use mx.quantized_matmul")
     lead = x.shape[:-1]
-    kernel, call = wide_qmm_call(x.reshape(-1, x.shape[-1]), w, scales, biases, group_size, bits)
+    kernel, call = wide_qmm_call(x.reshape(-1, x.shape[-1]), w, scales, biases, group_size, bits, threads)
     (y,) = kernel(**call)
     return y.reshape(*lead, w.shape[0])
 
@@ -167,37 +181,44 @@ class WideQuantizedLinear(nn.Module):
 
     _extra_repr = nn.QuantizedLinear._extra_repr
 
-    def _route(self, x) -> str:
-        """"dflash" or "mlx" for this input; every 6..16-row call's route is recorded (kernels/routes.py)."""
+    def _choice(self, x) -> Choice:
+        """Which path serves this input (every 6..16-row call's choice is recorded: kernels/routes.py)."""
         rows = x.size // x.shape[-1]
         if not MIN_ROWS <= rows <= MAX_ROWS or self.mode != "affine" or not metal_available():
-            return MLX  # decode (1 row) and long prefills: MLX's own path, by design
-        w, s, b, gs, bits = self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits
-        key = race_key(x, w, gs, bits)
-        reason = check_wide_supported(x.shape, w, s, b, gs, bits, x.dtype)
-        if reason is not None:
-            routes.record(key, MLX, reason, fallback=True)
-            return MLX
-        if self.route != "auto":
-            routes.record(key, self.route, f"route {self.route!r} forced ({ROUTE_ENV} or route=)")
-            return self.route
-        gate = race_gate()
-        route = gate.route(
-            key,
-            lambda: wide_quantized_matmul(x, w, s, b, gs, bits),
-            lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits),
-            x.dtype,
-        )
-        routes.record(key, route, gate.describe(key), fallback=gate.disagreed(key))
-        return route
+            return MLX_PATH  # decode (1 row) and long prefills: MLX's own path, by design
+        return choose(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.route)
 
     def __call__(self, x):
-        if self._route(x) != OURS:
+        choice = self._choice(x)
+        if choice.route != OURS:
             return nn.QuantizedLinear.__call__(self, x)
-        y = wide_quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        y = wide_quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
+                                  choice.size)
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+MLX_PATH = Choice(MLX, None, "MLX's path by design")
+
+
+def choose(x, w, scales, biases, group_size: int, bits: int, route: str) -> Choice:
+    """The path for a 6..16-row call on Metal, recorded (kernels/routes.py): MLX's where our kernel cannot
+    take it; else route "auto" asks the race gate, "dflash" runs ours unless it fails here."""
+    key = race_key(x, w, group_size, bits)
+    reason = check_wide_supported(x.shape, w, scales, biases, group_size, bits, x.dtype)
+    if reason is not None:
+        routes.record(key, MLX, reason, fallback=True)
+        return MLX_PATH
+    if route == MLX:
+        routes.record(key, MLX, f"route 'mlx' forced ({ROUTE_ENV} or route=)")
+        return MLX_PATH
+    choice = race_gate().choose(
+        key, lambda threads: wide_quantized_matmul(x, w, scales, biases, group_size, bits, threads),
+        lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits),
+        x.dtype, thread_sizes(x.dtype), forced=route == OURS)
+    routes.record(key, choice.route, choice.reason, fallback=choice.fallback)
+    return choice
 
 
 def race_key(x, w, group_size: int, bits: int) -> str:
