@@ -23,7 +23,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from e2e import load_pairs, load_prompts, run_dflash, run_target_alone

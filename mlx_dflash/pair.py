@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .downloads import DEFAULT_MODEL, default_target, shipped_drafter_dir
+from .downloads import default_target, shipped_drafter_dir
 from .errors import DFlashError
 from .models.loader import drafter_from_dir
 from .models.mask_token import warn_mask_token

@@ -6,13 +6,15 @@ or stalling kernel is dropped by the soak."""
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten as mlx_tree_flatten
 
 from metal_fakes import CHIP, FakeKernels, FixedTimer, fake_metal, head_dim_64_pair
 from mlx_dflash.decoding import engine_report
 from mlx_dflash.generate import generate
 from mlx_dflash.kernels import attention as attn
-from mlx_dflash.kernels import checks, metal, routes, wide_qmm
+from mlx_dflash.kernels import checks, metal, routes, source, wide_qmm
 from mlx_dflash.kernels.race_gate import MARGIN, MLX, OURS, RaceGate, describe
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190] * 2
@@ -126,7 +128,7 @@ def test_verdicts_expire_with_versions_sources_and_unchecked_numerics(tmp_path):
 
 
 def test_the_real_stamp_names_versions_os_and_each_kernels_sources():
-    stamps = {kernel: metal.kernel_stamp(kernel) for kernel in metal.SOURCES}
+    stamps = {kernel: source.kernel_stamp(kernel) for kernel in source.SOURCES}
     assert stamps["wide_qmm"]["mlx"] == mx.__version__ and stamps["wide_qmm"]["os"]
     assert stamps["wide_qmm"]["source"] != stamps["mr_attention"]["source"]
     assert all(len(s["source"]) == 16 for s in stamps.values())
@@ -212,8 +214,8 @@ def test_inputs_mlx_binds_as_constant_are_refused():
 
 def test_the_metal_sources_are_ascii():
     """MLX hands the sources to Metal as ASCII (and the package reads them so)."""
-    for name in sorted({n for names in metal.SOURCES.values() for n in names}):
-        raw = metal.metal_text(name).encode()
+    for name in sorted({n for names in source.SOURCES.values() for n in names}):
+        raw = source.metal_text(name).encode()
         assert raw.isascii(), name
 
 
@@ -327,6 +329,25 @@ def test_the_server_answers_batched_requests_through_a_failing_kernel(monkeypatc
     assert all(e["route"] == MLX and e["fallback"] for e in calls)
 
 
+def test_the_doctor_reports_a_kernel_that_fails_only_when_run_again(monkeypatch):
+    from mlx_dflash import doctor
+
+    fake_metal(monkeypatch)
+    monkeypatch.setattr(checks, "QMM_SHAPES", [(6, 128, 96, 64, 4, "float32")])
+    monkeypatch.setattr(doctor, "RaceGate", lambda path, **kw: RaceGate(path, timer=FixedTimer(), **kw))
+    calls = []
+
+    def once(x, w, s, b, gs, bits, threads=None):  # the gate's run alone works; the float32 comparison's fails
+        calls.append(threads)
+        if len(calls) > 1:
+            raise RuntimeError("[METAL] Command buffer execution failed: Internal Error")
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+
+    monkeypatch.setattr(wide_qmm, "wide_quantized_matmul", once)
+    check = doctor.check_kernel("wide_qmm", checks.check_qmm, "MLX's quantized matmul")
+    assert check.status == "warn" and check.details[0]["error"].startswith("RuntimeError: [METAL] Command buffer")
+
+
 def test_the_doctor_answers_with_failing_kernels(monkeypatch):
     from mlx_dflash import doctor
 
@@ -348,6 +369,10 @@ def test_bench_widths_forced_says_what_fell_back(monkeypatch, tmp_path):
 
     fake_metal(monkeypatch)
     FakeKernels(monkeypatch, fail="compile")
+    three = run_widths_bench(None, tmp_path / "3-bit", shapes=["128x96"], widths=[6], repeats=1, warmup=0, log=None,
+                             quantize_bits=3)  # a layer our kernel does not take: MLX's alone, nothing to fall back
+    assert {s["impl"] for s in three["series"]} == {"mlx"} and three["fallbacks"] == []
+    assert three["traffic_model"]["rows"] == []  # no shape of ours to model
     lines = []
     res = run_widths_bench(None, tmp_path, shapes=["128x96"], widths=[5, 6], repeats=1, warmup=0, log=lines.append,
                            progress=False)
@@ -355,3 +380,89 @@ def test_bench_widths_forced_says_what_fell_back(monkeypatch, tmp_path):
                                 "forced, but ours failed here: RuntimeError: [metal::Device] Unable to build metal "
                                 "library from source; the shape bins are in the routes)"]
     assert res["fallbacks"][0] in lines
+
+
+# The Metal-guarded paths no other test reaches (docs/development.md, "Metal-guarded code").
+
+
+def test_the_chip_and_machine_as_metal_reports_them(monkeypatch):
+    from mlx_dflash import machine
+
+    info = {"architecture": "applegpu_g16s", "device_name": "Apple M4 Pro", "memory_size": 48 << 30}
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: dict(info))
+    assert machine.chip_name.__wrapped__() == "applegpu_g16s"
+    found = machine.machine_info()
+    assert found["metal"] and found["chip"] == "Apple M4 Pro" and found["device_info"] == info
+    assert found["quantized_matmul_routing"].startswith("M3 and newer: qmv_wide")
+    assert machine.fast_float_dtype() == "float16" and machine.prefill_step() == 2048
+    assert machine.prefill_step(serving=True) == 512 and machine.half_precision_warning("float16") is None
+
+
+def test_the_cpu_pitfall_and_the_blas_are_not_said_on_the_gpu(monkeypatch):
+    from mlx_dflash import machine, pitfalls
+
+    target, drafter = head_dim_64_pair()
+    assert pitfalls.cpu_dtype_warning(target, drafter) is not None  # quantized, on the CPU
+    slow = {"library": "mlx_cpu.libs/libblas-bd8a282c.so.3", "kind": "bundled", "slow": True}
+    assert machine.slow_blas_warning(slow) is not None
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert pitfalls.cpu_dtype_warning(target, drafter) is None
+    assert machine.slow_blas_warning(slow) is None and machine.rerun_with_fast_blas() is None  # no re-run
+
+
+def test_the_process_gate_keeps_its_verdicts_in_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(metal, "_gate", [])
+    gate = metal.race_gate()
+    assert gate is metal.race_gate() and gate.path == tmp_path / "race_verdicts.json"
+
+
+def test_the_words_of_each_verdict():
+    assert describe({"route": OURS, "numerics_ok": True}) == "race gate: dflash (no timings recorded)"
+    assert describe({"route": OURS, "numerics_ok": True, "dflash_s": 1e-3, "mlx_s": 2e-3}) == (
+        "race gate: ours 1 ms, MLX's 2 ms")
+    assert describe({"route": MLX, "failed": "ValueError: Thread group size (64) is greater than  the maximum "
+                     "allowed threads per threadgroup (32)."}) == (
+        "ours failed here: every launch size over the pipeline's thread limit")
+
+
+def test_a_wide_layer_freezes_and_unfreezes_as_mlxs_does(monkeypatch):
+    fake_metal(monkeypatch)
+    wide = wide_qmm.WideQuantizedLinear(nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4))
+    plain = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    names = lambda m: [k for k, _ in mlx_tree_flatten(m.trainable_parameters())]  # noqa: E731
+    assert names(wide) == names(plain) == []  # frozen when made
+    wide.unfreeze(), plain.unfreeze()
+    assert names(wide) == names(plain) == ["weight", "scales", "biases", "bias"]
+
+
+def test_the_verify_paths_with_metal_and_nothing_of_ours_installed(monkeypatch):
+    from types import SimpleNamespace
+
+    fake_metal(monkeypatch)
+    monkeypatch.setenv(wide_qmm.ROUTE_ENV, "mlx")
+    target, _ = head_dim_64_pair()
+    paths, notes = engine_report.verify_paths(target)
+    assert paths["matmul"] == "MLX's quantized matmul (our wide kernel not installed; MLX_DFLASH_WIDE_KERNEL=mlx)"
+    assert notes == []
+    path, notes = engine_report._attention_path(SimpleNamespace(attention_routing=(0, "auto")))
+    assert path == "MLX's SDPA (no attention module to route)" and notes[0].startswith("note: verify attention:")
+
+
+def test_a_routed_attention_module_reads_as_itself_and_a_swapped_one_is_left_alone(monkeypatch):
+    from mlx_dflash.kernels import verify_attention as va
+
+    fake_metal(monkeypatch)
+    target, _ = head_dim_64_pair()
+    layers = target.model.model.layers
+    sites, route = va.install_sites(layers, "auto")
+    assert len(sites) == 4 and route == "auto"
+    original = layers[0]["self_attn"]
+    with va.routing(sites, route):
+        routed = layers[0]["self_attn"]
+        assert isinstance(routed, va.RoutedAttention) and routed.n_heads == original.n_heads  # the module's own
+    assert layers[0]["self_attn"] is original
+    layers[1]["self_attn"] = stand_in = nn.Linear(2, 2)  # no attention module
+    with va.routing(sites, route):  # swapped since the sites were found: left as it is
+        assert layers[1]["self_attn"] is stand_in and isinstance(layers[0]["self_attn"], va.RoutedAttention)

@@ -31,8 +31,8 @@ def make(rows, hkv, groups, d, keys, alloc, dt, seed=0):
     return q, k, v
 
 
-def emulate(q, k, v, keys, kernels=None, traffic_=False, lengths=None):
-    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys, lengths)
+def emulate(q, k, v, keys, kernels=None, traffic_=False, lengths=None, threads=None):
+    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys, lengths, threads)
     k1, k2 = kernels or (k1, k2)
     first = run_kernel(k1, **c1, traffic=traffic_)
     second = run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}, traffic=traffic_)
@@ -114,6 +114,62 @@ def test_each_batch_row_attends_its_own_length(lengths, rows, hkv, groups, d, dt
         assert min(lengths) <= c1["inputs"][5] * (c1["grid"][2] - 1)  # its last chunk starts past the short row
     as_if_all_long = oracle(q, k, v, keys)
     assert not np.allclose(np.array(y.astype(mx.float32)), np.array(as_if_all_long), atol=1e-3)
+
+
+# The worst the router sends: GQA 8 x 16 rows x head dim 128 in float32 (pass 1 at 512 threads, 80 floats live per
+# thread), at each launch size the race gate may retry at; and a ragged batch of 8 rows (MLX binds 8 or more
+# lengths as `device` memory, fewer as `constant`).
+WORST = (16, 1, 8, 128, 70, 80, "f32")
+RAGGED_8 = ([70, 64, 50, 33, 16, 69, 41, 20], 4, 1, 4, 64, "f16")
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("threads", [512, 128, 32])
+def test_the_worst_shape_at_each_launch_size(threads):
+    q, k, v = make(*WORST)
+    y, _, _, (c1, _) = emulate(q, k, v, WORST[4], threads=threads)
+    assert c1["threadgroup"] == (threads, 1, 1) and threads in attn.thread_sizes(q, k)
+    err = np.abs(np.array(y) - np.array(oracle(q, k, v, WORST[4])))
+    assert np.isfinite(err).all() and err.max() <= ATOL["f32"], err.max()
+
+
+@pytest.mark.emulator
+def test_a_ragged_batch_of_eight_rows():
+    from mlx_dflash.kernels.source import metal_source
+
+    lengths, *shape = RAGGED_8
+    q, k, v = batch_of(lengths, *shape)
+    y, _, _, (c1, _) = emulate(q, k, v, max(lengths), lengths=lengths)
+    err = np.abs(np.array(y.astype(mx.float32)) - np.array(oracle(q, k, v, max(lengths), lengths)))
+    assert np.isfinite(err).all() and err.max() <= ATOL["f16"], err.max()
+    (kernel, call), _ = attn.attention_calls(q, k, v, 0.125, max(lengths), lengths)
+    assert "const device int32_t* lengths" in metal_source(kernel, **call)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", ["worst", "ragged 8"])
+def test_the_worst_shapes_on_metal_at_every_size_metal_accepts(case):
+    """On a Mac: each launch size of the gate's ladder that Metal accepts computes MLX's result, and at least
+    one does; a refused one is refused with the message the gate reads its limit from."""
+    if case == "worst":
+        (rows, hkv, groups, d, _, _, dt), lengths = WORST, None
+        q, k, v = make(rows, hkv, groups, d, 2048, 2048, dt)
+    else:
+        lengths, *shape = RAGGED_8
+        q, k, v = batch_of(lengths, *shape)
+    keys = k.shape[2] if lengths is None else max(lengths)
+    ran = []
+    for threads in attn.thread_sizes(q, k):
+        try:
+            y = attn.multi_row_attention(q, k, v, q.shape[-1] ** -0.5, keys, lengths, threads)
+            mx.eval(y)
+        except ValueError as e:
+            assert "maximum allowed threads per threadgroup" in str(e)
+            continue
+        ran.append(threads)
+        err = np.abs(np.array(y.astype(mx.float32)) - np.array(oracle(q, k, v, keys, lengths)))
+        assert err.max() <= ATOL[RAGGED_8[-1] if lengths else "f32"], (threads, err.max())
+    assert ran
 
 
 @pytest.mark.emulator

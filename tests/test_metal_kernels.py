@@ -53,8 +53,8 @@ def assert_close(y, ref, dtype):
     assert (err <= bound).all(), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
 
 
-def emulate(x, wq, s, b, group_size, bits, **kw):
-    kernel, call = kernels.wide_qmm_call(x, wq, s, b, group_size, bits)
+def emulate(x, wq, s, b, group_size, bits, threads=None, **kw):
+    kernel, call = kernels.wide_qmm_call(x, wq, s, b, group_size, bits, threads)
     return run_kernel(kernel, **call, **kw)
 
 
@@ -135,6 +135,37 @@ def test_wide_qmm_matches_quantized_matmul(m, k, n, gs, bits, dt, prebuilt):
 @pytest.mark.parametrize("m,k,n,gs,bits,dt", [c for c in CASES if c not in QUICK], ids=lambda v: str(v))
 def test_wide_qmm_grid_matches_quantized_matmul(m, k, n, gs, bits, dt, prebuilt_grid):
     check_emulated(m, k, n, gs, bits, dt)
+
+
+WORST = (16, 128, 45, 64, 4, "f32")  # 16 rows in float32: the most threads (512) and registers
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("threads", [512, 64, 32])
+def test_the_worst_shape_at_each_launch_size(threads):
+    m, k, n, gs, bits, dt = WORST
+    dtype = DTYPES[dt]
+    x, wq, s, b = make_case(m, k, n, gs, bits, dtype)
+    assert threads in kernels.thread_sizes(dtype)
+    assert_close(emulate(x, wq, s, b, gs, bits, threads).outputs[0], oracle(x, wq, s, b, gs, bits), dtype)
+
+
+@pytest.mark.metal
+def test_the_worst_shape_on_metal_at_every_size_metal_accepts():
+    """On a Mac: 16 rows of a 4096-wide float32 layer at each size of the gate's ladder Metal accepts; a refused
+    one is refused with the message the gate reads its limit from."""
+    x, wq, s, b = make_case(16, 4096, 4096, 64, 4, mx.float32)
+    ran = []
+    for threads in kernels.thread_sizes(mx.float32):
+        try:
+            y = kernels.wide_quantized_matmul(x, wq, s, b, 64, 4, threads)
+            mx.eval(y)
+        except ValueError as e:
+            assert "maximum allowed threads per threadgroup" in str(e)
+            continue
+        ran.append(threads)
+        assert_close(y, oracle(x, wq, s, b, 64, 4), mx.float32)
+    assert ran
 
 
 @pytest.mark.metal

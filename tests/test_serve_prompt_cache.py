@@ -12,7 +12,6 @@ import pytest
 
 from serve_helpers import tools_tokenizer
 from serving import MODEL, client, raw, running
-from mlx_dflash.server.engine import Engine
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from tiny_families import tiny_chat_target

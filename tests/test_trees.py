@@ -7,7 +7,7 @@ import pytest
 
 from test_families import assert_arrays_close, cache_arrays
 from tiny_families import FAMILIES, HYBRIDS, PROMPT, bound_pair, tiny_model
-from mlx_dflash.decoding.tree import TreeBlock, Trees, grow
+from mlx_dflash.decoding.tree import TreeBlock, grow
 
 TREE_FAMILIES = [f for f in FAMILIES if f not in HYBRIDS]
 # parents of a 9-node tree, every parent before its children: branches at the root and deeper

@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from ..machine import chip_name, metal_available
 from . import routes
-from .metal import race_gate, read_metal_file
+from .metal import race_gate
+from .source import read_metal_file
 from .race_gate import OURS
 
 MIN_ROWS, MAX_ROWS = 2, 16

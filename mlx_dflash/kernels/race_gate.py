@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from ..utils import cache_dir, write_json
+from .source import kernel_stamp
 
 OURS, MLX = "dflash", "mlx"
 ROUTES = (OURS, MLX)
@@ -89,11 +90,9 @@ class RaceGate:
     """Routes each key to ours or MLX's path (see the module's docstring).
 
     timer: ``({name: fn}, repeats) -> {name: [seconds]}`` (default ``call_times``; tests inject timings);
-    stamp: ``kernel -> dict`` of what a verdict holds for (default ``metal.kernel_stamp``)."""
+    stamp: ``kernel -> dict`` of what a verdict holds for (default ``source.kernel_stamp``)."""
 
     def __init__(self, path: Path | None = None, timer=None, stamp=None, soak_repeats: int = SOAK_REPEATS):
-        from .metal import kernel_stamp
-
         self.path = Path(path) if path is not None else cache_path()
         self.timer = timer or call_times
         self.stamp = stamp or kernel_stamp

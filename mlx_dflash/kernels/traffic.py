@@ -106,10 +106,10 @@ def compare(m: int, k: int, n: int, group_size: int = 64, bits: int = 4, x_bytes
 def widths_model(shapes: list[dict], widths, x_bytes: int) -> dict:
     """``bench widths``' modelled traffic: for each width our kernel takes (6..16), summed over the layer
     shapes (``{"K", "N", "group_size", "bits", "count"}``), ours / unavoidable device bytes and our weight
-    bytes / MLX's on each chip family."""
+    bytes / MLX's on each chip family (no rows where our kernel takes none of the shapes)."""
     rows = []
     for m in widths:
-        if not 6 <= m <= 16:
+        if not 6 <= m <= 16 or not shapes:
             continue
         total = {"unavoidable": 0, "ours": 0, "ours_w": 0, **{f"mlx_w_{c}": 0 for c in CHIPS}}
         for sh in shapes:

@@ -26,7 +26,8 @@ from mlx.utils import tree_unflatten
 from ..errors import DFlashError
 from ..machine import chip_name, metal_available
 from . import routes
-from .metal import race_gate, read_metal_file
+from .metal import race_gate
+from .source import read_metal_file
 from .race_gate import MLX, OURS, Choice
 
 MIN_ROWS = 6
@@ -173,11 +174,6 @@ class WideQuantizedLinear(nn.Module):
         ql = self._wrapped
         ql.update(dict(self.items()))
         return ql
-
-    def unfreeze(self, *args, **kwargs):
-        super().unfreeze(*args, **kwargs)
-        self.freeze(recurse=False)  # as nn.QuantizedLinear: quantized arrays stay frozen
-        return self
 
     _extra_repr = nn.QuantizedLinear._extra_repr
 
