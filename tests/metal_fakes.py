@@ -7,7 +7,10 @@ result with MLX's own ops, or fail the way Metal fails (MLX's own messages).
   the package that imported them.
 * ``FakeKernels``: installed over ``wide_qmm.wide_qmm_kernel`` and the attention's two kernels; ``fail``
   makes them fail at one stage: "compile" (Metal rejects the source), "launch" (a threadgroup over ``limit``
-  threads, MLX's size error naming the limit) or "run" (an error raised when the graph is evaluated).
+  threads, MLX's size error naming the limit) or "run" (a command buffer error). Each is raised when the
+  kernel is called: on Metal they surface when the graph is evaluated, which the race gate does inside the
+  same guard, but an error raised inside an evaluation on MLX's CPU stream can leave that stream hanging
+  later evaluations, so no stand-in fails lazily.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from mlx_dflash.models.target import Target
 CHIP = "applegpu_g15s"  # an M3
 COMPILE_ERROR = ("[metal::Device] Unable to build metal library from source\n"
                  "program_source:57:9: error: use of undeclared identifier 'w4'")
+RUN_ERROR = ("[METAL] Command buffer execution failed: Caused GPU Hang Error "
+             "(00000003:kIOGPUCommandBufferCallbackErrorHang)")
 
 
 class FixedTimer:
@@ -56,12 +61,6 @@ def fake_metal(monkeypatch, chip: str = CHIP):
                     monkeypatch.setattr(module, attr, fake)
 
 
-def _lazy_failure(shape, dtype):
-    """An array of `shape` whose evaluation raises (as a Metal command buffer error would, at eval time)."""
-    bad = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu).sum()  # LU of a singular matrix raises at eval
-    return mx.zeros(shape, dtype) + bad.astype(dtype)
-
-
 class FakeKernel:
     """A stand-in for one ``mx.fast.metal_kernel`` object: computes(inputs, template) -> outputs."""
 
@@ -79,7 +78,7 @@ class FakeKernel:
                 raise ValueError(f"Thread group size ({size}) is greater than  the maximum allowed threads per "
                                  f"threadgroup ({owner.limit}).")
             if owner.fail == "run":
-                return [_lazy_failure(s, d) for s, d in zip(output_shapes, output_dtypes)]
+                raise RuntimeError(RUN_ERROR)
         return self.computes(inputs, dict(template), output_shapes)
 
 
