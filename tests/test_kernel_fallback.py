@@ -403,9 +403,9 @@ def test_the_cpu_pitfall_and_the_blas_are_not_said_on_the_gpu(monkeypatch):
     from mlx_dflash import machine, pitfalls
 
     target, drafter = head_dim_64_pair()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
     assert pitfalls.cpu_dtype_warning(target, drafter) is not None  # quantized, on the CPU
     slow = {"library": "mlx_cpu.libs/libblas-bd8a282c.so.3", "kind": "bundled", "slow": True}
-    assert machine.slow_blas_warning(slow) is not None
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     assert pitfalls.cpu_dtype_warning(target, drafter) is None
     assert machine.slow_blas_warning(slow) is None and machine.rerun_with_fast_blas() is None  # no re-run
@@ -466,3 +466,40 @@ def test_a_routed_attention_module_reads_as_itself_and_a_swapped_one_is_left_alo
     layers[1]["self_attn"] = stand_in = nn.Linear(2, 2)  # no attention module
     with va.routing(sites, route):  # swapped since the sites were found: left as it is
         assert layers[1]["self_attn"] is stand_in and isinstance(layers[0]["self_attn"], va.RoutedAttention)
+
+
+def test_each_call_our_kernels_refuse_says_why(monkeypatch):
+    """The reasons a routed call stays with MLX's path (kernels/routes.py records them), one per check."""
+    from mlx_dflash.errors import DFlashError
+    from mlx_dflash.kernels import verify_attention as va
+
+    x = mx.zeros((8, 128))
+    w, s, b = mx.quantize(mx.random.normal((16, 128)), 64, 4)
+    check = wide_qmm.check_wide_supported
+    assert check(x.shape, w, s, b, 64, 4, mx.float32) is None
+    assert check(x.shape, w, s, b, 16, 4, mx.float32) == "group_size=16 not in (32, 64, 128)"
+    assert check(x.shape, w, s, b, 64, 4, mx.int32) == "dtype mlx.core.int32 not supported"
+    assert check(x.shape, w.astype(mx.int32), s, b, 64, 4, mx.float32).startswith("expected x (..., K), w (N,")
+    assert check((8, 96), w, s, b, 64, 4, mx.float32) == "K=96 does not match w (16, 16) / group_size 64"
+    assert check(x.shape, w, s[:8], b, 64, 4, mx.float32) == "scales/biases shape mismatch"
+    assert check(x.shape, w, s.astype(mx.int32), b, 64, 4, mx.float32) == "scales/biases dtype not supported"
+    with pytest.raises(TypeError, match="expected nn.QuantizedLinear, got Linear"):
+        wide_qmm.WideQuantizedLinear(nn.Linear(4, 4))
+    q, k = mx.zeros((1, 4, 4, 64)), mx.zeros((1, 2, 40, 64))
+    assert attn.check_supported(q[0], k, k, 40) == "expected q (B, Hq, L, D), k and v (B, Hkv, S, D)"
+    assert attn.check_supported(q, k, k, 3) == "keys=3 must be in 4..40"
+    assert attn.check_supported(q, k, k, 40, [40, 30]) == (
+        "row lengths [40, 30] must be one per batch row, each in 4..40")
+    with pytest.raises(ValueError, match="multi_row_attention: keys=50 must be in 4..40"):
+        attn.attention_calls(q, k, k, 0.125, 50)
+    monkeypatch.setattr(attn, "metal_available", lambda: False)
+    with pytest.raises(RuntimeError, match="multi_row_attention needs Metal"):
+        attn.multi_row_attention(q, k, k, 0.125)
+    with pytest.raises(DFlashError, match="attention route 'fastest': use one of auto, dflash, mlx"):
+        va.install_sites([], "fastest")
+
+
+def test_a_metal_file_without_its_body_marker_is_named(monkeypatch):
+    monkeypatch.setattr(source, "metal_text", lambda name: "//@@ header\n// nothing else\n")
+    with pytest.raises(ValueError, match="wide_qmm.metal: missing '//@@ body' marker"):
+        source.read_metal_file("wide_qmm.metal")
