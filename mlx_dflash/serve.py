@@ -37,6 +37,9 @@ from .policies.dcut import build_policy, read_batch_costs
                    "--max-connections); past it a new one replaces one in flight for over a second, else gets 429.")
 @click.option("--max-body", "max_body_bytes", default=4 << 20, show_default=True, type=int,
               help="Largest request body in bytes (413 above it).")
+@click.option("--max-kept-bytes", default=64 << 20, show_default=True, type=int,
+              help="Bytes of kept Responses (store, for previous_response_id and GET) per API key, as JSON; 4x "
+                   "that across keys; the least recently used dropped first, a bigger response answered, not kept.")
 @click.option("--header-timeout", default=10.0, show_default=True, type=float,
               help="Seconds a connection has to send a whole request head.")
 @click.option("--body-timeout", default=30.0, show_default=True, type=float,
@@ -69,9 +72,9 @@ from .policies.dcut import build_policy, read_batch_costs
 @kv_options
 @shard_options
 def main(model_path, drafter_path, drafter_window, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
-         max_connections, max_uploads_per_client, max_body_bytes, header_timeout, body_timeout, max_tokens,
-         max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, sampling, widths, prompt_cache_size,
-         prompt_cache_bytes, prompt_cache_dir, kv, shard, no_generic_tools):
+         max_connections, max_uploads_per_client, max_body_bytes, max_kept_bytes, header_timeout, body_timeout,
+         max_tokens, max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, sampling, widths,
+         prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv, shard, no_generic_tools):
     """Serve the pair over OpenAI- and Anthropic-compatible HTTP APIs (/v1/chat/completions, /v1/completions,
     /v1/responses, /v1/messages).
 
@@ -94,6 +97,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     if min(max_tokens, max_tokens_limit, max_body_bytes, max_connections, chunk) < 1 or max_queue < 0:
         raise DFlashError("--max-tokens, --max-tokens-limit, --max-body, --max-connections and --prefill-step-size "
                           "must be at least 1, --max-queue at least 0")
+    if max_kept_bytes < 0:
+        raise DFlashError(f"--max-kept-bytes must be at least 0, got {max_kept_bytes}")
     if max_uploads_per_client is not None and max_uploads_per_client < 1:
         raise DFlashError(f"--max-uploads-per-client must be at least 1, got {max_uploads_per_client}")
     if not min(header_timeout, body_timeout) > 0 or not shutdown_grace >= 0:
@@ -148,7 +153,8 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         follow(*load_models(), max_batch, prefill_step_size)
         return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_keys=keys,
-                          max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit,
+                          max_body_bytes=max_body_bytes, max_kept_bytes=max_kept_bytes,
+                          max_tokens_limit=max_tokens_limit,
                           max_connections=max_connections, max_uploads_per_client=max_uploads_per_client,
                           header_timeout=header_timeout, body_timeout=body_timeout,
                           shutdown_grace=shutdown_grace, allowed_hosts=hosts_for(host, _names(allowed_hosts)),

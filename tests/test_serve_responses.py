@@ -8,6 +8,7 @@ Codex CLI sends it, previous_response_id, and an openai-agents agent with a func
 """
 
 import json
+import logging
 import threading
 
 import openai
@@ -18,7 +19,7 @@ from pydantic import TypeAdapter
 from serve_helpers import ScriptedEngine, pair_with_context, tools_tokenizer
 from serving import MODEL, client, raw, running, sse_events
 from mlx_dflash.generate import generate
-from mlx_dflash.server.openai_responses import ResponseStore, parse_responses
+from mlx_dflash.server.openai_responses import KeptBytes, ResponseStore, parse_responses
 from mlx_dflash.server.protocol import APIError, Defaults
 
 SYSTEM = "You answer briefly."
@@ -291,6 +292,45 @@ def test_store_keeps_the_latest_responses_only():
     assert list(store.entries) == ["resp_1", "resp_3"]
     with pytest.raises(APIError, match="not kept"):
         store.response("resp_0")
+
+
+def test_kept_responses_are_bounded_in_bytes_per_key_and_in_all(caplog):
+    """Issue 52 N1: a response is kept as its JSON bytes, each key's store within max_bytes, all keys' within the
+    shared bound, the least recently used dropped first; one bigger than a key's bound is answered, not kept."""
+    shared = KeptBytes(limit=2500)
+    a, b = (ResponseStore(max_bytes=2000, shared=shared) for _ in range(2))
+    pad = "x" * 700
+    for n in range(3):
+        a.keep({"id": f"a{n}", "metadata": {"pad": pad}}, [])
+    assert list(a.entries) == ["a1", "a2"] and a.used <= 2000  # the third pushed the first out of the key's bound
+    assert a.response("a2") == json.dumps({"id": "a2", "metadata": {"pad": pad}}).encode()  # served as kept
+    b.keep({"id": "b0", "metadata": {"pad": pad}}, [{"role": "user", "content": pad}])
+    assert list(a.entries) == ["a2"] and shared.used <= 2500  # all keys' bound: the oldest of any key went (a1)
+    assert a.conversation("a2") == [] and b.conversation("b0") == [{"role": "user", "content": pad}]
+    with caplog.at_level(logging.INFO, logger="mlx_dflash.server"):
+        a.keep({"id": "huge", "metadata": [{}] * 1000}, [])
+    assert "huge" not in a.entries and "answered, not kept" in caplog.text
+    with pytest.raises(APIError, match=r"not kept by this server \(it keeps the last 64 responses not sent with "
+                                       r"store: false, within 0.00191 MiB\)"):
+        a.response("huge")
+
+
+def test_a_kept_response_with_megabytes_of_metadata(tmp_path, tiny_chat_pair):
+    """The hostile case: 3.9 MB of `metadata: [{}, ...]` is kept as its JSON (not as a million dicts) or, past
+    --max-kept-bytes, answered and not kept; GET serves the kept bytes."""
+    target, tokenizer, drafter = tiny_chat_pair
+    with running((target, drafter, tokenizer), max_body_bytes=8 << 20, max_kept_bytes=6 << 20) as (url, _):
+        metadata = [{}] * 900_000  # 3.6 MB of JSON
+        status, _, first = raw(url, "/v1/responses", {"model": MODEL, "input": "Hi.", "max_output_tokens": 2,
+                                                      "metadata": metadata})
+        assert status == 200
+        status, _, again = raw(url, f"/v1/responses/{first['id']}", method="GET")
+        assert status == 200 and again == first
+        big = {"model": MODEL, "input": "Hi.", "max_output_tokens": 2, "metadata": metadata + metadata}
+        status, _, second = raw(url, "/v1/responses", big)  # 7.2 MB kept would pass the key's 6 MiB
+        assert status == 200 and len(second["metadata"]) == 1_800_000
+        assert raw(url, f"/v1/responses/{second['id']}", method="GET")[0] == 404
+        assert raw(url, f"/v1/responses/{first['id']}", method="GET")[0] == 200  # the first is still kept
 
 
 def test_tool_choice_and_reasoning_set_the_request():

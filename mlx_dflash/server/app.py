@@ -38,6 +38,7 @@ class ServerConfig:
     defaults: Defaults = field(default_factory=Defaults)
     api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
     max_body_bytes: int = 4 << 20
+    max_kept_bytes: int = 64 << 20  # kept Responses per API key (4x that across keys), as JSON bytes
     max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
     max_connections: int = 128
     max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)

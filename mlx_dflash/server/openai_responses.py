@@ -26,7 +26,8 @@ from .protocol import GenerationRequest, Outcome, sse, tool_call_json
 from .tools import forced_tool
 
 log = logging.getLogger("mlx_dflash.server")
-KEPT_RESPONSES = 64  # responses kept for previous_response_id and GET /v1/responses/{id}
+KEPT_RESPONSES = 64  # responses kept for previous_response_id and GET /v1/responses/{id}, per API key
+KEPT_BYTES = 64 << 20  # their JSON bytes per API key (serve --max-kept-bytes); 4x that across keys
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 # Known fields this server cannot honour: the values that ask for nothing, and what to do instead.
 NEUTRAL = {"background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,)}
@@ -45,31 +46,73 @@ class ResponsesRequest(GenerationRequest):
     keep: bool = True  # store: kept for previous_response_id and GET /v1/responses/{id}
 
 
-class ResponseStore:
-    """The latest kept responses: each one's object and its whole conversation (chat messages), the
-    least recently used dropped first."""
+class KeptBytes:
+    """The bytes every API key's store keeps, together: past `limit`, the least recently used response of any
+    key is dropped first."""
 
-    def __init__(self, size: int = KEPT_RESPONSES):
-        self.size, self.entries = size, OrderedDict()
+    def __init__(self, limit: int = 4 * KEPT_BYTES):
+        self.limit, self.used, self.order = limit, 0, OrderedDict()  # (store, id) -> bytes
+
+    def add(self, store: "ResponseStore", response_id: str, size: int):
+        self.order[(id(store), response_id)] = (store, size)
+        self.used += size
+        while self.used > self.limit:
+            (_, oldest), (owner, _) = next(iter(self.order.items()))
+            owner.drop(oldest)
+
+    def touch(self, store: "ResponseStore", response_id: str):
+        self.order.move_to_end((id(store), response_id))
+
+    def remove(self, store: "ResponseStore", response_id: str):
+        self.used -= self.order.pop((id(store), response_id))[1]
+
+
+class ResponseStore:
+    """One API key's latest kept responses: each one's object and its whole conversation, kept as the JSON
+    bytes they are served and read back from (a reply's Python objects can weigh many times their text), at
+    most `size` of them and `max_bytes` in all (and `shared`'s bound across keys), the least recently used
+    dropped first. A response bigger than `max_bytes` is answered but not kept, said in the log."""
+
+    def __init__(self, size: int = KEPT_RESPONSES, max_bytes: int = KEPT_BYTES, shared: Optional[KeptBytes] = None):
+        self.size, self.max_bytes, self.used, self.entries = size, max_bytes, 0, OrderedDict()
+        self.shared = shared or KeptBytes(max_bytes)
 
     def keep(self, response: dict, conversation: list):
-        self.entries[response["id"]] = (response, conversation)
-        self.entries.move_to_end(response["id"])
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        rid = response["id"]
+        entry = (json.dumps(response).encode(), json.dumps(conversation).encode())
+        size = len(entry[0]) + len(entry[1])
+        self.drop(rid)
+        if size > self.max_bytes:
+            log.info(f"{rid}: {size / 2**20:.3g} MiB is more than the {self.max_bytes / 2**20:.3g} MiB a key keeps "
+                     "(--max-kept-bytes): answered, not kept")
+            return
+        self.entries[rid] = entry
+        self.used += size
+        while len(self.entries) > self.size or self.used > self.max_bytes:
+            self.drop(next(iter(self.entries)))
+        self.shared.add(self, rid, size)
+
+    def drop(self, response_id: str):
+        if response_id in self.entries:
+            response, conversation = self.entries.pop(response_id)
+            self.used -= len(response) + len(conversation)
+            self.shared.remove(self, response_id)
 
     def _entry(self, response_id: str, status: int, param: Optional[str]) -> tuple:
         if response_id not in self.entries:
             raise APIError(status, f"response '{response_id}' is not kept by this server (it keeps the last "
-                           f"{self.size} responses not sent with store: false); send the whole conversation",
+                           f"{self.size} responses not sent with store: false, within "
+                           f"{self.max_bytes / 2**20:.3g} MiB); send the whole conversation",
                            param=param, code="previous_response_not_found" if param else "not_found")
         self.entries.move_to_end(response_id)
+        self.shared.touch(self, response_id)
         return self.entries[response_id]
 
     def conversation(self, response_id: str) -> list:
-        return list(self._entry(response_id, 400, "previous_response_id")[1])
+        return json.loads(self._entry(response_id, 400, "previous_response_id")[1])
 
-    def response(self, response_id: str) -> dict:
+    def response(self, response_id: str) -> bytes:
+        """The kept response object as JSON bytes, served as they are."""
         return self._entry(response_id, 404, None)[0]
 
 

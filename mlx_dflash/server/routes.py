@@ -53,7 +53,7 @@ def make_app(engine: Engine, config: ServerConfig):
     """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     started = int(time.time())
@@ -72,7 +72,9 @@ def make_app(engine: Engine, config: ServerConfig):
     big_prompt_threads = ThreadPoolExecutor(BIG_PROMPT_THREADS, thread_name_prefix="mlx-dflash-tokenizer-big")
     # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
     # that with several keys a client reads only the responses made with its own key.
-    kept = collections.defaultdict(openai_responses.ResponseStore)
+    shared = openai_responses.KeptBytes(4 * config.max_kept_bytes)
+    kept = collections.defaultdict(lambda: openai_responses.ResponseStore(max_bytes=config.max_kept_bytes,
+                                                                          shared=shared))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -195,7 +197,8 @@ def make_app(engine: Engine, config: ServerConfig):
                               partial(openai_responses.response_body, store=store))
 
     async def kept_response(request):
-        return JSONResponse(kept_for(request).response(request.path_params["response_id"]))
+        kept_json = kept_for(request).response(request.path_params["response_id"])
+        return Response(kept_json, media_type="application/json")  # kept as the JSON bytes: nothing to encode
 
     async def count_tokens(request):
         parse = partial(anthropic.parse_messages, count_only=True, system_turns=system_turns)
