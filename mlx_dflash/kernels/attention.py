@@ -23,7 +23,7 @@ from ..machine import chip_name, metal_available
 from . import routes
 from .metal import race_gate
 from .source import read_metal_file
-from .race_gate import OURS
+from .race_gate import OURS, halvings
 
 MIN_ROWS, MAX_ROWS = 2, 16
 HEAD_DIMS = (64, 128)
@@ -88,10 +88,7 @@ def thread_sizes(q, k) -> list[int]:
     """Pass 1's launch sizes to try, largest first: a simdgroup per query row of a kv head up to 16, then halves
     down to one (a pipeline whose registers allow fewer threads refuses the larger ones; the race gate
     retries; fewer simdgroups each take more rows)."""
-    sizes = [32 * min(16, (q.shape[1] // k.shape[1]) * q.shape[2])]
-    while sizes[-1] > 32:
-        sizes.append(sizes[-1] // 2)
-    return sizes
+    return halvings(32 * min(16, (q.shape[1] // k.shape[1]) * q.shape[2]))
 
 
 def attention_calls(q, k, v, scale: float, keys: int | None = None, lengths: list | None = None,

@@ -66,6 +66,14 @@ def call_times(calls: dict[str, Callable[[], mx.array]], repeats: int) -> dict[s
     return times
 
 
+def halvings(threads: int) -> list[int]:
+    """A kernel's launch sizes to try, largest first: `threads`, then halves down to one simdgroup (32)."""
+    sizes = [threads]
+    while sizes[-1] > 32:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
 def median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]
 

@@ -28,7 +28,7 @@ from ..machine import chip_name, metal_available
 from . import routes
 from .metal import race_gate
 from .source import read_metal_file
-from .race_gate import MLX, OURS, Choice
+from .race_gate import MLX, OURS, Choice, halvings
 
 MIN_ROWS = 6
 MAX_ROWS = 16
@@ -49,10 +49,7 @@ def wide_threads(dtype) -> int:
 def thread_sizes(dtype) -> list[int]:
     """The launch sizes to try, largest first: wide_threads, then halves down to one simdgroup (a pipeline
     whose registers allow fewer threads refuses the larger ones; the race gate retries)."""
-    sizes = [wide_threads(dtype)]
-    while sizes[-1] > 32:
-        sizes.append(sizes[-1] // 2)
-    return sizes
+    return halvings(wide_threads(dtype))
 
 
 MAX_CONSTANT = 8  # MLX binds an input of fewer elements as `constant` memory (metal_kernel.cpp)

@@ -54,17 +54,17 @@ class KeptBytes:
         self.limit, self.used, self.order = limit, 0, OrderedDict()  # (store, id) -> bytes
 
     def add(self, store: "ResponseStore", response_id: str, size: int):
-        self.order[(id(store), response_id)] = (store, size)
+        self.order[(store, response_id)] = size
         self.used += size
         while self.used > self.limit:
-            (_, oldest), (owner, _) = next(iter(self.order.items()))
+            owner, oldest = next(iter(self.order))
             owner.drop(oldest)
 
     def touch(self, store: "ResponseStore", response_id: str):
-        self.order.move_to_end((id(store), response_id))
+        self.order.move_to_end((store, response_id))
 
     def remove(self, store: "ResponseStore", response_id: str):
-        self.used -= self.order.pop((id(store), response_id))[1]
+        self.used -= self.order.pop((store, response_id))
 
 
 class ResponseStore:
