@@ -196,7 +196,8 @@ def test_batched_trees_give_each_request_its_single_output(chat_pairs, name):
     for width in (3, 8, "auto"):
         got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3, width=width, tree=True)
         assert got.token_ids == want, (name, width)
-        assert sum(s.tree_rounds for s in got.stats) > 0 and max(got.batch.rows) == 3
+        # forced widths verify trees; D-cut picks them by measured costs, which this machine's noise may not favour
+        assert (width == "auto" or sum(s.tree_rounds for s in got.stats) > 0) and max(got.batch.rows) == 3
     alone = [generate(target, drafter, tokenizer, p, max_tokens=n, width=8, tree=True) for p, n in zip(ids, LIMITS)]
     assert [a.tokens for a in alone] == want and all(a.stats.tree_rounds > 0 for a in alone)
 
