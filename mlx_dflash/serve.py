@@ -31,7 +31,8 @@ from .policies.dcut import build_policy, read_batch_costs
               help="Requests that may wait beyond the batch's --max-batch rows (with --max-batch 1: behind the running "
                    "one); more get 503 with Retry-After.")
 @click.option("--max-connections", default=128, show_default=True, type=int,
-              help="Open connections at most; one more is answered 503 and closed.")
+              help="Open connections at most; one more is answered 503 and closed. Request bodies in flight from "
+                   "all client addresses together: half of it.")
 @click.option("--max-uploads-per-client", default=None, type=int,
               help="Request bodies one client address may be sending at once (default: a quarter of "
                    "--max-connections); past it a new one replaces one in flight for over a second, else gets 429.")

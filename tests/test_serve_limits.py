@@ -24,6 +24,7 @@ from serving import CHAT, MODEL, chat_text, client, free_port, head, port_of, ra
 from mlx_dflash.cli import main
 from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.logs import RateLimit
+from mlx_dflash.server.protocol import APIError
 from mlx_dflash.server.security import allowed_hosts, api_keys
 
 CONTEXT = 2048
@@ -162,6 +163,71 @@ def test_prompts_are_tokenized_off_the_event_loop(pair):
         assert engine.on_loop is False
 
 
+class SlowTokenizer(Engine):
+    """Tokenizing takes TOKENIZE_SECONDS (as a few MB does); records which prompts were tokenized."""
+
+    def prompt_ids(self, req):
+        self.tokenized = getattr(self, "tokenized", []) + [req.prompt[-1]["content"][:1]]
+        time.sleep(TOKENIZE_SECONDS)
+        return super().prompt_ids(req)[:8]
+
+
+TOKENIZE_SECONDS = 0.5
+
+
+def big_body(letter: str, count_only: bool) -> dict:
+    """A body whose prompt is big (over routes.BIG_PROMPT_CHARACTERS, 2x in bytes), starting with `letter`."""
+    from mlx_dflash.server.routes import BIG_PROMPT_CHARACTERS
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"{letter} " * BIG_PROMPT_CHARACTERS}]}
+    return body if count_only else {**body, "max_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tiny_chat_pair):
+    return pair_with_context(tiny_chat_pair[1], 1 << 22)  # a big prompt passes the check before tokenizing
+
+
+@pytest.mark.parametrize("path", ["/v1/messages/count_tokens", "/v1/chat/completions"])
+def test_big_prompts_tokenize_a_few_at_once_count_tokens_too(wide_pair, path):
+    """Before, every big prompt waited for the two big-prompt threads however many came (count_tokens took
+    no place in any queue): 24-32 of 2.6 MB made others wait 49-59 s. Each body here is 128 KiB: four of
+    them hold twice --max-body."""
+    n = 12
+    with running(wide_pair, engine_class=SlowTokenizer, max_queue=n, max_body_bytes=1 << 18) as (url, engine):
+        start, statuses = threading.Barrier(n), []
+
+        def send():
+            start.wait()
+            status, _, answer = raw(url, path, big_body("a", path.endswith("count_tokens")))
+            busy = status == 503 and "is tokenizing" in answer["error"]["message"]  # either API's error shape
+            statuses.append((status, "busy" if busy else None))
+
+        threads = [threading.Thread(target=send) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert statuses.count((200, None)) == len(engine.tokenized) >= 3, statuses
+        assert statuses.count((503, "busy")) == n - len(engine.tokenized) >= n // 2, statuses
+
+
+def test_a_big_prompt_whose_client_left_is_not_tokenized(wide_pair):
+    """Before, a prompt was tokenized whether or not its client was still there, and the others waited."""
+    from mlx_dflash.server.routes import BIG_PROMPT_THREADS
+
+    with running(wide_pair, engine_class=SlowTokenizer) as (url, engine):
+        body = json.dumps(big_body("a", count_only=True)).encode()
+        for _ in range(2 * BIG_PROMPT_THREADS):
+            send_raw(url, head("/v1/messages/count_tokens", length=len(body)) + body, read=False)  # and leave
+        time.sleep(0.2)
+        tic = time.monotonic()
+        status, _, answer = raw(url, "/v1/messages/count_tokens", big_body("b", count_only=True))
+        assert status == 200 and answer["input_tokens"] == 8
+        assert engine.tokenized.count("a") <= BIG_PROMPT_THREADS  # only those a thread had taken already
+        assert time.monotonic() - tic < 3 * TOKENIZE_SECONDS
+
+
 # Malformed numbers and bodies.
 
 @pytest.mark.parametrize("body, param", [
@@ -260,6 +326,79 @@ def test_a_flood_of_half_sent_requests_is_capped_and_drained(served):
     assert raw(url, "/v1/chat/completions", GOOD)[0] == 200 and raw(url, "/health")[0] == 200
     time.sleep(1.0)
     assert open_fds() <= before + 2  # every connection's descriptor was given back
+
+
+class Scope:
+    """A body's cancel scope, as Uploads sees it."""
+    cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_uploads_are_bounded_per_address_and_in_all_the_oldest_giving_way():
+    from mlx_dflash.server.limits import Uploads
+
+    now = [0.0]
+    uploads = Uploads(per_client=2, total=3, clock=lambda: now[0])
+    held = [Scope() for _ in range(3)]
+    for scope, address in zip(held, ["127.0.0.2", "127.0.0.3", "127.0.0.4"]):  # one client, three addresses
+        uploads.start(address, scope)
+    with pytest.raises(APIError, match="at most 3 from every client address together") as refused:
+        uploads.start("127.0.0.5", Scope())  # the total is reached and every body is young: 429
+    assert refused.value.status == 429
+    now[0] += 1.5
+    fresh = Scope()
+    uploads.start("127.0.0.5", fresh)  # the oldest, from any address, gives way (its read ends 408)
+    assert held[0].cancelled and not held[1].cancelled and len(uploads.in_flight) == 3
+    uploads.end(held[0])  # its read ends after it was cancelled: nothing counted twice
+    assert dict(uploads.per_address) == {"127.0.0.3": 1, "127.0.0.4": 1, "127.0.0.5": 1}
+    uploads.start("127.0.0.5", Scope())  # the address's own bound: its oldest is 0 s old... but the total binds
+    assert held[1].cancelled  # the total's oldest (1.5 s) gave way
+    with pytest.raises(APIError, match="--max-uploads-per-client 2"):
+        uploads.start("127.0.0.5", Scope())  # the address holds 2 young bodies: refused
+    for scope in list(uploads.in_flight):
+        uploads.end(scope)
+    assert not uploads.in_flight and not uploads.per_address
+
+
+def loopback_addresses(n: int) -> list:
+    """n source addresses on loopback: 127.0.0.1, .2, ... where this system answers them (Linux does; macOS
+    only after `ifconfig lo0 alias`), else 127.0.0.1 again."""
+    out = []
+    for i in range(1, n + 1):
+        try:
+            with socket.socket() as s:
+                s.bind((f"127.0.0.{i}", 0))
+            out.append(f"127.0.0.{i}")
+        except OSError:
+            out.append("127.0.0.1")
+    return out
+
+
+def test_half_sent_bodies_from_many_addresses_hold_half_the_connections_at_most(pair):
+    """One client from four loopback addresses, each within --max-uploads-per-client: before, their held
+    bodies took every connection and /health was 503 until --body-timeout."""
+    with running(pair, body_timeout=3.0, max_connections=12, max_uploads_per_client=3, header_timeout=2.0) \
+            as (url, _):
+        socks = []
+        for address in loopback_addresses(4):
+            for _ in range(3):
+                s = socket.create_connection(("127.0.0.1", port_of(url)), timeout=10, source_address=(address, 0))
+                s.sendall(head(length=1000) + b"{")
+                socks.append(s)
+        time.sleep(0.3)
+        assert raw(url, "/health")[0] == 200
+        time.sleep(1.0)  # a valid body takes the place of the oldest held one once that is a second old
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+        answers = []
+        for s in socks:
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            answers.append(out.split(b" ", 2)[1])
+            s.close()
+        assert sorted(answers) == [b"408"] * 6 + [b"429"] * 6, answers  # half of --max-connections held
 
 
 def test_the_same_failure_is_logged_a_few_times_a_second():

@@ -10,14 +10,15 @@
   close the connection. A body up to 4 times the limit is read to its end (and dropped) before its 413,
   so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
   client that leaves mid-upload is one log line (status 499), not a traceback. One client address has
-  at most `--max-uploads-per-client` bodies in flight (`Uploads`), so that half-sent bodies from one
-  address cannot hold every connection.
+  at most `--max-uploads-per-client` bodies in flight, and all of them together half of
+  `--max-connections` (`Uploads`), so that half-sent bodies cannot hold every connection.
 - JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
   JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep, every string (keys
   too) text: JSON's `\\ud800` escape without its pair is no character, and would fail later, where the
   string is encoded (the tokenizer, an error message naming it).
 """
 
+import collections
 import json
 import logging
 import math
@@ -96,41 +97,52 @@ def parse_json(body: bytes):
 
 
 class Uploads:
-    """Request bodies in flight (head read, body not yet), per client address: at most `per_client` at once.
+    """Request bodies in flight (head read, body not yet): at most `per_client` from one client address and
+    `total` from all of them at once.
 
     What is bounded is bodies, not connections: every client on this machine comes from 127.0.0.1, and
     a bound on its connections would bound all of them together, kept-alive and streaming ones included,
     while a whole request's body arrives in milliseconds; a half-sent body is how one client holds a
-    connection until --body-timeout. Past the bound, a new body takes the place of the one in flight
-    longest, once that is UPLOAD_GRACE_SECONDS old (it is answered 408), and is refused (429) otherwise:
-    valid requests go on while one address holds bodies, and its held bodies hold at most `per_client`
+    connection until --body-timeout. The total bound is there because loopback is a whole network
+    (127.0.0.0/8): one client sending from 127.0.0.2, .3, ... has as many addresses as it likes. Past
+    either bound, a new body takes the place of the one in flight longest (from its address, or from any,
+    for the total), once that is UPLOAD_GRACE_SECONDS old (it is answered 408), and is refused (429)
+    otherwise: valid requests go on while bodies are held, and held bodies hold at most `total`
     connections. The age, not the time since a body last received, decides: a body trickling a byte at a
     time is as held as a silent one, and any minimum rate would leave the client its bodies at that rate.
     Only the event loop touches it."""
 
-    def __init__(self, per_client: int):
-        self.per_client = per_client
-        self.in_flight: dict = {}  # address -> {cancel scope: when its body started}, oldest first
+    def __init__(self, per_client: int, total: int, clock=time.monotonic):
+        self.per_client, self.total, self.clock = per_client, total, clock
+        self.in_flight: dict = {}  # cancel scope -> (client address, when its body started), oldest first
+        self.per_address = collections.Counter()
 
     def start(self, address: str, scope) -> None:
-        bodies = self.in_flight.setdefault(address, {})
-        if len(bodies) >= self.per_client:
-            oldest, since = next(iter(bodies.items()))
-            if time.monotonic() - since < UPLOAD_GRACE_SECONDS:
-                raise APIError(429, f"this client address is sending {len(bodies)} request bodies already "
-                               f"(--max-uploads-per-client {self.per_client}); retry when one has arrived",
-                               code="too_many_uploads", headers={"Connection": "close", "Retry-After": "1"})
-            del bodies[oldest]
-            oldest.cancel()  # its read ends with a 408
-        bodies[scope] = time.monotonic()
+        if self.per_address[address] >= self.per_client:
+            self._make_room(address, f"this client address is sending {self.per_address[address]} request bodies "
+                            f"already (--max-uploads-per-client {self.per_client})")
+        if len(self.in_flight) >= self.total:
+            self._make_room(None, f"the server is receiving {len(self.in_flight)} request bodies already, at most "
+                            f"{self.total} from every client address together (half of --max-connections)")
+        self.in_flight[scope] = (address, self.clock())
+        self.per_address[address] += 1
 
-    def end(self, address: str, scope) -> None:
-        bodies = self.in_flight.get(address)
-        if bodies is None:  # evicted, and its address's last body has ended since
+    def _make_room(self, address: Optional[str], why: str) -> None:
+        """Cancel the body in flight longest (from `address`, or from any), or refuse the new one."""
+        oldest = next(s for s, (a, _) in self.in_flight.items() if address is None or a == address)
+        if self.clock() - self.in_flight[oldest][1] < UPLOAD_GRACE_SECONDS:
+            raise APIError(429, f"{why}; retry when one has arrived", code="too_many_uploads",
+                           headers={"Connection": "close", "Retry-After": "1"})
+        self.end(oldest)
+        oldest.cancel()  # its read ends with a 408
+
+    def end(self, scope) -> None:
+        entry = self.in_flight.pop(scope, None)
+        if entry is None:  # cancelled to make room, and ended since
             return
-        bodies.pop(scope, None)
-        if not bodies:
-            del self.in_flight[address]
+        self.per_address[entry[0]] -= 1
+        if not self.per_address[entry[0]]:
+            del self.per_address[entry[0]]
 
 
 async def read_json(request, max_bytes: int, timeout: float, uploads: Optional[Uploads] = None):
@@ -162,14 +174,15 @@ async def read_json(request, max_bytes: int, timeout: float, uploads: Optional[U
         raise APIError(499, "the client disconnected during the upload") from None
     finally:
         if uploads is not None:
-            uploads.end(address, scope)
+            uploads.end(scope)
     if size > max_bytes:
         raise too_large
     if scope.cancelled_caught:
         late = anyio.current_time() >= scope.deadline
         raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)" if late else
                        f"the request body was still arriving after {UPLOAD_GRACE_SECONDS:g} s and gave its place to "
-                       f"another from this address (--max-uploads-per-client {uploads.per_client})", headers=close)
+                       "a newer one (bodies in flight are bounded per client address, --max-uploads-per-client, and "
+                       "in all, half of --max-connections)", headers=close)
     return await anyio.to_thread.run_sync(parse_json, b"".join(chunks)), size  # 4 MB of JSON: not on the event loop
 
 

@@ -4,9 +4,10 @@ Each generation route reads and checks its body (limits.py, then the API's parse
 text alone is over the context, takes a place in the engine's queue, tokenizes the prompt on one of a few
 worker threads (never on the event loop: a 4 MB prompt takes seconds; the tokenizers release the GIL, so a
 short prompt is tokenized beside long ones; big prompts have threads of their own, so that however many
-come, a short one finds a thread free), refuses a prompt over the context and cuts max_tokens, all
-before the engine sees it; then answers as a stream or a whole response in the API's format. The same
-reply events feed every API.
+come, a short one finds a thread free; big ones, count_tokens' included, tokenizing or waiting at once hold
+at most twice --max-body of text, so that none waits long; one whose client left before a thread took it is
+dropped untokenized), refuses a prompt over the context and cuts max_tokens, all before the engine sees
+it; then answers as a stream or a whole response in the API's format. The same reply events feed every API.
 """
 
 import asyncio
@@ -32,6 +33,7 @@ log = logging.getLogger("mlx_dflash.server")
 TOKENIZER_THREADS = 4  # short prompts tokenized at once
 BIG_PROMPT_THREADS = 2  # big prompts tokenized at once, on threads of their own
 BIG_PROMPT_CHARACTERS = 1 << 16  # a prompt over this is big: tokenizing it takes tens of milliseconds or more
+BIG_PROMPTS_BODIES = 2  # big prompts tokenizing or waiting for a thread hold at most this many --max-body together
 
 
 def prompt_characters(req, body_bytes: int) -> int:
@@ -40,6 +42,17 @@ def prompt_characters(req, body_bytes: int) -> int:
     if req.kind != "chat":
         return body_bytes
     return max(body_bytes, sum(len(m["content"]) for m in req.prompt if isinstance(m.get("content"), str)))
+
+
+async def _disconnected(receive):
+    """Returns once the client has gone (its request's body read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _prompt_ids(engine: Engine, waiting: list) -> list:
+    """The prompt ids of the request in `waiting`, or None where its client left before a thread took it."""
+    return engine.prompt_ids(waiting[0]) if waiting else None
 
 
 async def _cancel_on_disconnect(receive, job: Job):
@@ -67,8 +80,10 @@ def make_app(engine: Engine, config: ServerConfig):
     if not tools.renders_tools and config.generic_tools:
         log.info("this model's chat template does not render tools: requests with tools get them in the system "
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
-    uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4))
+    uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4),
+                      total=max(1, config.max_connections // 2))
     tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
+    big_prompts = collections.Counter()  # big prompts tokenizing or waiting for a thread, and their characters
     big_prompt_threads = ThreadPoolExecutor(BIG_PROMPT_THREADS, thread_name_prefix="mlx-dflash-tokenizer-big")
     # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
     # that with several keys a client reads only the responses made with its own key.
@@ -121,18 +136,45 @@ def make_app(engine: Engine, config: ServerConfig):
         forced(req)  # a call that cannot be forced is refused before the queue
         if admit:
             engine.refuse_surely_too_long(req)
+        characters = prompt_characters(req, size)
+        big = characters > BIG_PROMPT_CHARACTERS
+        budget = BIG_PROMPTS_BODIES * config.max_body_bytes
+        if big and big_prompts["prompts"] and big_prompts["characters"] + characters > budget:
+            raise APIError(503, f"the server is tokenizing {big_prompts['prompts']} big prompts already "
+                           f"({big_prompts['characters']} characters; at most {budget} together, twice --max-body); "
+                           "retry in a moment", code="tokenizer_busy", headers={"Retry-After": "1"})
+        if admit:
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
-        big = prompt_characters(req, size) > BIG_PROMPT_CHARACTERS
+        taken = collections.Counter(prompts=1, characters=characters) if big else collections.Counter()
+        big_prompts.update(taken)
         threads = big_prompt_threads if big else tokenizer_threads
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(threads, engine.prompt_ids, req)
+            ids = await tokenize(request, req, threads)
             if admit:
                 engine.fit(req, len(ids), config.max_tokens_limit)
         except BaseException:
             if admit:
                 engine.leave()
             raise
+        finally:
+            big_prompts.subtract(taken)
         return req, ids, threads
+
+    async def tokenize(request, req, threads) -> list:
+        """The prompt's ids, from a tokenizer thread. A client that leaves first is answered 499 at once (its
+        places given back) and its prompt is never tokenized if no thread has taken it yet, nor kept."""
+        waiting = [req]
+        job = asyncio.get_running_loop().run_in_executor(threads, _prompt_ids, engine, waiting)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # a left client's error is no one's
+        watch = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if job.done():
+            return job.result()
+        waiting.clear()
+        raise APIError(499, "the client disconnected before its prompt was tokenized")
 
     async def generate(request, parse, stream, body):
         req, ids, threads = await tokenized(request, parse, admit=True)
