@@ -141,6 +141,9 @@ def test_errors_are_anthropic_shaped(pair, served):
         with pytest.raises(error) as e:
             c.messages.create(**kwargs)
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == kind, e.value.body
+    many_tools = [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(300)]
+    with pytest.raises(anthropic.BadRequestError, match="at most 128"):  # as chat and Responses take
+        c.messages.count_tokens(model=MODEL, messages=ask, tools=many_tools)
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         c.post("/v1/messages", body={"model": MODEL, "messages": ask}, cast_to=object)
     with pytest.raises(anthropic.BadRequestError) as e:

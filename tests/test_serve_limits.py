@@ -62,7 +62,7 @@ def log_lines(caplog):
 
 # Clients that leave.
 
-def test_a_non_streamed_request_whose_client_leaves_stops_within_a_round(tiny_chat_pair, caplog):
+def test_a_request_whose_client_leaves_stops_within_a_round_and_is_logged_499(tiny_chat_pair, caplog):
     caplog.set_level(logging.INFO, logger="mlx_dflash.server")
     target, tokenizer, drafter = tiny_chat_pair
     with running((target, drafter, tokenizer)) as (url, engine):
@@ -75,6 +75,12 @@ def test_a_non_streamed_request_whose_client_leaves_stops_within_a_round(tiny_ch
         assert line.startswith("POST /v1/chat/completions 499 ")
         assert int(line.split("completion=")[1].split()[0]) < 8192
         assert chat_text(client(url), max_tokens=3)[1].usage.completion_tokens == 3
+        # Streamed: its 200 was sent with the first chunk; the log says 499 (before, 200).
+        with client(url).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8192, stream=True) as s:
+            next(iter(s))
+        wait_until(lambda: engine.cancelled == 2 and not engine.active, 30)
+        wait_until(lambda: sum("finish=cancelled" in m for m in log_lines(caplog)) == 2, 30)
+        assert [m for m in log_lines(caplog) if "finish=cancelled" in m][1].startswith("POST /v1/chat/completions 499 ")
 
 
 class SlowPrefill(Engine):
@@ -418,6 +424,51 @@ def test_the_same_failure_is_logged_a_few_times_a_second():
     assert limit.filter(line) and line.getMessage() == "refused a connection (995 more like it not logged)"
     info = logging.LogRecord("mlx_dflash.server", logging.INFO, __file__, 1, "GET /health 200", None, None)
     assert all(limit.filter(info) for _ in range(100))  # answered requests are never dropped
+
+
+def test_a_request_head_over_16_kib_or_100_headers_is_a_431_in_one_read_too(served):
+    """h11 bounds a head still arriving; before, a whole one in one read was answered whatever its size."""
+    url, _ = served
+    padding = b"X-Pad: " + b"a" * 17000 + b"\r\n"
+    for head_bytes in (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + padding + b"\r\n",
+                       b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: b\r\n" * 150 + b"\r\n",
+                       b"GET /" + b"p" * 17000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"):
+        answer = send_raw(url, head_bytes)
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"request_head_too_large" in answer, answer[:200]
+    fine = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + b"X-Pad: " + b"a" * 15000 + \
+        b"\r\n" + b"X-A: b\r\n" * 90 + b"\r\n"
+    assert send_raw(url, fine).startswith(b"HTTP/1.1 200 ")
+
+
+def test_requests_to_many_distinct_paths_log_a_few_short_lines(pair):
+    """Before, the rate limit keyed failures by their path: 300 distinct 30 KB paths were 300 lines of 30 KB."""
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Keep()
+    handler.addFilter(RateLimit())
+    server_log = logging.getLogger("mlx_dflash.server")
+    server_log.addHandler(handler)
+    level, server_log.level = server_log.level, logging.INFO
+    try:
+        with running(pair) as (url, _):
+            tic = time.monotonic()
+            for i in range(100):
+                answer = send_raw(url, f"GET /{i}{'p' * 10000} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  "Connection: close\r\n\r\n".encode())
+                assert answer.startswith(b"HTTP/1.1 404 ") and len(answer) < 1000  # the path is not echoed whole
+                assert send_raw(url, f"GET /{i}{'p' * 30000} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                "Connection: close\r\n\r\n".encode()).startswith(b"HTTP/1.1 431 ")
+            seconds = time.monotonic() - tic
+    finally:
+        server_log.removeHandler(handler)
+        server_log.level = level
+    lines = [m for m in lines if m.startswith("GET /")]
+    assert len(lines) <= 2 * 5 * (int(seconds) + 2), (len(lines), seconds)  # 2 kinds, 5 a second each
+    assert max(len(m) for m in lines) < 600
 
 
 # Who may send requests.

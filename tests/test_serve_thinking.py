@@ -101,6 +101,11 @@ def test_anthropic_thinking_blocks_streamed_and_not(scripted):
     assert deltas[0] == "thinking_delta" and deltas.index("signature_delta") == deltas.index("text_delta") - 1
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert (final.content[0].thinking, final.content[0].signature, final.content[1].text) == (REASONING, "", ANSWER)
+    # A reply that is all reasoning is a thinking block alone, streamed or not (before, whole: and an empty text).
+    engine.scripts += [REASONING + "</think>"] * 2
+    assert [b.type for b in c.messages.create(model=MODEL, max_tokens=64, messages=ASK).content] == ["thinking"]
+    with c.messages.stream(model=MODEL, max_tokens=64, messages=ASK) as stream:
+        assert [b.type for b in stream.get_final_message().content] == ["thinking"]
     # An earlier turn's thinking goes back as clients send it, and is dropped (the template has no place for it).
     engine.scripts.append("Fine.")
     c.messages.create(model=MODEL, max_tokens=64, messages=ASK + [

@@ -21,8 +21,8 @@ import json
 import logging
 import uuid
 
-from .fields import (APIError, Defaults, check_model, checked, max_tokens_field, sampling_fields, stop_strings,
-                     text_content)
+from .fields import (MAX_TOOLS, APIError, Defaults, check_model, checked, max_tokens_field, sampling_fields,
+                     stop_strings, text_content)
 from .protocol import GenerationRequest, Outcome, PromptTooLong, sse
 from .tools import forced_tool
 
@@ -127,6 +127,8 @@ def _tools(body: dict, request_id: str) -> tuple:
         raise APIError(400, f'tool_choice {{"type": "{kind}"}} needs \'tools\'', param="tool_choice")
     if not isinstance(tools, list):
         raise APIError(400, "'tools' must be a list of {\"name\", \"description\", \"input_schema\"}", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}", param="tools")
     out, ignored = [], []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
@@ -244,7 +246,7 @@ def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: lis
                  caching: bool = False) -> dict:
     """The whole (non-streamed) message; caching: the server keeps a prefix cache."""
     content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []) + (
-        [{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(c) for c in calls]
+        [{"type": "text", "text": text}] if text or not (calls or reasoning) else []) + [_tool_use(c) for c in calls]
     return {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": content,
             "stop_reason": stop_reason(outcome, len(calls)), "stop_sequence": outcome.stop_sequence,
             "usage": _outcome_usage(outcome, caching), "dflash": outcome.speculative()}

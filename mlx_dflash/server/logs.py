@@ -4,7 +4,9 @@
 completion tokens, speed, tau, finish reason, seconds queued and in total, the error if there was one.
 `RateLimit` keeps any one failure to a few lines a second (a flood of bad requests, refused connections,
 or the event loop's own errors): the rest are counted and the count is written with the next line let
-through. Failures are keyed by what failed (the request's path and status; a message's template).
+through. Failures are keyed by what failed (the route that answered, or none, and the status; a message's
+template), never by what a client chose: a flood of distinct paths is one kind of failure. A path is
+written up to PATH_CHARACTERS.
 """
 
 import json
@@ -14,6 +16,7 @@ import time
 
 log = logging.getLogger("mlx_dflash.server")
 LINES_PER_SECOND = 5  # per kind of failure
+PATH_CHARACTERS = 200
 
 
 class RateLimit(logging.Filter):
@@ -77,13 +80,17 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            code = status.get("code", 500)
-            extra = {"rate_key": (scope["path"], code)} if code >= 400 else {}
+            code = info.get("status", status.get("code", 500))
+            route = getattr(scope.get("endpoint"), "__name__", "no route")  # set by the router where one matched
+            extra = {"rate_key": (route, code)} if code >= 400 else {}
             log.info(log_line(scope, code, info, time.perf_counter() - tic), extra=extra)
 
 
 def log_line(scope, status: int, info: dict, seconds: float) -> str:
-    parts = [scope["method"], scope["path"], str(status)]
+    path = scope["path"]
+    if len(path) > PATH_CHARACTERS:
+        path = f"{path[:PATH_CHARACTERS]}...({len(path)} characters)"
+    parts = [scope["method"], path, str(status)]
     if "id" in info:
         parts.append(f"id={info['id']}")
     outcome = info.get("outcome")

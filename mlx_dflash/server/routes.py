@@ -214,6 +214,7 @@ def make_app(engine: Engine, config: ServerConfig):
         finally:
             if not job.finished.is_set():  # the client went away mid-stream
                 await job.cancel()
+                info["status"] = 499  # the log's status: the 200 it was sent was not the end
             info["outcome"] = job.outcome
             if job.error is not None:
                 info["error"] = job.error.message
@@ -265,8 +266,8 @@ def make_app(engine: Engine, config: ServerConfig):
         return error_response(e, request.url.path)
 
     async def http_error(request, e: HTTPException):
-        messages = {404: f"no such endpoint: {request.method} {request.url.path}",
-                    405: f"{request.method} is not allowed on {request.url.path}"}
+        path = request.url.path[:200]  # a client's path is not echoed whole
+        messages = {404: f"no such endpoint: {request.method} {path}", 405: f"{request.method} is not allowed on {path}"}
         return await api_error(request, APIError(e.status_code, messages.get(e.status_code, str(e.detail))))
 
     async def internal_error(request, e: Exception):

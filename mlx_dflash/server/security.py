@@ -1,5 +1,8 @@
-"""Who may talk to the server: the Host and Origin a request names, its content type, its API key.
+"""Who may talk to the server: the size of a request's head, the Host and Origin it names, its content
+type, its API key.
 
+- Head: at most MAX_HEAD_BYTES of request line and headers, and MAX_HEADERS headers (431). h11 bounds
+  only a head still arriving (16 KB); a whole one that comes in one read is parsed whatever its size.
 - Host: a server bound to a loopback address answers only requests naming a loopback host (`localhost`,
   `127.0.0.1`, `[::1]`, any port), so a web page whose DNS name is rebound to 127.0.0.1 cannot reach it;
   `--allowed-hosts` adds names. One bound to another address (`--host 0.0.0.0`) answers any Host unless
@@ -26,6 +29,8 @@ from .anthropic import PATHS as ANTHROPIC_PATHS, error_body as anthropic_error_b
 from .protocol import APIError
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+MAX_HEAD_BYTES = 16 << 10
+MAX_HEADERS = 100
 
 
 def error_response(e: APIError, path: str):
@@ -79,13 +84,19 @@ def _host_name(header: str) -> str:
 
 
 class Guard:
-    """ASGI middleware: the Host, Origin, API-key and content-type checks above, in that order."""
+    """ASGI middleware: the head, Host, Origin, API-key and content-type checks above, in that order."""
 
     def __init__(self, app, hosts: Optional[set], origins: set, keys: tuple = ()):
         self.app, self.hosts, self.origins = app, hosts, origins
         self.keys = [k.encode() for k in keys]
 
     def refusal(self, scope) -> Optional[APIError]:
+        target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope["query_string"])
+        head_bytes = len(scope["method"]) + target + sum(len(n) + len(v) + 4 for n, v in scope["headers"])  # ": ", CRLF
+        if head_bytes > MAX_HEAD_BYTES or len(scope["headers"]) > MAX_HEADERS:
+            return APIError(431, f"the request head is {head_bytes} bytes in {len(scope['headers'])} headers: at most "
+                            f"{MAX_HEAD_BYTES} bytes (request line and headers) and {MAX_HEADERS} headers",
+                            code="request_head_too_large", headers={"Connection": "close"})
         headers = {}
         for name, value in scope["headers"]:  # a repeated header counts by its first value
             headers.setdefault(name, value.decode("latin-1"))
