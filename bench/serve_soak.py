@@ -3,10 +3,12 @@
     python bench/serve_soak.py                         # default pair, 2 phases of 90 s
     python bench/serve_soak.py --seconds 20 --name soak-quick
     python bench/serve_soak.py --hostile malformed,slow\ body,slow\ head,oversized   # only what is refused
+    python bench/serve_soak.py --hostile "kept responses,tool replies,many addresses,big prompts,big heads,other key"
 
 One real `mlx-dflash serve` process (its log in a temporary directory, kept if anything is lost or leaked),
 started with short timeouts (--header-timeout 2, --body-timeout 3, --max-body 1 MB) so that hostile
-requests resolve within the run. First every valid request is sent alone, one after another: its answer
+requests resolve within the run, two API keys (the clients send one; the other asks /health), and
+--max-kept-bytes 4 MiB, so that kept Responses reach their bound. First every valid request is sent alone, one after another: its answer
 (greedy, or sampled with a seed) is the reference and its time the idle latency. Then two phases of
 `--seconds` each, the same valid clients in both:
 
@@ -15,13 +17,18 @@ requests resolve within the run. First every valid request is sent alone, one af
 2. soak: the same, plus hostile clients: malformed bodies (bad JSON, NaN, 10,000-deep nesting, wrong
    types, text/plain, a foreign Host, an unknown model, an Anthropic body without max_tokens), slow bodies
    and slow heads (held open until the server's timeouts), clients that leave (mid-stream, and while a
-   non-streamed answer is generated), and oversized requests (a body over --max-body, a prompt over the
-   context); `--hostile` keeps some of these kinds only.
+   non-streamed answer is generated), oversized requests (a body over --max-body, a prompt over the
+   context), and the fourth turn's (kept Responses of a whole body each, tool replies a model writes from
+   NaN and deep nesting, half-sent bodies from four loopback addresses, big prompts and count_tokens from
+   clients that hang up, 30 KB paths and 1,000 headers, /health with the other key); bench/hostile.py
+   says what each sends and should get. `--hostile` keeps some of these kinds only.
 
-Every request is counted: sent, completed (a valid answer: a greedy one identical to its reference), failed as
-expected (the status, or the close, the hostile request should get), lost (anything else: a wrong
-status, a wrong answer, a timeout, a reset). Before and after the soak: the server's resident memory and
-open file descriptors (after the server is idle again), and the log lines it wrote per phase. Valid
+Every request is counted: sent, completed (a valid answer: a greedy one identical to its reference), refused
+(a valid request answered 429 or 503 with Retry-After: the bounds that hostile clients fill, which real
+clients retry), failed as expected (the status, or the close, the hostile request should get), lost
+(anything else: a wrong status, a wrong answer, a 500, a timeout, a reset). Before and after the soak: the server's resident memory and
+open file descriptors (after the server is idle again), its resident memory every 2 s during each phase
+(the most in each quarter: levelling off, or growing), and the log lines it wrote per phase. Valid
 requests' latency in the soak is compared with the valid-only phase's and with the idle latency. The exit
 status is 1 when a request was lost, an answer differed, or descriptors leaked. Writes serve_soak.json
 into bench/results/<name>/, atomically, and prints a table.
@@ -31,11 +38,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import http.client
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import openai  # noqa: E402
 
+import hostile as h  # noqa: E402
 from servers import dflash_server  # noqa: E402
 from mlx_dflash.machine import machine_info, versions  # noqa: E402
 from mlx_dflash.utils import write_atomic  # noqa: E402
@@ -57,6 +63,8 @@ from mlx_dflash.utils import write_atomic  # noqa: E402
 SCHEMA = "mlx-dflash/bench-serve-soak/1"
 MAX_BODY = 1 << 20
 TIMEOUTS = {"--header-timeout": 2, "--body-timeout": 3}
+MAX_KEPT_BYTES = 4 << 20
+SAMPLE_SECONDS = 2.0
 QUESTIONS = ["What is 7 times 8?", "Name three colours of the rainbow.", "Write one sentence about the sea.",
              "What is the capital of Italy?"]
 
@@ -95,97 +103,27 @@ def answers_alike(request, text: str, reference: str) -> bool:
     return bool(text)
 
 
-def raw_request(port: int, body: bytes, path="/v1/chat/completions", headers=None, timeout=30.0) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    finally:
-        conn.close()
-
-
-def malformed(port: int, model: str) -> list:
-    """(name, send, expected status) of each malformed request."""
-    good = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    bodies = [
-        ("bad JSON", b'{"model": ', {}, "/v1/chat/completions", 400),
-        ("NaN temperature", json.dumps(good)[:-1].encode() + b', "temperature": NaN}', {}, "/v1/chat/completions", 400),
-        ("10,000-deep nesting", b"[" * 10000 + b"]" * 10000, {}, "/v1/chat/completions", 400),
-        ("wrong type", json.dumps({**good, "max_tokens": "ten"}).encode(), {}, "/v1/chat/completions", 400),
-        ("text/plain", json.dumps(good).encode(), {"Content-Type": "text/plain"}, "/v1/chat/completions", 415),
-        ("foreign Host", json.dumps(good).encode(), {"Host": "attacker.example"}, "/v1/chat/completions", 403),
-        ("unknown model", json.dumps({**good, "model": "gpt-4o"}).encode(), {}, "/v1/chat/completions", 404),
-        ("Messages without max_tokens", json.dumps({"model": model, "messages": good["messages"]}).encode(), {},
-         "/v1/messages", 400),
-    ]
-    return [(name, lambda b=b, h=h, p=p: raw_request(port, b, p, h), status) for name, b, h, p, status in bodies]
-
-
-def slow_body(port: int) -> str:
-    """A head and a sliver of the body, then nothing: the server should answer 408 and close."""
-    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUTS["--body-timeout"] + 10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 5000\r\n\r\n{\"model\":")
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "closed"
-
-
-def slow_head(port: int) -> str:
-    """Part of a request head, then nothing: the server should close the connection without an answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUTS["--header-timeout"] + 10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        answer = s.recv(65536)
-    return "closed" if not answer else answer[:12].decode(errors="replace")
-
-
-def leave_mid_stream(url: str, model: str) -> str:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=60)
-    with c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
-                                   max_tokens=2000, stream=True) as stream:
-        chunks = iter(stream)
-        next(chunks), next(chunks)
-    return "left"
-
-
-def leave_while_generating(url: str, model: str) -> str:
-    c = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=1.0)
-    try:
-        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
-                                  max_tokens=2000)
-    except openai.APITimeoutError:
-        return "left"
-    return "answered"  # the server answered 2000 tokens within a second: not what this request tests
-
-
-def oversized(port: int, model: str) -> list:
-    big = json.dumps({"model": model, "prompt": "x" * (MAX_BODY + 1000)}).encode()
-    long = json.dumps({"model": model, "messages": [{"role": "user", "content": "sea " * 9000}]}).encode()
-    return [("body over --max-body", lambda: raw_request(port, big, "/v1/completions"), 413),
-            ("prompt over the context", lambda: raw_request(port, long), 400)]
-
-
 class Tally:
     """Thread-safe counts per kind of request, and what went wrong with the lost ones."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.sent, self.completed, self.expected, self.lost = Counter(), Counter(), Counter(), Counter()
+        self.refused = Counter()
         self.problems, self.latencies, self.wrong_answers = [], [], 0
 
     def count(self, kind: str, outcome: str, problem: str = ""):
         with self.lock:
             self.sent[kind] += 1
-            {"completed": self.completed, "expected": self.expected, "lost": self.lost}[outcome][kind] += 1
+            {"completed": self.completed, "expected": self.expected, "lost": self.lost,
+             "refused": self.refused}[outcome][kind] += 1
             if problem and len(self.problems) < 50:
                 self.problems.append(f"{kind}: {problem}")
 
     def summary(self) -> dict:
         lat = sorted(self.latencies)
         return {"sent": sum(self.sent.values()), "completed": sum(self.completed.values()),
+                "refused": sum(self.refused.values()),
                 "failed_as_expected": sum(self.expected.values()), "lost": sum(self.lost.values()),
                 "wrong_answers": self.wrong_answers, "by_kind": {k: {"sent": self.sent[k], "completed": self.completed[k],
                                                                     "failed_as_expected": self.expected[k],
@@ -195,7 +133,9 @@ class Tally:
                 "problems": self.problems}
 
 
-HOSTILE_CLIENTS = {"malformed": 3, "slow body": 4, "slow head": 2, "disconnecting": 2, "oversized": 1}
+HOSTILE_CLIENTS = {"malformed": 3, "slow body": 4, "slow head": 2, "disconnecting": 2, "oversized": 1,
+                   "kept responses": 1, "tool replies": 1, "many addresses": 2, "big prompts": 1, "big heads": 1,
+                   "other key": 1}
 
 
 def run_phase(url: str, model: str, requests: list, reference: dict, seconds: float, valid_clients: int,
@@ -205,13 +145,19 @@ def run_phase(url: str, model: str, requests: list, reference: dict, seconds: fl
     tally, deadline = Tally(), time.monotonic() + seconds
 
     def valid_loop(k):
-        c = openai.OpenAI(base_url=url + "/v1", api_key="soak", max_retries=0, timeout=600)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=h.KEY, max_retries=0, timeout=600)
         i = k
         while time.monotonic() < deadline:
             request = requests[i % len(requests)]
             tic = time.perf_counter()
             try:
                 text = send_valid(c, model, request)
+            except openai.APIStatusError as e:
+                refused = e.status_code in (429, 503) and "retry-after" in e.response.headers
+                tally.count("valid", "refused" if refused else "lost", "" if refused else repr(e)[:200])
+                if refused:  # as the official clients do: wait, then send it again
+                    time.sleep(float(e.response.headers["retry-after"]))
+                    continue
             except Exception as e:
                 tally.count("valid", "lost", repr(e)[:200])
             else:
@@ -235,15 +181,18 @@ def run_phase(url: str, model: str, requests: list, reference: dict, seconds: fl
 
     loops = [threading.Thread(target=valid_loop, args=(k,)) for k in range(valid_clients)]
     if hostile:
-        bad, big = malformed(port, model), oversized(port, model)
+        kinds = {"malformed": h.malformed(port, model), "oversized": h.oversized(port, model, MAX_BODY),
+                 "kept responses": h.kept_responses(port, model, MAX_BODY), "tool replies": h.tool_replies(port, model),
+                 "many addresses": h.many_addresses(port, 12), "big prompts": h.big_prompts(port, model, MAX_BODY),
+                 "other key": h.other_key(url)}
         makers = {
-            "malformed": lambda rng: rng.choice(bad),
-            "slow body": lambda rng: ("slow body", lambda: slow_body(port), "408"),
-            "slow head": lambda rng: ("slow head", lambda: slow_head(port), "closed"),
-            "disconnecting": lambda rng: rng.choice([("leave mid-stream", lambda: leave_mid_stream(url, model), "left"),
+            **{kind: lambda rng, choices=choices: rng.choice(choices) for kind, choices in kinds.items()},
+            "slow body": lambda rng: ("slow body", lambda: h.slow_body(port), "408"),
+            "slow head": lambda rng: ("slow head", lambda: h.slow_head(port), "closed"),
+            "disconnecting": lambda rng: rng.choice([("leave mid-stream", lambda: h.leave_mid_stream(url, model), "left"),
                                                      ("leave while generating",
-                                                      lambda: leave_while_generating(url, model), "left")]),
-            "oversized": lambda rng: rng.choice(big),
+                                                      lambda: h.leave_while_generating(url, model), "left")]),
+            "big heads": lambda rng: rng.choice(h.big_heads(port, rng)),
         }
         for kind, n in hostile.items():
             for j in range(n):
@@ -267,8 +216,34 @@ def server_resources(pid: int) -> dict:
     return {"rss_mb": round(rss, 1), "open_fds": fds}
 
 
+class RSSSampler:
+    """The server's resident memory every SAMPLE_SECONDS while a phase runs: whether it levels off (bounded)
+    or keeps growing (a leak)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.samples, self.done = pid, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.done.wait(SAMPLE_SECONDS):
+            self.samples.append(server_resources(self.pid)["rss_mb"])
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def quarters(self) -> list:
+        """The most resident memory in each quarter of the phase (MB)."""
+        n = len(self.samples)
+        return [max(self.samples[i * n // 4:(i + 1) * n // 4], default=None) for i in range(4)]
+
+
 def health(url: str) -> dict:
-    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=h.AUTH), timeout=30) as r:
         return json.loads(r.read())
 
 
@@ -294,6 +269,10 @@ def log_lines(path: Path) -> int:
     return sum(1 for _ in open(path, errors="replace"))
 
 
+def tracebacks(path: Path) -> int:
+    return sum(line.startswith("Traceback") for line in open(path, errors="replace"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="target (default: the default pair's)")
@@ -313,15 +292,16 @@ def main(argv=None) -> int:
 
     out_dir = Path(__file__).resolve().parent / "results" / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["--max-body", str(MAX_BODY), *[str(x) for kv in TIMEOUTS.items() for x in kv], *args.server_flag]
+    flags = ["--max-body", str(MAX_BODY), *[str(x) for kv in TIMEOUTS.items() for x in kv],
+             "--api-key", f"{h.KEY},{h.OTHER_KEY}", "--max-kept-bytes", str(MAX_KEPT_BYTES), *args.server_flag]
     flags += ["--model", args.model] if args.model else []
     flags += ["--drafter", args.drafter] if args.drafter else []
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-soak-"))
-    server = dflash_server(flags, logs / "server.log")
+    server = dflash_server(flags, logs / "server.log", api_key=h.KEY)
     try:
         model = server.wait_ready()
         requests = valid_requests(args.max_tokens)
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="soak", max_retries=0, timeout=600)
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=h.KEY, max_retries=0, timeout=600)
         send_valid(c, model, requests[0])  # warm-up, untimed
         reference, idle = {}, []
         for i, request in enumerate(requests):  # each alone: the reference answer and the idle latency
@@ -334,7 +314,10 @@ def main(argv=None) -> int:
             resources[name, "before"] = server_resources(server.proc.pid)
             lines_before, engine_before = log_lines(logs / "server.log"), health(server.url)
             print(f"{name}: {args.seconds:.0f} s ...", flush=True)
-            phases[name] = run_phase(server.url, model, requests, reference, args.seconds, args.valid_clients, others)
+            with RSSSampler(server.proc.pid) as rss:
+                phases[name] = run_phase(server.url, model, requests, reference, args.seconds, args.valid_clients,
+                                         others)
+            phases[name]["rss_mb_by_quarter"] = rss.quarters()
             phases[name]["engine"] = engine_work(engine_before, health(server.url))
             wait_idle(server.url)
             time.sleep(TIMEOUTS["--body-timeout"])  # the last slow connections' timeouts
@@ -358,10 +341,12 @@ def main(argv=None) -> int:
                    "soak_vs_valid_only_p90": soak["valid_latency_p90_s"] / calm["valid_latency_p90_s"],
                    "soak_vs_idle_median": soak["valid_latency_median_s"] / idle_median},
         "answer_after_soak_identical": after_ok, "exit_status_on_sigterm": exit_status,
+        "server_log_tracebacks": tracebacks(logs / "server.log"),
     }
     write_atomic(out_dir / "serve_soak.json", json.dumps(result, indent=1) + "\n")
     print(report(result))
-    failed = soak["lost"] or calm["lost"] or not after_ok or fd_growth > 2 or exit_status != 0
+    failed = (soak["lost"] or calm["lost"] or not after_ok or fd_growth > 2 or exit_status != 0
+              or result["server_log_tracebacks"])
     if failed:
         print(f"\nLOST, WRONG OR LEAKED: see {out_dir / 'serve_soak.json'}; the server's log is kept in {logs}")
     else:
@@ -372,11 +357,13 @@ def main(argv=None) -> int:
 
 
 def report(r: dict) -> str:
-    out = ["| phase | clients | sent | completed | failed as expected | lost | valid latency median / p90 (s) | "
-           "log lines | batch rounds, rows per round |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| phase | clients | sent | completed | refused (429/503) | failed as expected | lost | "
+           "valid latency median / p90 (s) | log lines | batch rounds, rows per round |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, p in r["phases"].items():
         work = f"{p['engine']['rounds']}, {p['engine']['mean_rows_per_round']:.2f}" if p.get("engine") else "-"
-        out.append(f"| {name} | {p['clients']} | {p['sent']} | {p['completed']} | {p['failed_as_expected']} | {p['lost']} | "
+        out.append(f"| {name} | {p['clients']} | {p['sent']} | {p['completed']} | {p.get('refused', 0)} | "
+                   f"{p['failed_as_expected']} | {p['lost']} | "
                    f"{p['valid_latency_median_s']:.2f} / {p['valid_latency_p90_s']:.2f} | {r['log_lines'][name]} | {work} |")
     out.append("")
     out.append("| kind (soak) | sent | completed | failed as expected | lost |")
@@ -389,6 +376,8 @@ def report(r: dict) -> str:
     out.append("|---|---|---|")
     for key, v in res.items():
         out.append(f"| {key} | {v['rss_mb']} | {v['open_fds']} |")
+    for name, p in r["phases"].items():
+        out.append(f"RSS during {name}, most in each quarter (MB): {p.get('rss_mb_by_quarter')}")
     q = r["ratios"]
     out.append("")
     out.append(f"valid latency, soak / valid only: median {q['soak_vs_valid_only_median']:.2f}x, p90 "
@@ -396,7 +385,7 @@ def report(r: dict) -> str:
                f"{q['soak_vs_idle_median']:.2f}x (idle median {statistics.median(r['idle_latency_s']):.2f} s)")
     out.append(f"greedy answers identical to single-request output: {r['phases']['soak']['wrong_answers'] == 0 and r['phases']['valid only']['wrong_answers'] == 0}"
                f"; after the soak: {r['answer_after_soak_identical']}; exit status on SIGTERM: "
-               f"{r['exit_status_on_sigterm']}")
+               f"{r['exit_status_on_sigterm']}; tracebacks in the server's log: {r.get('server_log_tracebacks')}")
     for p in r["phases"]["soak"]["problems"][:10]:
         out.append(f"  lost: {p}")
     return "\n".join(out)

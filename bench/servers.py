@@ -27,8 +27,9 @@ class Server:
     env, cwd: the subprocess's, where they differ from this process's."""
 
     def __init__(self, command: list, log_path: Path, model_id: str | None = None, env: dict | None = None,
-                 cwd: str | None = None):
+                 cwd: str | None = None, api_key: str | None = None):
         self.model_id = model_id  # what requests name as "model" (None: the server's /v1/models says)
+        self.api_key = api_key  # for /v1/models, where the server requires one
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
@@ -49,7 +50,9 @@ class Server:
         else:
             raise SystemExit(f"the server did not start in {seconds:.0f} s; see {self.log.name}")
         if self.model_id is None:
-            with urllib.request.urlopen(self.url + "/v1/models", timeout=30) as r:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            with urllib.request.urlopen(urllib.request.Request(self.url + "/v1/models", headers=headers),
+                                        timeout=30) as r:
                 self.model_id = json.loads(r.read())["data"][0]["id"]
         return self.model_id
 
@@ -68,14 +71,15 @@ class Server:
             self.log.close()
 
 
-def dflash_server(flags: list, log_path: Path, tree: Path | None = None) -> Server:
+def dflash_server(flags: list, log_path: Path, tree: Path | None = None, api_key: str | None = None) -> Server:
     """`mlx-dflash serve` of this checkout, or of another revision's checked-out `tree` (imported alone: run
-    from a temporary folder, so that the current folder's package does not come first)."""
+    from a temporary folder, so that the current folder's package does not come first); api_key: one of the
+    keys its flags give."""
     if tree is None:
-        return Server([sys.executable, "-m", "mlx_dflash.cli", "serve", *flags], log_path)
+        return Server([sys.executable, "-m", "mlx_dflash.cli", "serve", *flags], log_path, api_key=api_key)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return Server([sys.executable, "-m", "mlx_dflash.cli", "serve", *flags], log_path, env=env,
-                  cwd=tempfile.gettempdir())
+                  cwd=tempfile.gettempdir(), api_key=api_key)
 
 
 def mlx_lm_server(model: str, flags: list, log_path: Path) -> Server:

@@ -14,18 +14,23 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
 from click.testing import CliRunner
 
 from serve_helpers import pair_with_context
+
 from serving import CHAT, MODEL, chat_text, client, free_port, head, port_of, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.logs import RateLimit
 from mlx_dflash.server.protocol import APIError
 from mlx_dflash.server.security import allowed_hosts, api_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import hostile  # noqa: E402  (the soak's hostile clients: their loopback addresses)
 
 CONTEXT = 2048
 MAX_BODY = 64 << 10
@@ -350,36 +355,21 @@ def test_uploads_are_bounded_per_address_and_in_all_the_oldest_giving_way():
     held = [Scope() for _ in range(3)]
     for scope, address in zip(held, ["127.0.0.2", "127.0.0.3", "127.0.0.4"]):  # one client, three addresses
         uploads.start(address, scope)
-    with pytest.raises(APIError, match="at most 3 from every client address together") as refused:
-        uploads.start("127.0.0.5", Scope())  # the total is reached and every body is young: 429
-    assert refused.value.status == 429
-    now[0] += 1.5
     fresh = Scope()
-    uploads.start("127.0.0.5", fresh)  # the oldest, from any address, gives way (its read ends 408)
+    uploads.start("127.0.0.1", fresh)  # the total is reached: the oldest, from any address, gives way at once
     assert held[0].cancelled and not held[1].cancelled and len(uploads.in_flight) == 3
     uploads.end(held[0])  # its read ends after it was cancelled: nothing counted twice
-    assert dict(uploads.per_address) == {"127.0.0.3": 1, "127.0.0.4": 1, "127.0.0.5": 1}
-    uploads.start("127.0.0.5", Scope())  # the address's own bound: its oldest is 0 s old... but the total binds
-    assert held[1].cancelled  # the total's oldest (1.5 s) gave way
-    with pytest.raises(APIError, match="--max-uploads-per-client 2"):
-        uploads.start("127.0.0.5", Scope())  # the address holds 2 young bodies: refused
+    assert dict(uploads.per_address) == {"127.0.0.3": 1, "127.0.0.4": 1, "127.0.0.1": 1}
+    uploads.start("127.0.0.1", Scope())
+    with pytest.raises(APIError, match="--max-uploads-per-client 2") as refused:
+        uploads.start("127.0.0.1", Scope())  # the address holds 2 young bodies: refused, none cut
+    assert refused.value.status == 429 and not fresh.cancelled
+    now[0] += 1.5
+    uploads.start("127.0.0.1", Scope())  # its oldest is 1.5 s old: it gives way
+    assert fresh.cancelled
     for scope in list(uploads.in_flight):
         uploads.end(scope)
     assert not uploads.in_flight and not uploads.per_address
-
-
-def loopback_addresses(n: int) -> list:
-    """n source addresses on loopback: 127.0.0.1, .2, ... where this system answers them (Linux does; macOS
-    only after `ifconfig lo0 alias`), else 127.0.0.1 again."""
-    out = []
-    for i in range(1, n + 1):
-        try:
-            with socket.socket() as s:
-                s.bind((f"127.0.0.{i}", 0))
-            out.append(f"127.0.0.{i}")
-        except OSError:
-            out.append("127.0.0.1")
-    return out
 
 
 def test_half_sent_bodies_from_many_addresses_hold_half_the_connections_at_most(pair):
@@ -388,15 +378,14 @@ def test_half_sent_bodies_from_many_addresses_hold_half_the_connections_at_most(
     with running(pair, body_timeout=3.0, max_connections=12, max_uploads_per_client=3, header_timeout=2.0) \
             as (url, _):
         socks = []
-        for address in loopback_addresses(4):
+        for address in hostile.loopback_addresses(4):  # 127.0.0.2-.5, where the system answers them
             for _ in range(3):
                 s = socket.create_connection(("127.0.0.1", port_of(url)), timeout=10, source_address=(address, 0))
                 s.sendall(head(length=1000) + b"{")
                 socks.append(s)
         time.sleep(0.3)
         assert raw(url, "/health")[0] == 200
-        time.sleep(1.0)  # a valid body takes the place of the oldest held one once that is a second old
-        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200
+        assert raw(url, "/v1/chat/completions", GOOD)[0] == 200  # in the place of the oldest held body
         answers = []
         for s in socks:
             out = b""
@@ -404,7 +393,7 @@ def test_half_sent_bodies_from_many_addresses_hold_half_the_connections_at_most(
                 out += chunk
             answers.append(out.split(b" ", 2)[1])
             s.close()
-        assert sorted(answers) == [b"408"] * 6 + [b"429"] * 6, answers  # half of --max-connections held
+        assert answers == [b"408"] * 12, answers  # half of --max-connections held; the others cut to make room
 
 
 def test_the_same_failure_is_logged_a_few_times_a_second():

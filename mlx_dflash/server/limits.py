@@ -11,7 +11,8 @@
   so that a client that sends all of it before reading gets the answer rather than a broken pipe. A
   client that leaves mid-upload is one log line (status 499), not a traceback. One client address has
   at most `--max-uploads-per-client` bodies in flight, and all of them together half of
-  `--max-connections` (`Uploads`), so that half-sent bodies cannot hold every connection.
+  `--max-connections` (`Uploads`), so that half-sent bodies cannot hold every connection or keep valid
+  ones out.
 - JSON: `application/json` (security.py), valid UTF-8 JSON, numbers finite (NaN and Infinity are not
   JSON, 1e999 is refused rather than read as infinity), nested at most MAX_DEPTH deep, every string (keys
   too) text: JSON's `\\ud800` escape without its pair is no character, and would fail later, where the
@@ -103,13 +104,17 @@ class Uploads:
     What is bounded is bodies, not connections: every client on this machine comes from 127.0.0.1, and
     a bound on its connections would bound all of them together, kept-alive and streaming ones included,
     while a whole request's body arrives in milliseconds; a half-sent body is how one client holds a
-    connection until --body-timeout. The total bound is there because loopback is a whole network
-    (127.0.0.0/8): one client sending from 127.0.0.2, .3, ... has as many addresses as it likes. Past
-    either bound, a new body takes the place of the one in flight longest (from its address, or from any,
-    for the total), once that is UPLOAD_GRACE_SECONDS old (it is answered 408), and is refused (429)
-    otherwise: valid requests go on while bodies are held, and held bodies hold at most `total`
-    connections. The age, not the time since a body last received, decides: a body trickling a byte at a
-    time is as held as a silent one, and any minimum rate would leave the client its bodies at that rate.
+    connection until --body-timeout. Past the address's bound, a new body takes the place of that
+    address's body in flight longest once that is UPLOAD_GRACE_SECONDS old (it is answered 408), and is
+    refused (429) otherwise: every local client is one address, so a burst of valid bodies is refused,
+    to be retried, rather than one cut mid-upload. The total bound is there because loopback is a whole
+    network (127.0.0.0/8): one client sending from 127.0.0.2, .3, ... has as many addresses as it likes.
+    Past it, a new body always takes the place of the one in flight longest, from any address: a valid
+    body arrives in milliseconds, so what is cut is what has been held, and a flood of fresh half-sent
+    bodies cannot keep valid ones out (with a grace, it answered every other body 429). Held bodies hold
+    at most `total` connections. The age, not the time since a body last received, decides: a body
+    trickling a byte at a time is as held as a silent one, and any minimum rate would leave the client its
+    bodies at that rate.
     Only the event loop touches it."""
 
     def __init__(self, per_client: int, total: int, clock=time.monotonic):
@@ -119,22 +124,20 @@ class Uploads:
 
     def start(self, address: str, scope) -> None:
         if self.per_address[address] >= self.per_client:
-            self._make_room(address, f"this client address is sending {self.per_address[address]} request bodies "
-                            f"already (--max-uploads-per-client {self.per_client})")
+            oldest = next(s for s, (a, _) in self.in_flight.items() if a == address)
+            if self.clock() - self.in_flight[oldest][1] < UPLOAD_GRACE_SECONDS:
+                raise APIError(429, f"this client address is sending {self.per_address[address]} request bodies "
+                               f"already (--max-uploads-per-client {self.per_client}); retry when one has arrived",
+                               code="too_many_uploads", headers={"Connection": "close", "Retry-After": "1"})
+            self._cut(oldest)
         if len(self.in_flight) >= self.total:
-            self._make_room(None, f"the server is receiving {len(self.in_flight)} request bodies already, at most "
-                            f"{self.total} from every client address together (half of --max-connections)")
+            self._cut(next(iter(self.in_flight)))
         self.in_flight[scope] = (address, self.clock())
         self.per_address[address] += 1
 
-    def _make_room(self, address: Optional[str], why: str) -> None:
-        """Cancel the body in flight longest (from `address`, or from any), or refuse the new one."""
-        oldest = next(s for s, (a, _) in self.in_flight.items() if address is None or a == address)
-        if self.clock() - self.in_flight[oldest][1] < UPLOAD_GRACE_SECONDS:
-            raise APIError(429, f"{why}; retry when one has arrived", code="too_many_uploads",
-                           headers={"Connection": "close", "Retry-After": "1"})
-        self.end(oldest)
-        oldest.cancel()  # its read ends with a 408
+    def _cut(self, scope) -> None:
+        self.end(scope)
+        scope.cancel()  # its read ends with a 408
 
     def end(self, scope) -> None:
         entry = self.in_flight.pop(scope, None)
