@@ -21,7 +21,6 @@ import pytest
 from click.testing import CliRunner
 
 from serve_helpers import pair_with_context
-
 from serving import CHAT, MODEL, chat_text, client, free_port, head, port_of, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.server.engine import Engine
