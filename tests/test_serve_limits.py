@@ -350,22 +350,26 @@ def test_uploads_are_bounded_per_address_and_in_all_the_oldest_giving_way():
     from mlx_dflash.server.limits import Uploads
 
     now = [0.0]
-    uploads = Uploads(per_client=2, total=3, clock=lambda: now[0])
-    held = [Scope() for _ in range(3)]
-    for scope, address in zip(held, ["127.0.0.2", "127.0.0.3", "127.0.0.4"]):  # one client, three addresses
+    uploads = Uploads(per_client=2, total=4, clock=lambda: now[0])
+    valid, held = Scope(), [Scope() for _ in range(3)]
+    uploads.start("127.0.0.1", valid)  # a valid upload, the oldest in flight
+    for scope, address in zip(held, ["127.0.0.2", "127.0.0.2", "127.0.0.3"]):  # one client, more addresses
         uploads.start(address, scope)
-    fresh = Scope()
-    uploads.start("127.0.0.1", fresh)  # the total is reached: the oldest, from any address, gives way at once
-    assert held[0].cancelled and not held[1].cancelled and len(uploads.in_flight) == 3
+    uploads.start("127.0.0.4", Scope())  # the total is reached: the oldest of the address sending most gives way
+    assert held[0].cancelled and not valid.cancelled and len(uploads.in_flight) == 4
     uploads.end(held[0])  # its read ends after it was cancelled: nothing counted twice
-    assert dict(uploads.per_address) == {"127.0.0.3": 1, "127.0.0.4": 1, "127.0.0.1": 1}
-    uploads.start("127.0.0.1", Scope())
+    assert dict(uploads.per_address) == {"127.0.0.1": 1, "127.0.0.2": 1, "127.0.0.3": 1, "127.0.0.4": 1}
+    uploads.start("127.0.0.5", Scope())  # all send one: the oldest of all, at once
+    assert valid.cancelled
+    fresh = [Scope(), Scope()]
+    for scope in fresh:
+        uploads.start("127.0.0.6", scope)
     with pytest.raises(APIError, match="--max-uploads-per-client 2") as refused:
-        uploads.start("127.0.0.1", Scope())  # the address holds 2 young bodies: refused, none cut
-    assert refused.value.status == 429 and not fresh.cancelled
+        uploads.start("127.0.0.6", Scope())  # the address sends 2 young bodies: refused, none cut
+    assert refused.value.status == 429 and not fresh[0].cancelled
     now[0] += 1.5
-    uploads.start("127.0.0.1", Scope())  # its oldest is 1.5 s old: it gives way
-    assert fresh.cancelled
+    uploads.start("127.0.0.6", Scope())  # its oldest is 1.5 s old: it gives way
+    assert fresh[0].cancelled
     for scope in list(uploads.in_flight):
         uploads.end(scope)
     assert not uploads.in_flight and not uploads.per_address

@@ -109,10 +109,11 @@ class Uploads:
     refused (429) otherwise: every local client is one address, so a burst of valid bodies is refused,
     to be retried, rather than one cut mid-upload. The total bound is there because loopback is a whole
     network (127.0.0.0/8): one client sending from 127.0.0.2, .3, ... has as many addresses as it likes.
-    Past it, a new body always takes the place of the one in flight longest, from any address: a valid
-    body arrives in milliseconds, so what is cut is what has been held, and a flood of fresh half-sent
-    bodies cannot keep valid ones out (with a grace, it answered every other body 429). Held bodies hold
-    at most `total` connections. The age, not the time since a body last received, decides: a body
+    Past it, a new body always takes the place of the one in flight longest from the address sending the
+    most: a flood of fresh half-sent bodies cannot keep valid ones out (with a grace, it answered every
+    other body 429), and cuts its own bodies before a valid upload from an address sending few (the
+    oldest from any address, it cut a 1 MB upload under load). Held bodies hold at most `total`
+    connections. The age, not the time since a body last received, decides: a body
     trickling a byte at a time is as held as a silent one, and any minimum rate would leave the client its
     bodies at that rate.
     Only the event loop touches it."""
@@ -131,7 +132,8 @@ class Uploads:
                                code="too_many_uploads", headers={"Connection": "close", "Retry-After": "1"})
             self._cut(oldest)
         if len(self.in_flight) >= self.total:
-            self._cut(next(iter(self.in_flight)))
+            most = max(self.per_address.values())
+            self._cut(next(s for s, (a, _) in self.in_flight.items() if self.per_address[a] == most))
         self.in_flight[scope] = (address, self.clock())
         self.per_address[address] += 1
 
