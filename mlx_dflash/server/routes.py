@@ -24,6 +24,7 @@ from .app import Job, ServerConfig, replies
 from .engine import Engine
 from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
+from .metrics import CONTENT_TYPE, Metrics
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
 from .thinking import reasoning_splitter
@@ -77,6 +78,7 @@ def make_app(engine: Engine, config: ServerConfig):
     tools = engine.tools
     system_turns = anthropic.system_turns(engine.tokenizer)  # else system messages join the system prompt
     caching = engine.prompt_cache is not None
+    metrics = Metrics(engine)
     if not tools.renders_tools and config.generic_tools:
         log.info("this model's chat template does not render tools: requests with tools get them in the system "
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
@@ -109,7 +111,10 @@ def make_app(engine: Engine, config: ServerConfig):
     async def root(request):  # Claude Code's first request is HEAD /
         return JSONResponse({"model": name, "endpoints": [
             "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-            "/v1/models", "/health"]})
+            "/v1/models", "/health", "/metrics"]})
+
+    async def metrics_text(request):  # Prometheus' scrape
+        return Response(metrics.render(request.scope.get("dflash.cache_scope", "")), media_type=CONTENT_TYPE)
 
     def forced(req) -> str:
         """The text a forced tool call makes the reply start with ("": none is forced)."""
@@ -251,6 +256,7 @@ def make_app(engine: Engine, config: ServerConfig):
     routes = [
         Route("/", root),
         Route("/health", health),
+        Route("/metrics", metrics_text),
         Route("/v1/models", models),
         Route("/v1/models/{model_id:path}", model),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -277,7 +283,7 @@ def make_app(engine: Engine, config: ServerConfig):
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
     guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_keys)
-    return RequestLog(with_cors(guarded, config.allowed_origins))
+    return RequestLog(with_cors(guarded, config.allowed_origins), metrics)
 
 
 def uvicorn_server(engine: Engine, config: ServerConfig):
