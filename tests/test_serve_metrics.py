@@ -52,11 +52,12 @@ def test_the_counters_move_as_requests_run_and_equal_what_the_responses_said(pai
     assert moved(before, after, "mlx_dflash_generated_tokens_total") == sum(u.completion_tokens for u in usages) == 28
     assert moved(before, after, "mlx_dflash_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     rounds = sum(r["rounds"] for r in reports)
-    assert moved(before, after, "mlx_dflash_rounds_total", kind="verify") == rounds > 0
-    assert moved(before, after, "mlx_dflash_tokens_per_verify_round_count") == rounds
-    assert moved(before, after, "mlx_dflash_tokens_per_verify_round_sum") == sum(
+    assert sum(moved(before, after, "mlx_dflash_rounds_total", kind=k) for k in ("chain", "tree", "plain")) == rounds
+    assert moved(before, after, "mlx_dflash_rounds_total", kind="chain") > 0
+    assert moved(before, after, "mlx_dflash_tokens_per_round_count") == rounds
+    assert moved(before, after, "mlx_dflash_tokens_per_round_sum") == sum(
         int(n) * k for r in reports for n, k in r["accepted_lengths"].items())
-    assert moved(before, after, "mlx_dflash_verify_rows_sum") == sum(
+    assert moved(before, after, "mlx_dflash_round_rows_sum") == sum(
         int(w) * k for r in reports for w, k in r["widths"].items())
     assert moved(before, after, "mlx_dflash_time_to_first_token_seconds_count") == 3
     assert moved(before, after, "mlx_dflash_time_per_output_token_seconds_count") == 3

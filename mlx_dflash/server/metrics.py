@@ -2,14 +2,14 @@
 servers are watched with.
 
 Counted as each request ends (`RequestLog` calls `Metrics.observe`): requests by the route that answered
-and their status; for each generation that ran, its prompt and generated tokens, the prompt tokens the
-time to first token and per output token, decode speed, its rounds by kind (verify
-rounds, tree rounds, lookup rounds, plain steps), the tokens each verify round emitted (their mean is tau)
-and the rows each verified. Read at each scrape: the requests waiting and decoding, the batch's rounds by
-the requests each decoded, the routed kernel calls by route (fallbacks marked), MLX's memory, and the
+and their status; for each generation that ran, its prompt and generated tokens, time to first token and
+per output token, decode speed, its rounds by kind (a chain, a tree or a plain step; those that verified
+prompt lookup's drafts apart), the tokens each round emitted (their mean is tau, as the responses report
+it) and the rows each verified. Read at each scrape: the requests waiting and decoding, the batch's rounds
+by the requests each decoded, the routed kernel calls by route (fallbacks marked), MLX's memory, and the
 prefix cache's entries, lookups and tokens reused of the caller's API key only (as `/health` shows them:
-another key's hits would tell what its requests held). With several
-keys every other figure is the whole server's: counts and times, never what a request held.
+another key's hits would tell what its requests held). With several keys every other figure is the whole
+server's: counts and times, never what a request held.
 """
 
 from __future__ import annotations
@@ -48,13 +48,15 @@ class Metrics:
                                    registry=r)
         self.speed = Histogram(PREFIX + "decode_tokens_per_second", "A generation's tokens per second of decoding",
                                buckets=TOKENS_PER_SECOND, registry=r)
-        self.rounds = Counter(PREFIX + "rounds", "Rounds of the generations that ran, by kind: verify (every "
-                              "verify round), tree and lookup (verify rounds of a tree, of lookup's drafts), plain "
-                              "(a target step without drafts)", ["kind"], registry=r)
-        self.round_tokens = Histogram(PREFIX + "tokens_per_verify_round", "Tokens a verify round emitted "
-                                      "(accepted drafts and the bonus): the mean is tau", buckets=ROUND_TOKENS,
+        self.rounds = Counter(PREFIX + "rounds", "Rounds of the generations that ran, by kind: chain (one path "
+                              "of drafts verified), tree (a tree of drafts), plain (a target step without drafts)",
+                              ["kind"], registry=r)
+        self.lookup_rounds = Counter(PREFIX + "lookup_rounds", "Rounds that verified prompt lookup's drafts "
+                                     "(of any kind)", registry=r)
+        self.round_tokens = Histogram(PREFIX + "tokens_per_round", "Tokens a round emitted (accepted drafts and "
+                                      "the bonus; a plain step 1): the mean is tau", buckets=ROUND_TOKENS,
                                       registry=r)
-        self.widths = Histogram(PREFIX + "verify_rows", "Rows (positions) a verify round verified for one request",
+        self.widths = Histogram(PREFIX + "round_rows", "Rows a round verified for one request (a plain step 1)",
                                 buckets=ROWS, registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes and the like, where the system tells them
         r.register(EngineFigures(engine))
@@ -74,9 +76,10 @@ class Metrics:
         if outcome.completion_tokens > 1 and s.decode_seconds > 0:
             self.per_token.observe(s.decode_seconds / (outcome.completion_tokens - 1))
             self.speed.observe(s.decode_tps)
-        for kind, n in (("verify", s.rounds), ("tree", s.tree_rounds), ("lookup", s.looked_up_rounds),
+        for kind, n in (("chain", s.rounds - s.tree_rounds - s.plain_steps), ("tree", s.tree_rounds),
                         ("plain", s.plain_steps)):
             self.rounds.labels(kind).inc(n)
+        self.lookup_rounds.inc(s.looked_up_rounds)
         for histogram, counts in ((self.round_tokens, s.accepted_lengths), (self.widths, s.widths)):
             for value, times in counts.items():
                 for _ in range(times):

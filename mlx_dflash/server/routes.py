@@ -18,6 +18,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from importlib import resources
 
 from . import anthropic, openai_responses
 from .app import Job, ServerConfig, replies
@@ -67,7 +68,7 @@ def make_app(engine: Engine, config: ServerConfig):
     """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     started = int(time.time())
@@ -79,6 +80,7 @@ def make_app(engine: Engine, config: ServerConfig):
     system_turns = anthropic.system_turns(engine.tokenizer)  # else system messages join the system prompt
     caching = engine.prompt_cache is not None
     metrics = Metrics(engine)
+    live_page = resources.files(__package__).joinpath("live.html").read_text()  # GET / from a browser
     if not tools.renders_tools and config.generic_tools:
         log.info("this model's chat template does not render tools: requests with tools get them in the system "
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
@@ -108,10 +110,12 @@ def make_app(engine: Engine, config: ServerConfig):
         body["batch"] = engine.batch_report()
         return JSONResponse(body)
 
-    async def root(request):  # Claude Code's first request is HEAD /
-        return JSONResponse({"model": name, "endpoints": [
-            "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-            "/v1/models", "/health", "/metrics"]})
+    async def root(request):  # Claude Code's first request is HEAD /; a browser's gets the live page
+        if "text/html" in request.headers.get("accept", ""):
+            return HTMLResponse(live_page)
+        return JSONResponse({"model": name, "mode": list(engine.policy.notes), "max_batch": engine.max_batch,
+                             "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                           "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics"]})
 
     async def metrics_text(request):  # Prometheus' scrape
         return Response(metrics.render(request.scope.get("dflash.cache_scope", "")), media_type=CONTENT_TYPE)
@@ -273,7 +277,8 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def http_error(request, e: HTTPException):
         path = request.url.path[:200]  # a client's path is not echoed whole
-        messages = {404: f"no such endpoint: {request.method} {path}", 405: f"{request.method} is not allowed on {path}"}
+        messages = {404: f"no such endpoint: {request.method} {path}",
+                    405: f"{request.method} is not allowed on {path}"}
         return await api_error(request, APIError(e.status_code, messages.get(e.status_code, str(e.detail))))
 
     async def internal_error(request, e: Exception):
