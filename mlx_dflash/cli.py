@@ -1,4 +1,5 @@
-"""The `mlx-dflash` command line: one command per module (generate, convert, serve, train, doctor, bench widths).
+"""The `mlx-dflash` command line: one command per module (generate, convert, serve, train, doctor, bench widths,
+the agents' launchers).
 User errors print as one line and exit with status 1. The commands that run a model re-run themselves with a
 system OpenBLAS preloaded where MLX would use its slow bundled BLAS (machine.py, `rerun_with_fast_blas`)."""
 
@@ -9,6 +10,7 @@ import click
 from .convert import main as convert
 from .doctor import main as doctor
 from .generate import main as generate
+from .launch import CLIENTS, command as launch_command
 from .serve import main as serve
 from .train import main as train
 from .widths import main as widths
@@ -50,6 +52,8 @@ def bench():
 
 for command in (generate, convert, serve, train, doctor):
     main.add_command(command)
+for client in CLIENTS:  # mlx-dflash claude / codex / opencode
+    main.add_command(launch_command(client))
 bench.add_command(widths)
 
 

@@ -11,6 +11,7 @@ not what the 0.5B model says.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,8 @@ from mlx_dflash.downloads import cache_dir
 
 pytestmark = pytest.mark.slow
 
-NPM_CLIENTS = {"claude": ("@anthropic-ai/claude-code", "2.1.332"), "codex": ("@openai/codex", "0.171.0")}
+NPM_CLIENTS = {"claude": ("@anthropic-ai/claude-code", "2.1.332"), "codex": ("@openai/codex", "0.171.0"),
+               "opencode": ("opencode-ai", "1.18.33")}
 CLIENT_SECONDS = 1800  # one client run: a 3-12k-token prompt prefilled on a shared 2-core CPU
 HELLO = "Reply with one word: hello"
 
@@ -182,3 +184,57 @@ def test_openai_agents_runs_its_function_tool_over_responses(server):
     result = Runner.run_sync(agent, "What is the weather in Paris?", run_config=config, max_turns=4)
     assert cities, "the tool did not run"
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+# The launchers: `mlx-dflash claude|codex|opencode`, as a user runs them.
+
+def launcher(name: str, home, port: int, *args, serve=()):
+    """`mlx-dflash NAME --port PORT [SERVE...] -- ARGS` with `home` as HOME: (exit status, stdout, stderr)."""
+    npm_client(name)  # installed in the cache dir's npm/, where the launcher finds it too
+    env = {"HOME": str(home), "MLX_DFLASH_CACHE": str(cache_dir())}
+    code, out, err, _ = run_client([sys.executable, "-m", "mlx_dflash.cli", name, "--port", str(port), *serve, "--",
+                                    *args], env, home)
+    return code, out, err
+
+
+def serve_processes(port: int) -> list:
+    """The `mlx-dflash serve` processes on `port` still running."""
+    lines = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in lines if "mlx_dflash.cli serve" in line and f"--port {port}" in line]
+
+
+def test_the_claude_launcher_starts_a_server_runs_a_turn_and_stops_it(tmp_path):
+    from mlx_dflash.downloads import ensure_qwen25_coder_05b
+
+    target = ensure_qwen25_coder_05b("float32")
+    drafter = save_random_drafter(tmp_path / "drafter", target, block_size=8, features=3)
+    port = free_port()
+    code, out, err = launcher("claude", tmp_path, port, "-p", HELLO, "--output-format", "json", "--tools",
+                              "Agent,Read", "--max-turns", "3",
+                              serve=["--model", str(target), "--drafter", str(drafter),
+                                     "--serve-flag=--max-tokens-limit=512"])
+    assert code == 0, err[-4000:]
+    result = json.loads(out)
+    assert result["is_error"] is False and result["result"].strip(), result
+    assert f"starting serve at http://127.0.0.1:{port}" in err
+    with pytest.raises(OSError):  # nothing left listening, nor running
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert not serve_processes(port)
+
+
+def test_the_codex_launcher_runs_a_turn_on_the_server_already_there(server, tmp_path):
+    answer = tmp_path / "answer.txt"
+    port = int(server.url.rsplit(":", 1)[1])
+    code, out, err = launcher("codex", tmp_path, port, "exec", "--skip-git-repo-check", "--ephemeral",
+                              "--output-last-message", str(answer), HELLO)
+    assert code == 0, err[-4000:]
+    assert answer.read_text().strip(), out + err[-4000:]
+    assert "on the server already at" in err and server.process.poll() is None  # it is left running
+
+
+def test_the_opencode_launcher_runs_a_turn_on_the_server_already_there(server, tmp_path):
+    port = int(server.url.rsplit(":", 1)[1])
+    code, out, err = launcher("opencode", tmp_path, port, "run", HELLO)
+    assert code == 0, err[-4000:]
+    assert out.strip(), err[-4000:]
+    assert server.process.poll() is None

@@ -3,9 +3,10 @@
 The routed call sites (``WideQuantizedLinear`` for 6..16 rows, the verify forward's 2..16-row attention)
 record every decision here, in Python, as the graph is built. The log is process-wide and only grows:
 ``snapshot()`` before a generation and ``since(snapshot)`` after it give that generation's calls (one
-generation runs at a time in a process, as the server runs them). A call that falls back to MLX's path
-for a reason other than the race (an unsupported dtype, a quantized KV cache, our kernel disagreeing with
-MLX's) is marked a fallback: the generation turns it into a note (decoding/engine_report.py).
+generation runs at a time in a process, as the server runs them); ``totals()`` the process's, for
+/metrics. A call that falls back to MLX's path for a reason other than the race (an unsupported dtype, a
+quantized KV cache, our kernel disagreeing with MLX's) is marked a fallback: the generation turns it into a
+note (decoding/engine_report.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def since(before: dict) -> list[dict]:
             out.append({"kernel": kernel_of(key), "bin": shape_bin(key), "route": route, "calls": new,
                         "reason": reason, "fallback": fallback})
     return sorted(out, key=lambda e: (e["kernel"], -e["calls"], e["bin"]))
+
+
+def totals() -> dict[tuple[str, str, bool], int]:
+    """Every call so far, per (kernel, route, a fallback): the process's, as /metrics shows them."""
+    out: dict[tuple[str, str, bool], int] = {}
+    for (key, route), calls in dict(_calls).items():  # copied at once: the engine thread records beside a reader
+        entry = (kernel_of(key), route, _reasons.get((key, route), ("", False))[1])  # a call being recorded
+        out[entry] = out.get(entry, 0) + calls
+    return out
 
 
 def fallback_notes(entries: list[dict]) -> list[str]:

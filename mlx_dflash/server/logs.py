@@ -61,10 +61,10 @@ def configure() -> None:
 
 
 class RequestLog:
-    """ASGI middleware: the one line per request."""
+    """ASGI middleware: the one line per request, and the request counted in the metrics (metrics.py)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, metrics=None):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -84,6 +84,8 @@ class RequestLog:
             route = getattr(scope.get("endpoint"), "__name__", "no route")  # set by the router where one matched
             extra = {"rate_key": (route, code)} if code >= 400 else {}
             log.info(log_line(scope, code, info, time.perf_counter() - tic), extra=extra)
+            if self.metrics is not None:
+                self.metrics.observe(scope, code, info)
 
 
 def log_line(scope, status: int, info: dict, seconds: float) -> str:

@@ -18,12 +18,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from importlib import resources
 
 from . import anthropic, openai_responses
 from .app import Job, ServerConfig, replies
 from .engine import Engine
 from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
+from .metrics import CONTENT_TYPE, Metrics
 from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
 from .security import Guard, error_response, with_cors
 from .thinking import reasoning_splitter
@@ -66,7 +68,7 @@ def make_app(engine: Engine, config: ServerConfig):
     """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     started = int(time.time())
@@ -77,6 +79,8 @@ def make_app(engine: Engine, config: ServerConfig):
     tools = engine.tools
     system_turns = anthropic.system_turns(engine.tokenizer)  # else system messages join the system prompt
     caching = engine.prompt_cache is not None
+    metrics = Metrics(engine)
+    live_page = resources.files(__package__).joinpath("live.html").read_text()  # GET / from a browser
     if not tools.renders_tools and config.generic_tools:
         log.info("this model's chat template does not render tools: requests with tools get them in the system "
                  "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
@@ -106,10 +110,15 @@ def make_app(engine: Engine, config: ServerConfig):
         body["batch"] = engine.batch_report()
         return JSONResponse(body)
 
-    async def root(request):  # Claude Code's first request is HEAD /
-        return JSONResponse({"model": name, "endpoints": [
-            "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-            "/v1/models", "/health"]})
+    async def root(request):  # Claude Code's first request is HEAD /; a browser's gets the live page
+        if "text/html" in request.headers.get("accept", ""):
+            return HTMLResponse(live_page)
+        return JSONResponse({"model": name, "mode": list(engine.policy.notes), "max_batch": engine.max_batch,
+                             "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                           "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics"]})
+
+    async def metrics_text(request):  # Prometheus' scrape
+        return Response(metrics.render(request.scope.get("dflash.cache_scope", "")), media_type=CONTENT_TYPE)
 
     def forced(req) -> str:
         """The text a forced tool call makes the reply start with ("": none is forced)."""
@@ -251,6 +260,7 @@ def make_app(engine: Engine, config: ServerConfig):
     routes = [
         Route("/", root),
         Route("/health", health),
+        Route("/metrics", metrics_text),
         Route("/v1/models", models),
         Route("/v1/models/{model_id:path}", model),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -267,7 +277,8 @@ def make_app(engine: Engine, config: ServerConfig):
 
     async def http_error(request, e: HTTPException):
         path = request.url.path[:200]  # a client's path is not echoed whole
-        messages = {404: f"no such endpoint: {request.method} {path}", 405: f"{request.method} is not allowed on {path}"}
+        messages = {404: f"no such endpoint: {request.method} {path}",
+                    405: f"{request.method} is not allowed on {path}"}
         return await api_error(request, APIError(e.status_code, messages.get(e.status_code, str(e.detail))))
 
     async def internal_error(request, e: Exception):
@@ -277,7 +288,7 @@ def make_app(engine: Engine, config: ServerConfig):
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
     guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_keys)
-    return RequestLog(with_cors(guarded, config.allowed_origins))
+    return RequestLog(with_cors(guarded, config.allowed_origins), metrics)
 
 
 def uvicorn_server(engine: Engine, config: ServerConfig):
