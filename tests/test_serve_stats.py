@@ -60,3 +60,27 @@ def test_the_log_says_no_tau_without_a_verify_round():
     scope = {"method": "POST", "path": "/v1/chat/completions"}
     one_token = Outcome("stop", 10, 1, GenerationStats(prompt_tokens=10, generated_tokens=1), 0.0, 0.5)
     assert "tau=- " in log_line(scope, 200, {"outcome": one_token}, 0.5)
+
+
+def test_the_mode_is_what_served_most_rounds_in_one_word():
+    from mlx_dflash.decoding.decoder import Round
+
+    stats = GenerationStats()
+    assert stats.mode == "-"
+    rounds = [Round([1], 0, 0, plain=True)] * 2 + [Round([1, 2], 3, 1, looked_up=3)] * 3 + \
+        [Round([1, 2, 3], 4, 2, tree=True)] * 4 + [Round([1], 3, 0, looked_up=1)] * 1
+    for rnd in rounds:
+        stats.count(rnd)
+    assert dict(stats.modes) == {"plain": 2, "lookup": 3, "tree": 4, "chain": 1} and stats.mode == "tree"
+    outcome = Outcome("stop", 10, 20, stats, 0.0, 1.0)
+    assert outcome.speculative()["mode"] == "tree" and outcome.speculative()["width"] == 4
+    assert " mode=tree " in log_line({"method": "POST", "path": "/v1/chat/completions"}, 200, {"outcome": outcome}, 1.0)
+
+
+def test_a_response_says_its_mode_and_width(pair):
+    with served(pair, 1) as (url, _):  # width 4 fixed: rounds of 3 drafts, fewer near max_tokens
+        body = raw(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 24,
+                                                  "messages": [{"role": "user", "content": "Hello"}]})[2]
+    report = body["dflash"]
+    assert report["mode"] == "chain"  # an untrained drafter still drafts: every round but the last verifies
+    assert str(report["width"]) == max(report["widths"], key=report["widths"].get) == "4"

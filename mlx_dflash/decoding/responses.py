@@ -25,6 +25,7 @@ class GenerationStats:
     drafted_rounds: int = 0  # rounds that verified at least one drafted token
     plain_steps: int = 0  # rounds that were plain target steps (the policy skipped the drafter)
     tree_rounds: int = 0  # rounds that verified a tree of drafts (decoding/tree.py), not one path
+    modes: Counter = field(default_factory=Counter)  # rounds by what served them (see `mode`)
     verify_paths: dict = field(default_factory=dict)  # what serves the verify's matmuls and attention
     routes: list = field(default_factory=list)  # routed verify calls per shape bin (decoding/engine_report.py)
     cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
@@ -54,8 +55,16 @@ class GenerationStats:
         decoded = self.generated_tokens - 1  # the first token belongs to the prefill
         return decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
 
+    @property
+    def mode(self) -> str:
+        """What served most of the rounds, in one word: "tree" (a tree of drafts), "chain" (one path of the
+        drafter's), "lookup" (one path copied from the context), "plain" (target steps); "-" before any."""
+        return self.modes.most_common(1)[0][0] if self.modes else "-"
+
     def count(self, rnd: Round):
         """A verify round (or plain step) seen."""
+        self.modes["plain" if rnd.plain else "tree" if rnd.tree else
+                   "lookup" if rnd.drafted and rnd.looked_up == rnd.drafted else "chain"] += 1
         self.rounds += 1
         self.accepted_lengths[len(rnd.tokens)] += 1
         self.widths[rnd.width] += 1

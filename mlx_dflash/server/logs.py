@@ -101,7 +101,8 @@ def log_line(scope, status: int, info: dict, seconds: float) -> str:
         stats = outcome.stats
         tau = f"{stats.tau:.2f}" if stats is not None and stats.rounds else "-"  # no verify round: no tau
         parts += [f"prompt={outcome.prompt_tokens}", f"completion={outcome.completion_tokens}",
-                  f"tok/s={tps:.1f}", f"tau={tau}", f"finish={outcome.finish_reason}",
+                  f"tok/s={tps:.1f}", f"tau={tau}", f"mode={stats.mode if stats is not None else '-'}",
+                  f"finish={outcome.finish_reason}",
                   f"queued={outcome.queue_seconds:.2f}s"]
     if "error" in info:
         parts.append(f"error={json.dumps(info['error'][:200])}")

@@ -251,6 +251,8 @@ class Outcome:
     def speculative(self) -> dict:
         s = self.stats
         return {
+            "mode": s.mode,  # what served most rounds: tree, chain, lookup or plain
+            "width": s.widths.most_common(1)[0][0] if s.widths else 0,  # the rows most rounds verified
             "rounds": s.rounds,
             "tau": round(s.tau, 4),
             "accepted_lengths": {str(n): s.accepted_lengths[n] for n in sorted(s.accepted_lengths)},
