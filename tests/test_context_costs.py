@@ -84,6 +84,15 @@ def test_a_cache_the_probe_cannot_fill_leaves_the_costs_flat_and_stops_probing()
     assert calls == [4096]
 
 
+def test_an_idle_server_measures_every_length_one_at_a_time_then_prompts_find_them_measured():
+    calls, prober = probe_log()
+    costs = ContextCosts({256: {1: 0.05, 16: 0.1}}, 16, prober, limit=8192)
+    assert [costs.probe_next() for _ in range(4)] == [1024, 4096, None, None] and calls == [1024, 4096]
+    assert costs.cover(5000) == [] and calls == [1024, 4096]  # a long prompt waits for no probe
+    refused = ContextCosts({}, 16, lambda context: (_ for _ in ()).throw(DFlashError("cannot pre-fill")), limit=8192)
+    assert refused.probe_next() is None and refused.lengths == []
+
+
 def test_a_table_with_several_lengths_is_used_as_it_is_and_one_length_leaves_it_to_the_probe():
     calls, prober = probe_log()
     table = {"widths": [1, 16], "verify_seconds": [0.05, 0.1],

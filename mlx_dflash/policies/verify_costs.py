@@ -137,7 +137,8 @@ class ContextCosts:
     it, so a cost observed at one context serves at another. With a `prober`, PROBE_CONTEXTS up to the
     target's `limit` are measured as prompts need them (`cover`, called as a prompt is about to be read):
     the longest length a prompt reaches half of, and then the shortest too (a start-up probe passes its own,
-    at the shortest, so short contexts cost nothing more). Lengths a prompt skips past stay unmeasured: a
+    at the shortest, so short contexts cost nothing more); a server measures them all, one at a time, while
+    it has nothing else to do (`probe_next`), so that its prompts find them measured. Lengths a prompt skips past stay unmeasured: a
     verify's cost grows linearly with the cache it reads, so two lengths draw the line between them, and
     each probe delays the prompt being read. A table that measured two lengths or more (`bench widths
     --context`) is used as it is."""
@@ -152,15 +153,30 @@ class ContextCosts:
         """Measure the lengths a context this long needs (see the class); returns those it measured."""
         reached = [c for c in self.lengths[1:] if context >= c // 2]
         wanted = [c for c in self.lengths[:1] + reached[-1:] if reached and c not in self.by_context]
-        for length in wanted:
+        return wanted if self.cover_lengths(wanted) else []
+
+    def cover_lengths(self, lengths: list) -> bool:
+        """Measure `lengths`; False where the probe cannot (a cache it cannot fill: costs stay as measured,
+        and no length is probed again)."""
+        for length in lengths:
             try:
                 self.by_context[length] = interpolate_costs(self.prober(length), self.max_width)
-            except DFlashError:  # a cache the probe cannot fill: costs stay as measured
-                self.lengths, wanted = [], []
-                break
-        if wanted:
+            except DFlashError:
+                self.lengths = []
+                return False
+        if lengths:
             self.last = (None, None)
-        return wanted
+        return True
+
+    def probe_next(self) -> Optional[int]:
+        """Measure the shortest length not measured yet, for a server with nothing else to do (so that no
+        prompt waits for a probe); that length, or None once every length is measured."""
+        for length in self.lengths:
+            if length not in self.by_context:
+                if not self.cover_lengths([length]):
+                    return None
+                return length
+        return None
 
     def growth(self, context: int) -> dict:
         """{width: the cost at `context` over the cost at the shortest length measured}; it measures nothing

@@ -31,6 +31,7 @@ from .protocol import APIError, Outcome, StopMatcher
 from .tools import tool_support
 
 log = logging.getLogger("mlx_dflash.server")
+IDLE_SECONDS = 0.5  # idle this long, the engine makes one of the probes the width policy still wants
 
 
 class JobProgress:
@@ -100,6 +101,7 @@ class Engine(Prompts):
         self.active: set = set()  # the jobs in the scheduler
         self.batch_stats = None
         self.completed = self.cancelled = 0
+        self.probing = True  # the width policy may still want a measurement, made while idle (_next_job)
         self._durations = deque(maxlen=8)  # recent request seconds, for Retry-After
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -195,7 +197,14 @@ class Engine(Prompts):
         return scheduler
 
     def _next_job(self) -> Optional[Job]:
-        """The next queued job, waiting for one (the engine is idle)."""
+        """The next queued job, waiting for one (the engine is idle). Meanwhile the width policy measures what
+        it still wants (the verify's cost at longer contexts), one short probe at a time, so that no request
+        waits for a probe its prompt would otherwise start."""
+        while self.probing:
+            try:
+                return self._jobs.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                self.probing = self.policy.probe_idle()
         return self._jobs.get()
 
     def _step(self) -> list:
