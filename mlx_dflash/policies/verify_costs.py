@@ -137,10 +137,10 @@ class ContextCosts:
     it, so a cost observed at one context serves at another. With a `prober`, PROBE_CONTEXTS up to the
     target's `limit` are measured as prompts need them (`cover`, called as a prompt is about to be read):
     the longest length a prompt reaches half of, and then the shortest too (a start-up probe passes its own,
-    at the shortest, so short contexts cost nothing more); a server measures them all, one at a time, while
-    it has nothing else to do (`probe_next`), so that its prompts find them measured. Lengths a prompt skips past stay unmeasured: a
+    at the shortest, so short contexts cost nothing more). Lengths a prompt skips past stay unmeasured: a
     verify's cost grows linearly with the cache it reads, so two lengths draw the line between them, and
-    each probe delays the prompt being read. A table that measured two lengths or more (`bench widths
+    each probe delays the prompt being read. A server measures them all, one at a time, while it has
+    nothing else to do (`probe_next`), so that its prompts find them measured. A table that measured two lengths or more (`bench widths
     --context`) is used as it is."""
 
     def __init__(self, by_context: dict, max_width: int, prober=None, limit: Optional[int] = None):
