@@ -84,7 +84,7 @@ def test_a_cache_the_probe_cannot_fill_leaves_the_costs_flat_and_stops_probing()
     assert calls == [4096]
 
 
-def test_an_idle_server_measures_every_length_one_at_a_time_then_prompts_find_them_measured():
+def test_a_server_measures_every_length_one_at_a_time_then_prompts_find_them_measured():
     calls, prober = probe_log()
     costs = ContextCosts({256: {1: 0.05, 16: 0.1}}, 16, prober, limit=8192)
     assert [costs.probe_next() for _ in range(4)] == [1024, 4096, None, None] and calls == [1024, 4096]

@@ -96,7 +96,7 @@ class DCutPolicy(WidthPolicy):
             self.notes.append(f"width auto: verify costs measured at {', '.join(map(str, measured))} tokens of "
                               "context too (a long context makes wide verifies dearer)")
 
-    def probe_idle(self) -> bool:
+    def probe_ahead(self) -> bool:
         return self.context_costs is not None and self.context_costs.probe_next() is not None
 
     def at_context(self, context: int):

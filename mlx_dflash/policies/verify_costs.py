@@ -139,8 +139,8 @@ class ContextCosts:
     the longest length a prompt reaches half of, and then the shortest too (a start-up probe passes its own,
     at the shortest, so short contexts cost nothing more). Lengths a prompt skips past stay unmeasured: a
     verify's cost grows linearly with the cache it reads, so two lengths draw the line between them, and
-    each probe delays the prompt being read. A server measures them all, one at a time, while it has
-    nothing else to do (`probe_next`), so that its prompts find them measured. A table that measured two lengths or more (`bench widths
+    each probe delays the prompt being read. A server measures them all at start-up (`probe_next`), so
+    that its prompts find them measured. A table that measured two lengths or more (`bench widths
     --context`) is used as it is."""
 
     def __init__(self, by_context: dict, max_width: int, prober=None, limit: Optional[int] = None):
@@ -169,7 +169,7 @@ class ContextCosts:
         return True
 
     def probe_next(self) -> Optional[int]:
-        """Measure the shortest length not measured yet, for a server with nothing else to do (so that no
+        """Measure the shortest length not measured yet (a server measures them all at start-up, so that no
         prompt waits for a probe); that length, or None once every length is measured."""
         for length in self.lengths:
             if length not in self.by_context:

@@ -99,9 +99,9 @@ class WidthPolicy:
         """A prompt of `context` tokens is about to decode: an adaptive policy measures what costs it lacks
         for it now, before any clock of the generation starts, never between rounds."""
 
-    def probe_idle(self) -> bool:
-        """One measurement a policy may still want, made while a server has nothing else to do; False once
-        none is left (the fixed policies want none)."""
+    def probe_ahead(self) -> bool:
+        """One measurement a policy may want before prompts need it (a server makes them all at start-up);
+        False once none is left (the fixed policies want none)."""
         return False
 
     def at_context(self, context: int):

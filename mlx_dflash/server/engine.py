@@ -31,7 +31,6 @@ from .protocol import APIError, Outcome, StopMatcher
 from .tools import tool_support
 
 log = logging.getLogger("mlx_dflash.server")
-IDLE_SECONDS = 0.5  # idle this long, the engine makes one of the probes the width policy still wants
 
 
 class JobProgress:
@@ -87,6 +86,7 @@ class Engine(Prompts):
     """
 
     fatal_errors: tuple = ()  # errors after which the engine stops (none for one process)
+    probes_ahead = True  # the width policy's probes made at start-up (a sharded target's: as prompts need them)
     ranks = SingleProcess()  # a sharded target's (server/sharded.py)
 
     def __init__(self, load, max_queue: int = 16, prefill_step: Optional[int] = None, prompt_cache: Optional[dict] = None,
@@ -101,7 +101,6 @@ class Engine(Prompts):
         self.active: set = set()  # the jobs in the scheduler
         self.batch_stats = None
         self.completed = self.cancelled = 0
-        self.probing = True  # the width policy may still want a measurement, made while idle (_next_job)
         self._durations = deque(maxlen=8)  # recent request seconds, for Retry-After
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -188,6 +187,8 @@ class Engine(Prompts):
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
         self.verify_paths = verify_paths(self.target)  # the target's paths do not change while it is served
+        while self.probes_ahead and self.policy.probe_ahead():
+            pass  # every verify-cost probe the width policy may want, before any request can wait for one
         self.scheduler = self._new_scheduler()
 
     def _new_scheduler(self) -> Scheduler:
@@ -197,14 +198,7 @@ class Engine(Prompts):
         return scheduler
 
     def _next_job(self) -> Optional[Job]:
-        """The next queued job, waiting for one (the engine is idle). Meanwhile the width policy measures what
-        it still wants (the verify's cost at longer contexts), one short probe at a time, so that no request
-        waits for a probe its prompt would otherwise start."""
-        while self.probing:
-            try:
-                return self._jobs.get(timeout=IDLE_SECONDS)
-            except queue.Empty:
-                self.probing = self.policy.probe_idle()
+        """The next queued job, waiting for one (the engine is idle)."""
         return self._jobs.get()
 
     def _step(self) -> list:

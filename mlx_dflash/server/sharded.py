@@ -147,6 +147,7 @@ class ShardedEngine(Engine):
     """Rank 0's engine: `load` returns (target, drafter, tokenizer, policy, ranks)."""
 
     fatal_errors = (RankLost, RanksOutOfStep)
+    probes_ahead = False  # every rank's forward runs in step: a probe only inside the step protocol, as prompts need it
 
     def _take(self, loaded):
         *pair, self.ranks = loaded
