@@ -84,7 +84,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .decoding.engine_report import announce
     from .distributed import Ranks, launched_group, load_sharded_pair
-    from .downloads import default_target
+    from .downloads import default_target, shipped_drafter_dir
     from .machine import metal_available, slow_blas_warning
     from .pair import load
     from .pitfalls import pair_warnings
@@ -154,6 +154,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         follow(*load_models(), max_batch, prefill_step_size)
         return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_keys=keys,
+                          drafter_name=Path(drafter_path or shipped_drafter_dir()).name,
                           max_body_bytes=max_body_bytes, max_kept_bytes=max_kept_bytes,
                           max_tokens_limit=max_tokens_limit,
                           max_connections=max_connections, max_uploads_per_client=max_uploads_per_client,

@@ -28,7 +28,7 @@ def test_root_answers_a_browser_the_page_and_a_client_the_json(pair):
         assert b'fetch("/metrics"' in page and b"http" not in page.split(b"<script>")[1]  # nothing from elsewhere
         status, _, about = raw(url, "/", headers=key)
         assert status == 200 and about["model"] == MODEL and "/metrics" in about["endpoints"]
-        assert isinstance(about["mode"], list) and about["max_batch"] >= 1
+        assert isinstance(about["mode"], list) and about["max_batch"] >= 1 and about["drafter"] == "a DFlash drafter"
 
 
 @needs_browser
@@ -48,11 +48,12 @@ def test_the_page_draws_the_servers_figures_in_chromium(pair):
                 "tau: document.getElementById('tau').textContent}")
             drawn = browser.wait_for("series.speed.some(p => p.values[0] > 0)")  # the requests' speed, drawn
             title = browser.evaluate("document.getElementById('model').textContent")
+            drafter = browser.evaluate("document.getElementById('drafter').textContent")
         finally:
             browser.close()
         server = scrape(url)
     generated = server[("mlx_dflash_generated_tokens_total", ())]
     rounds = server[("mlx_dflash_tokens_per_round_count", ())]
     assert shown["generated"] == str(int(generated)) and generated > 0 and drawn
-    assert title == f"mlx-dflash serve: {MODEL}"
+    assert title == f"mlx-dflash serve: {MODEL}" and drafter == "drafter: a DFlash drafter"
     assert shown["tau"] == f"{server[('mlx_dflash_tokens_per_round_sum', ())] / rounds:.2f}"

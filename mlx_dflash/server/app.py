@@ -35,6 +35,7 @@ class ServerConfig:
     """The server's settings (serve's flags): limits.py and security.py say what each limit does."""
 
     model_name: str  # the id clients send as "model"
+    drafter_name: str = ""  # what / and the live page call the drafter (its directory's name)
     defaults: Defaults = field(default_factory=Defaults)
     api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
     max_body_bytes: int = 4 << 20

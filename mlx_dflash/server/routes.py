@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from importlib import resources
 
+from ..models.no_drafter import NoDrafter
 from . import anthropic, openai_responses
 from .app import Job, ServerConfig, replies
 from .engine import Engine
@@ -113,7 +114,10 @@ def make_app(engine: Engine, config: ServerConfig):
     async def root(request):  # Claude Code's first request is HEAD /; a browser's gets the live page
         if "text/html" in request.headers.get("accept", ""):
             return HTMLResponse(live_page)
-        return JSONResponse({"model": name, "mode": list(engine.policy.notes), "max_batch": engine.max_batch,
+        drafter = ("none: drafts from the context (prompt lookup)" if isinstance(engine.drafter, NoDrafter)
+                   else config.drafter_name or "a DFlash drafter")
+        return JSONResponse({"model": name, "drafter": drafter, "mode": list(engine.policy.notes),
+                             "max_batch": engine.max_batch,
                              "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                                            "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics"]})
 
