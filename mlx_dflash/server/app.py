@@ -35,7 +35,6 @@ class ServerConfig:
     """The server's settings (serve's flags): limits.py and security.py say what each limit does."""
 
     model_name: str  # the id clients send as "model"
-    drafter_name: str = ""  # what / and the live page call the drafter (its directory's name)
     defaults: Defaults = field(default_factory=Defaults)
     api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
     max_body_bytes: int = 4 << 20
@@ -50,6 +49,7 @@ class ServerConfig:
     allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
     allowed_origins: set = field(default_factory=set)
     generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
+    drafter_name: str = ""  # what / and the live page call the drafter (its directory's name)
 
 
 class PromptSurelyTooLong(PromptTooLong):
