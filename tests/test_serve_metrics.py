@@ -49,11 +49,12 @@ def test_the_counters_move_as_requests_run_and_equal_what_the_responses_said(pai
     assert moved(before, after, "mlx_dflash_requests_total", route="chat", status="200") == 2
     assert moved(before, after, "mlx_dflash_requests_total", route="completions", status="200") == 1
     assert moved(before, after, "mlx_dflash_requests_total", route="chat", status="400") == 1
+    assert all(moved(before, after, "mlx_dflash_rounds_total", kind=r["mode"]) > 0 for r in reports), reports
     assert moved(before, after, "mlx_dflash_generated_tokens_total") == sum(u.completion_tokens for u in usages) == 28
     assert moved(before, after, "mlx_dflash_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     rounds = sum(r["rounds"] for r in reports)
-    assert sum(moved(before, after, "mlx_dflash_rounds_total", kind=k) for k in ("chain", "tree", "plain")) == rounds
-    assert moved(before, after, "mlx_dflash_rounds_total", kind="chain") > 0
+    kinds = ("chain", "tree", "lookup", "plain")
+    assert sum(moved(before, after, "mlx_dflash_rounds_total", kind=k) for k in kinds) == rounds
     assert moved(before, after, "mlx_dflash_tokens_per_round_count") == rounds
     assert moved(before, after, "mlx_dflash_tokens_per_round_sum") == sum(
         int(n) * k for r in reports for n, k in r["accepted_lengths"].items())

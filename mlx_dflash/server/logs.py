@@ -81,11 +81,11 @@ class RequestLog:
             await self.app(scope, receive, send_status)
         finally:
             code = info.get("status", status.get("code", 500))
-            route = getattr(scope.get("endpoint"), "__name__", "no route")  # set by the router where one matched
+            route = getattr(scope.get("endpoint"), "__name__", "none")  # the router's match; none: refused before
             extra = {"rate_key": (route, code)} if code >= 400 else {}
             log.info(log_line(scope, code, info, time.perf_counter() - tic), extra=extra)
             if self.metrics is not None:
-                self.metrics.observe(scope, code, info)
+                self.metrics.observe(route, code, info)
 
 
 def log_line(scope, status: int, info: dict, seconds: float) -> str:

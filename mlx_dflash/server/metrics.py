@@ -3,8 +3,8 @@ servers are watched with.
 
 Counted as each request ends (`RequestLog` calls `Metrics.observe`): requests by the route that answered
 and their status; for each generation that ran, its prompt and generated tokens, time to first token and
-per output token, decode speed, its rounds by kind (a chain, a tree or a plain step; those that verified
-prompt lookup's drafts apart), the tokens each round emitted (their mean is tau, as the responses report
+per output token, decode speed, its rounds by what served them (as a response's `mode` counts them), the
+tokens each round emitted (their mean is tau, as the responses report
 it) and the rows each verified. Read at each scrape: the requests waiting and decoding, the batch's rounds
 by the requests each decoded, the routed kernel calls by route (fallbacks marked), MLX's memory, and the
 prefix cache's entries, lookups and tokens reused of the caller's API key only (as `/health` shows them:
@@ -48,11 +48,9 @@ class Metrics:
                                    registry=r)
         self.speed = Histogram(PREFIX + "decode_tokens_per_second", "A generation's tokens per second of decoding",
                                buckets=TOKENS_PER_SECOND, registry=r)
-        self.rounds = Counter(PREFIX + "rounds", "Rounds of the generations that ran, by kind: chain (one path "
-                              "of drafts verified), tree (a tree of drafts), plain (a target step without drafts)",
-                              ["kind"], registry=r)
-        self.lookup_rounds = Counter(PREFIX + "lookup_rounds", "Rounds that verified prompt lookup's drafts "
-                                     "(of any kind)", registry=r)
+        self.rounds = Counter(PREFIX + "rounds", "Rounds of the generations that ran, by what served them: chain "
+                              "(one path of the drafter's drafts), tree (a tree of drafts), lookup (one path copied "
+                              "from the context), plain (a target step without drafts)", ["kind"], registry=r)
         self.round_tokens = Histogram(PREFIX + "tokens_per_round", "Tokens a round emitted (accepted drafts and "
                                       "the bonus; a plain step 1): the mean is tau", buckets=ROUND_TOKENS,
                                       registry=r)
@@ -61,9 +59,8 @@ class Metrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes and the like, where the system tells them
         r.register(EngineFigures(engine))
 
-    def observe(self, scope: dict, status: int, info: dict):
-        """One request answered (the request log's `info`: its generation's outcome, if one ran)."""
-        route = getattr(scope.get("endpoint"), "__name__", "none")  # the router's match; none: refused before
+    def observe(self, route: str, status: int, info: dict):
+        """One request answered by `route` (the request log's `info`: its generation's outcome, if one ran)."""
         self.requests.labels(route, str(status)).inc()
         outcome = info.get("outcome")
         if outcome is None or outcome.stats is None:
@@ -76,10 +73,8 @@ class Metrics:
         if outcome.completion_tokens > 1 and s.decode_seconds > 0:
             self.per_token.observe(s.decode_seconds / (outcome.completion_tokens - 1))
             self.speed.observe(s.decode_tps)
-        for kind, n in (("chain", s.rounds - s.tree_rounds - s.plain_steps), ("tree", s.tree_rounds),
-                        ("plain", s.plain_steps)):
+        for kind, n in s.modes.items():
             self.rounds.labels(kind).inc(n)
-        self.lookup_rounds.inc(s.looked_up_rounds)
         for histogram, counts in ((self.round_tokens, s.accepted_lengths), (self.widths, s.widths)):
             for value, times in counts.items():
                 for _ in range(times):
