@@ -3,6 +3,7 @@ Python API, alternated, so that a change is measured against the commit before i
 
     python bench/revisions.py --base HEAD~1 --prompts gsm8k-train.jsonl --first 7000 --num-prompts 3
     python bench/revisions.py --base HEAD~1 --num-prompts 1 --max-tokens 8 --repeats 1 --name quick  # a smoke run
+    python bench/revisions.py --base HEAD~1 --prompts editing --trees --name quick-trees  # draft trees, editing
 
 Each revision (`--base` and `--head`, default the working tree) is checked out into a temporary folder (`git
 worktree`) and every measurement runs in a fresh process importing that revision alone: it loads the pair,
@@ -10,7 +11,9 @@ runs one short warm-up of the same configuration, then times the workload. Confi
 of that revision's API: mlx-lm alone (`generate_step`, the anchor both are divided by), `generate` at width
 auto, 4 and 16 (one request at a time; decode tokens/s = (tokens - 1) / seconds from the first token to the
 last, as `GenerationStats.decode_tps`), and `batch_generate` at width auto over all the prompts at once
-(tokens / wall seconds, the prompts' reading included). The order of revisions is alternated within every
+(tokens / wall seconds, the prompts' reading included); with --trees also `generate(tree=True)` at width 8 and
+auto. --prompts editing takes bench/editing.py's editing requests (whole HumanEval functions to change and
+return) instead of GSM8K's questions. The order of revisions is alternated within every
 configuration and repeat. Every greedy output must equal mlx-lm's (a mismatch is printed and the exit status
 is 1). Writes revisions.json and revisions.md into bench/results/<name>/ and prints the table.
 """
@@ -30,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("mlx-lm alone", "width auto", "width 4", "width 16", "batch, width auto")
-WIDTHS = {"width auto": "auto", "width 4": 4, "width 16": 16}
+TREES = ("tree, width 8", "tree, width auto")
+WIDTHS = {"width auto": "auto", "width 4": 4, "width 16": 16, "tree, width 8": 8, "tree, width auto": "auto"}
 
 
 def commit_of(revision: str) -> str:
@@ -60,7 +64,8 @@ def child(spec: dict) -> dict:
         return tokens, (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
 
     def ours(ids: list, n: int) -> tuple:
-        out = mlx_dflash.generate(target, drafter, tokenizer, ids, max_tokens=n, width=WIDTHS[config])
+        tree = {"tree": True} if config in TREES else {}
+        out = mlx_dflash.generate(target, drafter, tokenizer, ids, max_tokens=n, width=WIDTHS[config], **tree)
         return [int(t) for t in out.tokens], out.stats.decode_tps
 
     if config == "batch, width auto":
@@ -94,20 +99,27 @@ def measure(tree: Path, spec: dict) -> dict:
 
 
 def prompt_ids(path: str, first: int, count: int) -> list:
-    """GSM8K questions `first`.. as chat-template token ids of the default target."""
+    """GSM8K questions `first`.. (or "editing": bench/editing.py's) as chat-template token ids of the default
+    target."""
     import mlx_dflash
     from mlx_dflash.decoding.prompt import encode_prompt
 
     _, _, tokenizer = mlx_dflash.load()
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines()[first:first + count]]
-    return [encode_prompt(tokenizer, r.get("question") or r["prompt"], chat_template=True) for r in rows]
+    if path == "editing":
+        from editing import editing_prompts, functions
+
+        texts = editing_prompts(functions(), first + count)[first:]
+    else:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines()[first:first + count]]
+        texts = [r.get("question") or r["prompt"] for r in rows]
+    return [encode_prompt(tokenizer, text, chat_template=True) for text in texts]
 
 
-def table(results: dict, revisions: list) -> str:
+def table(results: dict, revisions: list, configs: tuple) -> str:
     lines = ["| configuration | " + " | ".join(f"{r} tok/s (vs mlx-lm)" for r in revisions) + " | head / base |",
              "|---|" + "---:|" * (len(revisions) + 1)]
     anchor = {r: results[r]["mlx-lm alone"] for r in revisions}
-    for config in CONFIGS:
+    for config in configs:
         cells = [f"{results[r][config]:.2f} ({results[r][config] / anchor[r]:.2f}x)" for r in revisions]
         ratio = results[revisions[1]][config] / results[revisions[0]][config]
         lines.append(f"| {config} | " + " | ".join(cells) + f" | {ratio:.2f} |")
@@ -120,8 +132,11 @@ def main(argv=None) -> int:
     ap.add_argument("--base", default="HEAD~1", help="the revision measured against (default HEAD~1)")
     ap.add_argument("--head", default="", help="the revision measured (default: this working tree)")
     ap.add_argument("--prompts", default=str(ROOT.parent / "shared/data/gsm8k/train.jsonl"),
-                    help="GSM8K-style JSONL (question per line); default ../shared/data/gsm8k/train.jsonl")
-    ap.add_argument("--first", type=int, default=7000, help="first prompt line (7000 on: never trained on)")
+                    help="GSM8K-style JSONL (question per line), or 'editing' (bench/editing.py's editing "
+                    "requests); default ../shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--first", type=int, default=None,
+                    help="first prompt (default: GSM8K line 7000, never trained on; editing: 0)")
+    ap.add_argument("--trees", action="store_true", help="also draft trees (tree=True) at width 8 and auto")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
@@ -131,6 +146,8 @@ def main(argv=None) -> int:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     sys.path.insert(0, str(ROOT))
+    args.first = args.first if args.first is not None else 0 if args.prompts == "editing" else 7000
+    configs = CONFIGS + (TREES if args.trees else ())
     ids = prompt_ids(args.prompts, args.first, args.num_prompts)
     revisions = [args.base, args.head or "working tree"]
     # resolved now: HEAD may move while the revisions run
@@ -138,9 +155,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         trees = [checkout(args.base, Path(folder)), checkout(args.head, Path(folder))]
         try:
-            runs, bad, reference = {r: {c: [] for c in CONFIGS} for r in revisions}, 0, None
+            runs, bad, reference = {r: {c: [] for c in configs} for r in revisions}, 0, None
             for repeat in range(args.repeats):
-                for i, config in enumerate(CONFIGS):  # mlx-lm alone first: its output is the reference
+                for i, config in enumerate(configs):  # mlx-lm alone first: its output is the reference
                     for k in [0, 1] if (repeat + i) % 2 == 0 else [1, 0]:
                         got = measure(trees[k], {"prompts": ids, "max_tokens": args.max_tokens, "config": config})
                         runs[revisions[k]][config].append(got["tps"])
@@ -154,7 +171,7 @@ def main(argv=None) -> int:
                 if tree != ROOT:
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
     medians = {r: {c: statistics.median(v) for c, v in runs[r].items()} for r in revisions}
-    md = table(medians, revisions)
+    md = table(medians, revisions, configs)
     out = ROOT / "bench/results" / args.name
     out.mkdir(parents=True, exist_ok=True)
     from mlx_dflash.utils import write_atomic, write_json
@@ -163,7 +180,8 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(), "base": args.base, "base_commit": commits[0], "head": args.head,
         "head_commit": commits[1],
         "prompts": Path(args.prompts).name, "first": args.first, "num_prompts": args.num_prompts,
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians, "mismatches": bad})
+        "trees": args.trees, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians,
+        "mismatches": bad})
     write_atomic(out / "revisions.md", md + "\n")
     print(md)
     return 1 if bad else 0

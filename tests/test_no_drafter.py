@@ -78,14 +78,16 @@ def test_copies_follow_the_latest_occurrences_first():
     assert lookup.copies(3, scan=1) == [[5, 6, 7]] and PromptLookup([4, 5]).copies(3) == []
 
 
-def test_a_copy_tree_is_a_trie_of_the_copies_ranked_latest_first_then_by_share():
+def test_a_copy_tree_is_a_trie_of_the_copies_ranked_by_prior_and_share():
     trees = copy_trees([[[2, 1], [4, 5], [2, 7]], []], 5, [2, 2])
-    # the latest copy 2 1 first; then 4 (a third of the copies), 5 under it, 7 (half of those through 2) last
-    assert trees.tokens[0].tolist() == [2, 1, 4, 5] and trees.parents[0].tolist() == [-1, 0, -1, 2]
-    assert trees.depth[0].tolist() == [1, 2, 1, 2] and trees.copied[0].tolist() == [True, True, False, False]
-    assert np.allclose(trees.probs[0], [2 / 3, 1 / 2, 1 / 3, 1]) and trees.alive[0].all()
+    # the latest copy 2 1 by lookup's prior (0.5, then 0.7 more); 7 under 2 at 0.5 x 0.7 x a half of the copies
+    # through 2; 4 at 0.5 x a third; 5 under it (0.5 x 1/3 x 0.7) falls out of 4 nodes
+    assert trees.tokens[0].tolist() == [2, 1, 7, 4] and trees.parents[0].tolist() == [-1, 0, 0, -1]
+    assert trees.depth[0].tolist() == [1, 2, 2, 1] and trees.copied[0].tolist() == [True, True, False, False]
+    assert np.allclose(trees.probs[0], [0.5, 0.7, 1 / 2, 1 / 3]) and trees.alive[0].all()
     assert not trees.alive[1].any()  # nothing to copy
-    assert copy_trees([[[2, 1, 8]]], 3, [1]).tokens[0].tolist() == [2, 0]  # no deeper than the row's depth
+    shallow = copy_trees([[[2, 1, 8]]], 3, [1])  # no deeper than the row's depth
+    assert shallow.tokens[0, 0] == 2 and shallow.alive[0].tolist() == [True, False]
 
 
 @pytest.mark.slow

@@ -321,8 +321,7 @@ def test_prompt_lookups_copy_is_a_branch_beside_the_drafters_candidates():
     depth 1), the copy takes that node, never a twin."""
     ids = np.array([[[1, 2], [3, 4], [5, 6]], [[5, 2], [3, 4], [5, 6]]])
     probs = np.array([[[0.45, 0.3], [0.6, 0.3], [0.6, 0.3]]] * 2)
-    copies = (np.array([[7, 8, 9], [5, 8, 0]]), [3, 2])
-    trees = grow(ids, probs, 9, [3, 3], copies)
+    trees = grow(ids, probs, 9, [3, 3], [[[7, 8, 9]], [[5, 8]]])
     for b in range(2):
         nodes = {}
         for r in range(8):
@@ -337,6 +336,29 @@ def test_prompt_lookups_copy_is_a_branch_beside_the_drafters_candidates():
             assert not any(p[1:2] == (8,) and p[0] != 7 for p in nodes)  # 8 follows the copy's 7 only
         else:
             assert nodes[(5,)] and nodes[(5, 8)] and (2,) in nodes
+
+
+def test_the_copies_of_several_occurrences_are_branches_beside_the_drafters_candidates():
+    """Three earlier occurrences copied [7, 8, 9], [7, 3] and [2, 6] (the latest first): one trie beside the
+    drafter's candidates. The copies' 7 is one node (never a twin), holding both 8 and 3 under it; the drafter's 2
+    at depth 1 is the third copy's node, and 6 follows it; only the latest copy's nodes are lookup's (`copied`),
+    the others judged by their share of the copies or the drafter's probability where that is higher (3 under 7: a
+    half of the copies, 0.6 drafted; 2: a third, 0.4 drafted)."""
+    ids = np.array([[[1, 2], [3, 4], [5, 6]]])
+    probs = np.array([[[0.45, 0.4], [0.6, 0.3], [0.6, 0.3]]])
+    trees = grow(ids, probs, 16, [3], [[[7, 8, 9], [7, 3], [2, 6]]])
+    nodes = {}
+    for r in range(15):
+        path, node = [], r
+        while node >= 0:
+            path.append(int(trees.tokens[0, node]))
+            node = trees.parents[0, node]
+        nodes[tuple(path[::-1])] = (bool(trees.copied[0, r]), float(trees.probs[0, r]))
+    assert len(nodes) == 15  # no twin paths
+    assert nodes[(7,)][0] and nodes[(7, 8)][0] and nodes[(7, 8, 9)][0]  # the latest copy: lookup's
+    assert nodes[(7, 3)] == (False, 0.6) and nodes[(2,)] == (False, 0.4) and (2, 6) in nodes
+    assert not any(p[:1] == (1,) and p[1:2] == (8,) for p in nodes)  # 8 follows the copies' 7 only
+    assert grow(ids, probs, 16, [3], [[[7, 8, 9], [7, 3]]]).tokens.shape == (1, 15)
 
 
 def test_chains_unless_trees_are_asked_for(chat_pairs):

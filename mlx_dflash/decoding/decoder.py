@@ -197,8 +197,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         if policy.uses_confidence or tree:
             ranked = tree and trees is None  # the drafter's candidates, for a tree of them
             confidence, copied, *top = read(draft.confidence, looked_up, *(draft.candidates if ranked else ()))
-            if ranked:  # prompt lookup's copy, where there is one, is a branch beside the drafter's candidates
-                copies = np.array([p + [0] * (width - 1 - len(p)) for p in proposals]), [len(p) for p in proposals]
+            if ranked:  # prompt lookup's copies, where there are some, are branches beside the drafter's candidates
+                copies = [r.history.copies(d) if policy.prompt_lookup else [] for r, d in zip(rows, depths)]
                 trees = grow(*map(np.array, top), width, depths, copies)
             if tree:
                 width, tree = policy.cut_tree(width, trees, confidence, copied, most, runs)

@@ -5,8 +5,9 @@ score is the product of its tokens' probabilities (the positions are drafted ind
 d has as children the candidates of position d + 1, whatever the path). The tree of n nodes the target verifies
 is the anchor and the n - 1 best-scored paths; since a child never scores above its parent, those are a tree
 (every node's parent among them), and the tree of a smaller budget is a prefix of the same order: `grow` ranks
-once, `Trees.first` takes any budget of it. Prompt lookup's copy of the context, where there is one, is one more
-branch of its own (`grow`).
+once, `Trees.first` takes any budget of it. Prompt lookup's copies of the context (what followed each earlier
+occurrence of its last tokens), where there are some, are branches of their own beside the drafter's (`grow`);
+without a drafter they are the whole tree (`copy_trees`).
 
 The target scores every node in one forward (models/tree_verify.py); `accept_trees` then walks each row from
 the root: at each node the target's own token (argmax for greedy; a draw with the row's sampler), on to the
@@ -43,7 +44,7 @@ class Trees:
     depth: np.ndarray  # [B, M]
     probs: np.ndarray  # [B, M]
     alive: np.ndarray  # [B, M]
-    copied: np.ndarray  # [B, M]: prompt lookup's copy proposed the node (its probability is lookup's prior)
+    copied: np.ndarray  # [B, M]: prompt lookup's latest copy proposed the node (its probability is lookup's prior)
 
     def first(self, nodes: int, anchors: list, caps: list) -> "TreeBlock":
         """The trees of `nodes` rows each (the anchor and the nodes - 1 best), as the verify forward takes them:
@@ -90,7 +91,7 @@ class TreeBlock:
     depth: np.ndarray  # [B, N]
     alive: np.ndarray  # [B, N]
     probs: np.ndarray  # [B, N] the drafter's probability of each node's token at its depth (1 for the anchor)
-    copied: np.ndarray  # [B, N] proposed by prompt lookup's copy
+    copied: np.ndarray  # [B, N] proposed by prompt lookup's latest copy
 
     @cached_property
     def ancestors(self) -> np.ndarray:
@@ -134,41 +135,72 @@ def tree_verdict(block: TreeBlock, paths: list) -> TreeVerdict:
     return TreeVerdict(block.probs, block.depth, block.copied, judged, reached)
 
 
-def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list, copies: tuple = None) -> Trees:
+def copy_trie(copies: list, n: int) -> tuple:
+    """Each row's copies (decoding/lookup.py `PromptLookup.copies`, the latest first) as one trie laid out by depth,
+    as `grow` reads it: at depth d, slot s holds a node's token, the slot of its parent at depth d - 1 (-1: the
+    anchor), the share of the copies reaching its parent that go on with its token (0: no node there), and whether
+    the latest copy (the chain's proposal) passes through it; each [B, n, S], S the most copies a row has."""
+    B, S = len(copies), max(map(len, copies), default=0) or 1
+    token, parent = np.zeros((B, n, S), np.int64), np.full((B, n, S), -1)
+    count, latest = np.zeros((B, n, S)), np.zeros((B, n, S), bool)
+    for b, row in enumerate(copies):
+        slots = [{} for _ in range(n)]  # per depth: (parent slot, token) -> slot
+        for i, copy in enumerate(row):
+            up = -1
+            for d, t in enumerate(copy[:n]):
+                s = slots[d].setdefault((up, t), len(slots[d]))
+                token[b, d, s], parent[b, d, s] = t, up
+                count[b, d, s] += 1
+                latest[b, d, s] |= i == 0
+                up = s
+    reaching = np.concatenate([np.array([len(r) for r in copies], float)[:, None, None].repeat(S, 2),
+                               np.take_along_axis(count[:, :-1], np.maximum(parent[:, 1:], 0), axis=2)], axis=1)
+    return token, parent, count / np.maximum(reaching, 1), latest
+
+
+def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list, copies: list = None) -> Trees:
     """Rank each row's best `nodes` - 1 paths from its candidates (ids, probs [B, n, k]: position j's k
     likeliest tokens), row b's no deeper than depths[b]. Best-first by the product of probabilities: at each
     depth only the m = nodes - 1 best so far can have ranked children, so a beam of m per depth finds them.
 
-    copies: (tokens [B, n], lengths [B]): prompt lookup's copy of each row's context (its first lengths[b]
-    tokens), a branch of its own: its token at depth d + 1 follows only its token at depth d, scored by lookup's
-    prior acceptance by position; where the drafter proposes the same token under the same parent, the copy
-    takes that node (at the better score). Nodes after a copied token are the drafter's candidates as anywhere."""
+    copies[b]: prompt lookup's copies of row b's context, the latest first (`PromptLookup.copies`), as a trie of
+    branches beside the drafter's candidates (`copy_trie`): a copied token at depth d + 1 follows only the copies'
+    token at depth d. The latest copy's nodes are scored by lookup's prior acceptance by position and judged by
+    lookup's calibration (`copied`); another copy's node by that prior times its share of the copies reaching its
+    parent, judged as a drafter's by its share. Where the drafter proposes a copied token under the same parent,
+    the copies take that node (at the better score). Nodes after a copied token are the drafter's candidates as
+    anywhere."""
     B, n, k = ids.shape
     m = nodes - 1
-    copy_tokens, copy_lengths = copies if copies is not None else (np.zeros((B, n), np.int64), np.zeros(B, int))
-    copy_prob = np.array(ACCEPTANCE_PRIOR + (ACCEPTANCE_PRIOR[-1],) * n)[:n]
+    copy_token, copy_parent, share, latest = copy_trie(copies if copies is not None else [[]] * B, n)
+    S = copy_token.shape[2]
+    prior = np.array(ACCEPTANCE_PRIOR + (ACCEPTANCE_PRIOR[-1],) * n)[None, :n, None]
+    copy_prob = np.where(latest, prior, share)
     with np.errstate(divide="ignore"):
         logp = np.log(probs.astype(np.float64))
-        copy_logp = np.log(copy_prob)
+        copy_logp = np.log(prior * np.where(latest, 1.0, share))  # -inf where a slot holds no node
     found = {x: [] for x in ("score", "parent", "token", "prob", "copied")}
     beam_score, beam_index = np.zeros((B, 1)), np.full((B, 1), -1)  # the anchor
-    copy_score, copy_parent = np.zeros(B), np.full(B, -1)  # the copy's last node kept (-1: the anchor)
-    rows = np.arange(B)
+    slot_score, slot_index = np.zeros((B, S)), np.full((B, S), -1)  # the copies' nodes a depth up, as kept
     offset = 0  # index of the first candidate of this depth in the concatenation
     for d in range(min(n, max(depths, default=0))):
         P = beam_score.shape[1]
-        score = np.concatenate([(beam_score[:, :, None] + logp[:, d][:, None, :]).reshape(B, -1),
-                                (copy_score + copy_logp[d])[:, None]], axis=1)  # [B, P * k + 1]: the copy last
-        parent = np.concatenate([np.repeat(beam_index, k, axis=1), copy_parent[:, None]], axis=1)
-        token = np.concatenate([np.tile(ids[:, d], (1, P)), copy_tokens[:, d, None]], axis=1)
-        prob = np.concatenate([np.tile(probs[:, d], (1, P)), np.full((B, 1), copy_prob[d])], axis=1)
-        copied = np.zeros_like(score, bool)
-        copied[:, -1] = True
-        score[np.asarray(copy_lengths) <= d, -1] = -np.inf  # the copy ended (or its parent fell out of the beam)
-        same = (parent[:, :-1] == copy_parent[:, None]) & (token[:, :-1] == copy_tokens[:, d, None])
-        same &= np.isfinite(score[:, -1:])
-        score[:, -1] = np.maximum(score[:, -1], np.where(same, score[:, :-1], -np.inf).max(axis=1))
-        score[:, :-1][same] = -np.inf
+        D = P * k  # the drafter's candidates at this depth, then the copies' S
+        up = np.maximum(copy_parent[:, d], 0)
+        c_score = copy_logp[:, d] + (np.take_along_axis(slot_score, up, axis=1) if d else 0)
+        c_parent = np.take_along_axis(slot_index, up, axis=1) if d else np.full((B, S), -1)
+        score = np.concatenate([(beam_score[:, :, None] + logp[:, d][:, None, :]).reshape(B, -1), c_score], axis=1)
+        parent = np.concatenate([np.repeat(beam_index, k, axis=1), c_parent], axis=1)
+        token = np.concatenate([np.tile(ids[:, d], (1, P)), copy_token[:, d]], axis=1)
+        prob = np.concatenate([np.tile(probs[:, d], (1, P)), copy_prob[:, d]], axis=1)
+        copied = np.concatenate([np.zeros((B, D), bool), latest[:, d]], axis=1)
+        # a drafter candidate the copies hold too (its token under the same parent) is the copies' node
+        same = (parent[:, :D, None] == c_parent[:, None]) & (token[:, :D, None] == copy_token[:, d][:, None])
+        same &= np.isfinite(c_score)[:, None]
+        score[:, D:] = np.maximum(c_score, np.where(same, score[:, :D, None], -np.inf).max(axis=1, initial=-np.inf))
+        drafted = np.where(same, prob[:, :D, None], 0).max(axis=1, initial=0)
+        prob[:, D:] = np.where(latest[:, d], prob[:, D:], np.maximum(prob[:, D:], drafted))
+        score[:, :D][same.any(axis=2)] = -np.inf
         # a tie between a child and its parent (probability 1) ranks the parent first: deeper costs a hair
         score = score - 1e-9 * (d + 1)
         score[np.array(depths) <= d] = -np.inf
@@ -178,9 +210,9 @@ def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list, copies: t
             found[name].append(np.take_along_axis(values, keep, axis=1))
         width = keep.shape[1]
         beam_score, beam_index = found["score"][-1], offset + np.arange(width)[None].repeat(B, 0)
-        at = keep == score.shape[1] - 1  # where the copy's candidate was kept
-        copy_parent = np.where(at.any(axis=1), offset + at.argmax(axis=1), -2)  # -2: no parent, the copy ends
-        copy_score = np.where(at.any(axis=1), score[rows, -1], -np.inf)
+        at = keep[:, :, None] == (D + np.arange(S))[None, None]  # [B, width, S]: where each copy slot was kept
+        slot_index = np.where(at.any(axis=1), offset + at.argmax(axis=1), -2)  # -2: not kept, its copies end
+        slot_score = np.where(at.any(axis=1), score[:, D:], -np.inf)
         offset += width
     if not found["score"]:
         raise ValueError("a tree needs at least one position to draft")
@@ -205,44 +237,10 @@ def grow(ids: np.ndarray, probs: np.ndarray, nodes: int, depths: list, copies: t
 
 
 def copy_trees(copies: list, nodes: int, depths: list) -> Trees:
-    """The trees of prompt lookup's copies, for a target without a drafter: copies[b] holds row b's copies of what
-    followed the earlier occurrences of its context's last tokens, the latest first (decoding/lookup.py
-    `PromptLookup.copies`). A row's copies form a trie: a node's probability is the share of the copies reaching
-    its parent that go on with its token. Ranked: the latest copy's path first (the chain a round without a tree
-    verifies; `copied`, so lookup's calibration judges it), then the other nodes by the product of the shares
-    along their path (judged as a drafter's by their share); row b's no deeper than depths[b]."""
-    m, B = nodes - 1, len(copies)
-    tokens, parents, depth = np.zeros((B, m), np.int64), np.full((B, m), -1), np.ones((B, m), np.int64)
-    probs, alive, copied = np.zeros((B, m)), np.zeros((B, m), bool), np.zeros((B, m), bool)
-    for b, row in enumerate(copies):
-        token, parent, level, reached, children = [0], [-1], [0], [len(row)], [{}]  # node 0: the anchor
-        principal = []
-        for i, copy in enumerate(row):
-            node = 0
-            for t in copy[: depths[b]]:
-                if t not in children[node]:
-                    children[node][t] = len(token)
-                    token.append(t), parent.append(node), level.append(level[node] + 1), reached.append(0)
-                    children.append({})
-                node = children[node][t]
-                reached[node] += 1
-            if i == 0:
-                principal = list(range(1, len(token)))  # the latest copy made every node so far
-        share = [1.0] + [reached[n] / reached[parent[n]] for n in range(1, len(token))]
-        score = [1.0]
-        for n in range(1, len(token)):  # parents come before children
-            score.append(score[parent[n]] * share[n])
-        others = sorted(range(len(principal) + 1, len(token)), key=lambda n: (-score[n], level[n]))
-        ranked = (principal + others)[:m]
-        rank_of = {0: -1, **{n: r for r, n in enumerate(ranked)}}
-        k = len(ranked)
-        tokens[b, :k] = [token[n] for n in ranked]
-        parents[b, :k] = [rank_of[parent[n]] for n in ranked]
-        depth[b, :k] = [level[n] for n in ranked]
-        probs[b, :k] = [share[n] for n in ranked]
-        alive[b, :k] = True
-        copied[b, : min(k, len(principal))] = True
-    return Trees(tokens, parents, depth, probs, alive, copied)
+    """The trees of prompt lookup's copies alone, for a target without a drafter: `grow` with no candidates (the
+    latest copy's path is what a round without a tree verifies)."""
+    none = np.zeros((len(copies), nodes - 1, 0))
+    return grow(none.astype(np.int64), none, nodes, depths, copies)
 
 
 def accept_trees(block: TreeBlock, logits: mx.array, samplings: list, keys: list) -> tuple:
