@@ -111,7 +111,10 @@ def run_level(server, model: str, prompts: list, clients: int, per_client: int, 
                 is_long = k >= long_from
                 prompt = long_prompts[i - long_from * per_client] if is_long else prompts[i % len(prompts)]
                 sent = time.perf_counter()
-                r = stream_chat(client, model, [{"role": "user", "content": prompt}], max_tokens)
+                # a prompt is a user message, or a conversation with its tools ({"messages", "tools"})
+                messages, tools = ((prompt["messages"], prompt["tools"]) if isinstance(prompt, dict)
+                                   else ([{"role": "user", "content": prompt}], None))
+                r = stream_chat(client, model, messages, max_tokens, tools)
                 records[i] = {"client": k, "prompt_index": None if is_long else i % len(prompts), "long": is_long,
                               "sent": sent, **r}
         except Exception as e:  # reported after the level

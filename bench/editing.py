@@ -14,19 +14,26 @@ Prompts, each one user message in the target's chat template:
   planted bug (a comparison or an off-by-one turned), in turn;
 * agent (2): an agent's turn after a file read: four of those functions as one module the read_file tool
   returned, then an instruction to rewrite the whole file with one function changed;
+* captured agents (2): the requests real Claude Code and Codex sent mid-edit, the file read back
+  (bench/data/agent-requests/, made by bench/capture_agents.py), replayed as chat messages with the tools they
+  read and write with (Read and Write; exec_command); the clients' own system prompts and other tools (3-10k
+  tokens a CPU would read for minutes on every run) are left out;
 * little to copy (4): first turns of MT-Bench (writing, roleplay, reasoning, math), or --little FILE's prompts.
 
 In-process rows, per target: mlx-lm alone (`generate_step`, bench/e2e.py's timing), ours without a drafter at
 --width auto and at width 16 (`generate(target, None, ...)`; with --trees each again with `--tree`: trees of the
-copies of every earlier occurrence), and on the default target ours with its shipped drafter (auto). Each prompt runs every row in a seeded random order; decode tokens/s as bench/e2e.py defines it,
-the median over the prompts of a group, and its ratio to mlx-lm alone's. Every output must equal mlx-lm's (a
-difference prints a loud line and makes the exit status 1).
+copies of every earlier occurrence), and on the default target ours with its shipped drafter (auto; with --trees
+also --tree: its trees hold the copies beside its candidates). Each prompt runs every row in a seeded random
+order; decode tokens/s as bench/e2e.py defines it, the median over the prompts of a group, and its ratio to mlx-lm
+alone's. Every output must equal mlx-lm's (a difference prints a loud line and makes the exit status 1).
 
 Over HTTP (unless --no-serve), per target: `mlx_lm.server` and `mlx-dflash serve --model M` (no --drafter: no
 drafter for Qwen; on the default target its shipped drafter, so `--drafter none` is added there to measure the
-same thing), each started alone and measured at 1 and 4 clients on the editing and agent prompts (bench/batching.py
-`run_level`: every client's streamed greedy requests one after another); aggregate tokens/s over the wall time,
-answers compared across servers.
+same thing, and the shipped drafter's server is one more row), each started alone and measured at 1 and 4
+clients on the editing, agent and captured prompts (bench/batching.py `run_level`: every client's streamed greedy
+requests one after another; the captured ones only where the target's chat template renders tools, as Qwen's
+does: elsewhere our server renders them and mlx_lm.server drops them, so the two would read different prompts);
+aggregate tokens/s over the wall time, answers (text, or a tool call's name and arguments) compared across servers.
 
 Writes editing.json, editing.md and editing.png into bench/results/<name>/ (atomically); prints the table.
 """
@@ -66,6 +73,9 @@ MODELS = {"qwen": "Qwen2.5-Coder-0.5B-Instruct", "default": "SmolLM2-135M-Instru
 ALONE, AUTO, WIDE, DRAFTER = "mlx-lm alone", "ours, no drafter (auto)", "ours, no drafter (width 16)", \
     "ours, shipped drafter (auto)"
 AUTO_TREE, WIDE_TREE = "ours, no drafter (auto --tree)", "ours, no drafter (width 16 --tree)"
+DRAFTER_TREE = "ours, shipped drafter (auto --tree)"
+AGENT_REQUESTS = Path(__file__).resolve().parent / "data" / "agent-requests"
+AGENT_TOOLS = {"Read", "Write", "exec_command"}  # what the captured agents read and write files with
 HUMANEVAL_PICKS = (0, 4, 12, 22, 29, 34, 35, 46, 55, 58)  # short, plain functions
 LITTLE_CATEGORIES = ("writing", "roleplay", "reasoning", "math")
 CLIENTS = (1, 4)
@@ -123,6 +133,79 @@ def agent_prompts(funcs: list) -> list:
     return prompts
 
 
+def _call(call_id: str, name: str, arguments: dict) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def _tool(name: str, description: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+def from_messages_api(body: dict) -> dict:
+    """A captured Messages API request (Claude Code) as chat messages and tools (system turns left out)."""
+    messages = []
+    for m in body["messages"]:
+        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
+        for b in blocks if m["role"] != "system" else []:
+            if b["type"] == "text":
+                messages.append({"role": m["role"], "content": b["text"]})
+            elif b["type"] == "tool_use":
+                messages.append(_call(b["id"], b["name"], b["input"]))
+            elif b["type"] == "tool_result":
+                content = b["content"] if isinstance(b["content"], str) else "".join(
+                    part.get("text", "") for part in b["content"])
+                messages.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": content})
+    tools = [_tool(t["name"], t.get("description", ""), t["input_schema"]) for t in body["tools"]
+             if t["name"] in AGENT_TOOLS]
+    return {"messages": messages, "tools": tools}
+
+
+def from_responses_api(body: dict) -> dict:
+    """A captured Responses API request (Codex) as chat messages and tools (developer turns left out)."""
+    messages = []
+    for item in body["input"]:
+        if item["type"] == "message" and item["role"] != "developer":
+            messages.append({"role": item["role"], "content": "".join(p.get("text", "") for p in item["content"])})
+        elif item["type"] == "function_call":
+            messages.append(_call(item["call_id"], item["name"], json.loads(item["arguments"])))
+        elif item["type"] == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    tools = [_tool(t["name"], t.get("description", ""), t.get("parameters", {})) for t in body["tools"]
+             if t.get("name") in AGENT_TOOLS]
+    return {"messages": messages, "tools": tools}
+
+
+def captured_prompts() -> list:
+    """The captured Claude Code and Codex requests (bench/capture_agents.py), as conversations with tools."""
+    return [from_messages_api(json.loads((AGENT_REQUESTS / "claude-code.json").read_text())),
+            from_responses_api(json.loads((AGENT_REQUESTS / "codex.json").read_text()))]
+
+
+def prompt_ids(tokenizer, prompt) -> list:
+    """A prompt's token ids through the target's chat template: a user message, or a conversation with tools."""
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt, True)
+    return list(tokenizer.apply_chat_template(prompt["messages"], tools=prompt["tools"], add_generation_prompt=True))
+
+
+def over_http(prompt):
+    """A prompt as an OpenAI client sends it: a tool call's arguments as a JSON string."""
+    if isinstance(prompt, str):
+        return prompt
+    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in prompt["messages"]]
+    return {"messages": messages, "tools": prompt["tools"]}
+
+
+def renders_tools(path: str) -> bool:
+    """The target's chat template renders tools (else `mlx-dflash serve` renders them itself, which mlx_lm.server
+    does not: the two servers would read different prompts)."""
+    config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    return "tools" in str(config.get("chat_template", ""))
+
+
 def little_prompts(path: str | None, first: int, count: int) -> list:
     """Prompts with little to copy: --little FILE's from --little-first, else MT-Bench's first turns."""
     if path:
@@ -150,6 +233,8 @@ def load_rows(key: str, trees: bool) -> tuple:
         rows[WIDE_TREE] = (None, build_policy(target, NoDrafter(), WidthOptions(16, tree=True)))
     if key == "default":
         rows[DRAFTER] = (drafter, build_policy(target, drafter, WidthOptions("auto")))
+        if trees:
+            rows[DRAFTER_TREE] = (drafter, build_policy(target, drafter, WidthOptions("auto", tree=True)))
     return rows, target, tokenizer
 
 
@@ -164,7 +249,7 @@ def measure_local(key: str, groups: dict, max_tokens: int, seed: int, trees: boo
         run_dflash({"target": target, "drafter": drafter, "tokenizer": tokenizer}, policy, warm, 8)
     for group, prompts in groups.items():
         for i, prompt in enumerate(prompts):
-            ids = encode_prompt(tokenizer, prompt, True)
+            ids = prompt_ids(tokenizer, prompt)
             order = [ALONE, *rows]
             rng.shuffle(order)
             done = {}
@@ -190,18 +275,22 @@ def measure_local(key: str, groups: dict, max_tokens: int, seed: int, trees: boo
 # Over HTTP.
 
 def measure_served(key: str, prompts: list, max_tokens: int, out_dir: Path, log) -> tuple:
-    """mlx_lm.server and mlx-dflash serve (no drafter) at each client count; (levels, mismatches)."""
+    """mlx_lm.server and mlx-dflash serve (no drafter; on the default target also its shipped drafter) at each
+    client count; (levels, mismatches)."""
     path = model_path(key)
     flags = ["--model", path] + (["--drafter", "none"] if key == "default" else [])
     servers = {"mlx_lm.server": lambda p: mlx_lm_server(path, [], p),
                "mlx-dflash serve (no drafter)": lambda p: dflash_server(flags, p)}
+    if key == "default":
+        servers["mlx-dflash serve (shipped drafter)"] = lambda p: dflash_server(["--model", path], p)
+    prompts = [over_http(p) for p in prompts]
     levels, answers = [], {}
     for name, start in servers.items():
-        server = start(out_dir / f"{key}-{'mlx-lm' if name.startswith('mlx_lm') else 'ours'}.log")
+        server = start(out_dir / f"{key}-{len(levels)}.log")
         try:
             model = server.wait_ready()
             for clients in CLIENTS:
-                level = run_level(server, model, prompts, clients, len(prompts) // clients, max_tokens, {})
+                level = run_level(server, model, prompts, clients, -(-len(prompts) // clients), max_tokens, {})
                 levels.append({"model": key, "server": name, "clients": clients,
                                "aggregate_tokens_per_s": level["aggregate_tokens_per_s"],
                                "wall_seconds": level["wall_seconds"],
@@ -231,7 +320,7 @@ def summarize(records: list, levels: list) -> list:
         for group in dict.fromkeys(r["group"] for r in records if r["model"] == key):
             mine = [r for r in records if r["model"] == key and r["group"] == group]
             alone = statistics.median(r["decode_tps"] for r in mine if r["row"] == ALONE)
-            for row in [row for row in (ALONE, AUTO, WIDE, AUTO_TREE, WIDE_TREE, DRAFTER)
+            for row in [row for row in (ALONE, AUTO, WIDE, AUTO_TREE, WIDE_TREE, DRAFTER, DRAFTER_TREE)
                         if any(r["row"] == row for r in mine)]:
                 these = [r for r in mine if r["row"] == row]
                 tps = statistics.median(r["decode_tps"] for r in these)
@@ -276,7 +365,7 @@ def parse_args(argv):
     p.add_argument("--little-first", type=int, default=0)
     p.add_argument("--little-count", type=int, default=4)
     p.add_argument("--no-serve", action="store_true", help="in-process rows only")
-    p.add_argument("--trees", action="store_true", help="also the no-drafter rows with --tree")
+    p.add_argument("--trees", action="store_true", help="also the rows with --tree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="editing-cpu")
     return p.parse_args(argv)
@@ -289,6 +378,7 @@ def main(argv=None) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     funcs = functions()
     groups = {"editing": editing_prompts(funcs, args.editing), "agent": agent_prompts(funcs),
+              "captured agents": captured_prompts(),
               "little to copy": little_prompts(args.little, args.little_first, args.little_count)}
     records, levels, mismatches = [], [], 0
     for key in args.models.split(","):
@@ -300,7 +390,9 @@ def main(argv=None) -> int:
         mx.clear_cache()
         if not args.no_serve:
             with tempfile.TemporaryDirectory() as tmp:
-                got, bad = measure_served(key, groups["editing"] + groups["agent"], args.max_tokens, Path(tmp), log)
+                served = groups["editing"] + groups["agent"]
+                served += groups["captured agents"] if renders_tools(model_path(key)) else []
+                got, bad = measure_served(key, served, args.max_tokens, Path(tmp), log)
             levels += got
             mismatches += bad
     table = summarize(records, levels)

@@ -88,16 +88,22 @@ def mlx_lm_server(model: str, flags: list, log_path: Path) -> Server:
     return Server([sys.executable, "-m", "mlx_lm.server", "--model", str(model), *flags], log_path, str(model))
 
 
-def stream_chat(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> dict:
-    """One streamed greedy chat request: its text, time to the first text, total time, usage."""
+def stream_chat(client: openai.OpenAI, model: str, messages: list, max_tokens: int, tools: list = None) -> dict:
+    """One streamed greedy chat request: its text (a tool call's name and arguments included), time to the first
+    text, total time, usage."""
     sent = time.perf_counter()
     first, text, usage, stats = None, [], None, {}
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True},
+                                            **({"tools": tools} if tools else {}))
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        pieces = [delta.content] if delta is not None and delta.content else []
+        for call in (delta.tool_calls or []) if delta is not None else []:
+            pieces += [call.function.name or "", call.function.arguments or ""] if call.function else []
+        if any(pieces):
             first = first or time.perf_counter()
-            text.append(chunk.choices[0].delta.content)
+            text.extend(pieces)
         if chunk.usage is not None:
             usage, stats = chunk.usage, (chunk.model_extra or {}).get("dflash", {})
     end = time.perf_counter()
