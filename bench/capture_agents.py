@@ -28,7 +28,7 @@ from editing import functions
 OUT = Path(__file__).resolve().parent / "data" / "agent-requests"
 MODEL = "local-model"
 FILE = "utils.py"
-SCRATCH = "/work/project"  # the scratch folder's path as a capture names it
+SCRATCH = "/srv/project"  # the scratch folder's path as a capture names it
 
 
 def ask(funcs: list) -> str:
@@ -165,7 +165,7 @@ def run(client: str, scratch: Path, url: str, prompt: str):
 
 def scrubbed(body: dict, scratch: Path) -> dict:
     """The body with the run's own strings fixed: the scratch path, ids, checksums and dates."""
-    text = json.dumps(body, indent=1).replace(str(scratch / "project"), SCRATCH).replace(str(scratch), "/work")
+    text = json.dumps(body, indent=1).replace(str(scratch / "project"), SCRATCH).replace(str(scratch), "/srv")
     text = re.sub(r"cch=[0-9a-f]+", "cch=0", text)
     uuid = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
     text = re.sub(uuid, "00000000-0000-0000-0000-000000000000", text)
