@@ -29,8 +29,7 @@ import mlx.core as mx
 
 from .errors import DFlashError
 from .kernels import checks, routes
-from .kernels.metal import race_gate
-from .kernels.race_gate import RaceGate, describe, is_fallback
+from .kernels.race_gate import RaceGate, describe, is_fallback, shared_gate
 from .machine import blas_library, machine_info, metal_available, slow_blas_warning, versions
 from .utils import portable_path, write_json
 
@@ -126,7 +125,7 @@ def check_kernel(name: str, run, what: str) -> Check:
 
 
 def check_verdict_cache() -> Check:
-    gate = race_gate()
+    gate = shared_gate()
     where = portable_path(gate.path)
     verdicts = gate.verdicts
     details = [{"key": k, **v, "current": gate.current(k) is not None} for k, v in sorted(verdicts.items())]

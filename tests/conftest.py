@@ -240,8 +240,8 @@ def pytest_runtest_setup(item):
 def own_race_verdicts(monkeypatch, tmp_path_factory):
     """Each test its own process-wide race gate and verdict store: never the user's cache, never the verdicts
     another test's stand-in kernels earned."""
-    from mlx_dflash.kernels import metal
+    from mlx_dflash.kernels import race_gate
     from mlx_dflash.kernels.race_gate import RaceGate
 
     folder = tmp_path_factory.getbasetemp() / "race-verdicts"
-    monkeypatch.setattr(metal, "_gate", [RaceGate(folder / f"{len(list(folder.glob('*')))}-{id(monkeypatch)}.json")])
+    monkeypatch.setattr(race_gate, "_shared", [RaceGate(folder / f"{len(list(folder.glob('*')))}-{id(monkeypatch)}.json")])

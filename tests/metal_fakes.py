@@ -124,13 +124,13 @@ def install_failing_kernels(stage: str, verdicts):
     keeping its verdicts in the file `verdicts`."""
     import pytest
 
-    from mlx_dflash.kernels import metal
+    from mlx_dflash.kernels import race_gate
     from mlx_dflash.kernels.race_gate import RaceGate
 
     patch = pytest.MonkeyPatch()
     fake_metal(patch)
     FakeKernels(patch, fail=stage)
-    patch.setattr(metal, "_gate", [RaceGate(verdicts, timer=FixedTimer())])
+    patch.setattr(race_gate, "_shared", [RaceGate(verdicts, timer=FixedTimer())])
 
 
 class FakeKernels:

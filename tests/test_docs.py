@@ -1,6 +1,8 @@
 """The docs against the code: the module table lists exactly the package's modules, README.md stays short,
-every relative link resolves, and the flags README documents for `generate` are real options."""
+every relative link resolves, every file, module and symbol the docs name in code spans exists, and the flags
+README documents for `generate` are real options."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -60,6 +62,81 @@ def test_relative_links_point_to_files(doc):
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
             missing.append(target)
     assert not missing, f"{doc.relative_to(ROOT)} links to missing files or headings: {missing}"
+
+
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+PATH = re.compile(r"(?<![\w/.-])((?:(mlx_dflash|bench|tests|metal_kernels|docs|scripts|decoding|policies|models|kernels|"
+                  r"server|tuner)/)[\w/.-]*\.(?:py|metal|md|sh))\b")
+SUBPACKAGES = ("decoding", "policies", "models", "kernels", "server", "tuner")
+
+
+def defined_names(path: Path) -> set:
+    """What a module defines or imports at its top level, and its classes' attributes (Class.name)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{n.name}" for n in node.body if hasattr(n, "name")}
+            names |= {f"{node.name}.{t.id}" for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                      for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+            names |= {f"{node.name}.{n.attr}" for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def package_modules() -> dict:
+    """Dotted module name under mlx_dflash (e.g. "decoding.tree") -> the names it defines."""
+    return {".".join(p.relative_to(ROOT / "mlx_dflash").with_suffix("").parts): defined_names(p)
+            for p in (ROOT / "mlx_dflash").rglob("*.py")}
+
+
+def resolves(reference: str, modules: dict) -> bool:
+    """`mlx_dflash.a.b.C`, `decoding.tree.grow`, `tree.grow` or `Class.method`: a module, package, or a name one
+    defines (the last part of a module's name is enough where only one module has it)."""
+    parts = reference.removeprefix("mlx_dflash.").split(".")
+    if parts == ["metal_kernels"]:  # the Metal sources, shipped inside the package (pyproject.toml)
+        return True
+    if reference.startswith("mlx_dflash.") and parts[0] in modules["__init__"]:  # the package's own API
+        return len(parts) == 1
+    for split in range(len(parts), 0, -1):
+        module, rest = ".".join(parts[:split]), parts[split:]
+        found = [m for m in modules if m == module or (not reference.startswith("mlx_dflash.")
+                                                       and m.rsplit(".", 1)[-1] == module)]
+        packages = [m for m in modules if m.startswith(module + ".")]
+        if found or packages:
+            return not rest or any(".".join(rest) in modules[m] or rest[0] in modules[m] for m in found)
+    return False
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_modules_and_symbols_named_in_code_spans_exist(doc):
+    """A path in a code span must exist; `mlx_dflash.x.y` must resolve; `module.name` where `module` is one of the
+    package's modules and the name reads as code (an underscore, a capital or a call) must be defined there, and
+    `Class.name` where Class is one of the package's classes."""
+    modules = package_modules()
+    classes = {n.split(".")[0] for names in modules.values() for n in names if "." in n}
+    short = {m.rsplit(".", 1)[-1] for m in modules} - {"__init__"}
+    missing = []
+    for span in CODE_SPAN.findall(doc.read_text()):
+        for path, top in PATH.findall(span):
+            if not ((ROOT / path).exists() or (top in SUBPACKAGES and (ROOT / "mlx_dflash" / path).exists())):
+                missing.append(path)
+        ref = re.fullmatch(r"((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)(\(.*\))?", span.strip())
+        if not ref:
+            continue
+        name, head = ref.group(1), ref.group(1).split(".")[0]
+        reads_as_code = "_" in name.split(".", 1)[1] or name.split(".")[-1][:1].isupper() or ref.group(2)
+        checked = head == "mlx_dflash" or head in classes or (
+            (head in short or head in SUBPACKAGES) and reads_as_code)
+        if checked and not resolves(name, modules) and not any(f"{name}" in names for names in modules.values()):
+            missing.append(span)
+    assert not missing, f"{doc.relative_to(ROOT)} names what is not in the tree: {sorted(set(missing))}"
 
 
 def test_readme_generate_flags_are_options_of_generate():

@@ -191,7 +191,7 @@ def test_cached_verdicts_that_disagreed_are_a_warning(quick, monkeypatch, tmp_pa
                                                                 "max_rel_err": 0.4, "dflash_s": None, "mlx_s": None},
         "applegpu_g15s|wide_qmm|float16|K64xN64|gs64|b4|rows9": {"route": "dflash", "numerics_ok": True,
                                                                 "max_rel_err": 0.0, "dflash_s": 1e-3, "mlx_s": 2e-3}}))
-    monkeypatch.setattr(doctor, "race_gate", lambda: RaceGate(path))
+    monkeypatch.setattr(doctor, "shared_gate", lambda: RaceGate(path))
     check = doctor.check_verdict_cache()
     assert check.status == "warn" and check.line.startswith("1 of 2 cached verdicts")
     assert "rows8" in check.line and len(check.details) == 2

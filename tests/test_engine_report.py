@@ -42,8 +42,8 @@ def fake_metal(monkeypatch, tmp_path, ours_s=1e-3, mlx_s=2e-3, qmm=None):
     gate = RaceGate(tmp_path / "verdicts.json", timer=FixedTimer(ours_s, mlx_s))
     for module in (wide_qmm, attn, engine_report):
         monkeypatch.setattr(module, "metal_available", lambda: True)
-    monkeypatch.setattr(wide_qmm, "race_gate", lambda: gate)
-    monkeypatch.setattr(attn, "race_gate", lambda: gate)
+    monkeypatch.setattr(wide_qmm, "shared_gate", lambda: gate)
+    monkeypatch.setattr(attn, "shared_gate", lambda: gate)
     monkeypatch.setattr(wide_qmm, "wide_quantized_matmul", qmm or (
         lambda x, w, s, b, gs, bits, threads=None: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)))
     monkeypatch.setattr(attn, "multi_row_attention", lambda q, k, v, scale, keys, lengths, threads: (

@@ -14,7 +14,7 @@ from metal_fakes import CHIP, RUN_ERROR, FakeKernels, FixedTimer, fake_metal, he
 from mlx_dflash.decoding import engine_report
 from mlx_dflash.generate import generate
 from mlx_dflash.kernels import attention as attn
-from mlx_dflash.kernels import checks, metal, routes, source, wide_qmm
+from mlx_dflash.kernels import checks, race_gate, routes, source, wide_qmm
 from mlx_dflash.kernels.race_gate import MARGIN, MLX, OURS, RaceGate, describe
 
 PROMPT = [5, 17, 42, 99, 3, 150, 7, 61, 88, 23, 11, 190] * 2
@@ -241,7 +241,7 @@ def test_generate_falls_back_at_each_stage(monkeypatch, tiny_chat_pair, capsys, 
     target, drafter = head_dim_64_pair()
     expected = run(target, drafter, tokenizer)  # no Metal: MLX's path
     fake_metal(monkeypatch)
-    monkeypatch.setattr(metal, "_gate", [RaceGate(metal._gate[0].path, timer=FixedTimer())])
+    monkeypatch.setattr(race_gate, "_shared", [RaceGate(race_gate._shared[0].path, timer=FixedTimer())])
     FakeKernels(monkeypatch, fail=stage, limit=limit)
     assert target.install_wide_kernels() > 0 and target.install_attention_kernel() == 4
     text = run(target, drafter, tokenizer)
@@ -264,14 +264,14 @@ def test_a_refused_size_runs_ours_smaller_without_a_fallback(monkeypatch, tiny_c
     target, drafter = head_dim_64_pair()
     expected = run(target, drafter, tokenizer)
     fake_metal(monkeypatch)
-    monkeypatch.setattr(metal, "_gate", [RaceGate(metal._gate[0].path, timer=FixedTimer())])
+    monkeypatch.setattr(race_gate, "_shared", [RaceGate(race_gate._shared[0].path, timer=FixedTimer())])
     kernels = FakeKernels(monkeypatch, fail="launch", limit=64)
     target.install_wide_kernels(), target.install_attention_kernel()
     stats = run(target, drafter, tokenizer).stats
     assert run(target, drafter, tokenizer).tokens == expected.tokens
     assert all(e["route"] == OURS and not e["fallback"] for e in stats.routes) and stats.notes == []
     assert max(n for kernel, n in kernels.launches if kernel == "mr_attention") > 64  # tried, refused
-    sizes = {v["size"] for v in metal._gate[0].verdicts.values()}
+    sizes = {v["size"] for v in race_gate._shared[0].verdicts.values()}
     assert sizes == {64}
 
 
@@ -284,7 +284,7 @@ def test_batch_generate_falls_back_with_rows_of_their_own_lengths(monkeypatch, t
     prompts = [PROMPT, PROMPT[:9], PROMPT[3:20]]
     expected = batch_generate(target, drafter, tokenizer, prompts, max_tokens=10, width=8)
     fake_metal(monkeypatch)
-    monkeypatch.setattr(metal, "_gate", [RaceGate(metal._gate[0].path, timer=FixedTimer())])
+    monkeypatch.setattr(race_gate, "_shared", [RaceGate(race_gate._shared[0].path, timer=FixedTimer())])
     FakeKernels(monkeypatch, fail="run")
     target.install_wide_kernels(), target.install_attention_kernel()
     before = routes.snapshot()
@@ -319,7 +319,7 @@ def test_the_server_answers_batched_requests_through_a_failing_kernel(monkeypatc
 
     expected = answers()
     fake_metal(monkeypatch)
-    monkeypatch.setattr(metal, "_gate", [RaceGate(metal._gate[0].path, timer=FixedTimer())])
+    monkeypatch.setattr(race_gate, "_shared", [RaceGate(race_gate._shared[0].path, timer=FixedTimer())])
     FakeKernels(monkeypatch, fail="compile")
     target.install_wide_kernels(), target.install_attention_kernel()
     before = routes.snapshot()
@@ -413,9 +413,9 @@ def test_the_cpu_pitfall_and_the_blas_are_not_said_on_the_gpu(monkeypatch):
 
 def test_the_process_gate_keeps_its_verdicts_in_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path))
-    monkeypatch.setattr(metal, "_gate", [])
-    gate = metal.race_gate()
-    assert gate is metal.race_gate() and gate.path == tmp_path / "race_verdicts.json"
+    monkeypatch.setattr(race_gate, "_shared", [])
+    gate = race_gate.shared_gate()
+    assert gate is race_gate.shared_gate() and gate.path == tmp_path / "race_verdicts.json"
 
 
 def test_the_words_of_each_verdict():

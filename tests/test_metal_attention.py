@@ -278,7 +278,7 @@ def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
     gate = RaceGate(tmp_path / "v.json", timer=timer)
     monkeypatch.setattr(attn, "metal_available", lambda: True)
     monkeypatch.setattr(attn, "multi_row_attention", stand_in)
-    monkeypatch.setattr(attn, "race_gate", lambda: gate)
+    monkeypatch.setattr(attn, "shared_gate", lambda: gate)
     q, k, v = make(8, 2, 4, 64, 100, 100, "f32")
     ref = attn.reference_attention(q, k, v, 0.125, 100)
     for _ in range(2):

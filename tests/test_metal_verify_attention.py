@@ -117,7 +117,7 @@ def forced(monkeypatch, tmp_path):
         return state["kernel"](q, k, v, scale, k.shape[2] if keys is None else keys, lengths)
 
     monkeypatch.setattr(attn, "multi_row_attention", stand_in)
-    monkeypatch.setattr(attn, "race_gate", lambda: state["gate"])
+    monkeypatch.setattr(attn, "shared_gate", lambda: state["gate"])
     return state
 
 
@@ -337,7 +337,7 @@ def test_the_kernel_source_in_the_verify_forward(forced):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_the_metal_kernel_in_the_verify_forward(monkeypatch, tmp_path, dtype):
     gate = RaceGate(tmp_path / "verdicts.json")  # the real timer
-    monkeypatch.setattr(attn, "race_gate", lambda: gate)
+    monkeypatch.setattr(attn, "shared_gate", lambda: gate)
     model = random_model("qwen3")
     model.set_dtype(dtype)
     plain = Target(model, layer_ids=(0,))

@@ -88,7 +88,7 @@ def _wide_layer(route, monkeypatch, tmp_path, timer):
 
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     monkeypatch.setattr(kernels, "wide_quantized_matmul", stand_in)
-    monkeypatch.setattr(kernels, "race_gate", lambda: gate)
+    monkeypatch.setattr(kernels, "shared_gate", lambda: gate)
     gate = RaceGate(tmp_path / "v.json", timer=timer)
     mx.random.seed(4)
     ql = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)

@@ -21,9 +21,8 @@ import mlx.core as mx
 
 from ..machine import chip_name, metal_available
 from . import routes
-from .metal import race_gate
 from .source import read_metal_file
-from .race_gate import OURS, halvings
+from .race_gate import OURS, halvings, shared_gate
 
 MIN_ROWS, MAX_ROWS = 2, 16
 HEAD_DIMS = (64, 128)
@@ -165,7 +164,7 @@ def block_attention(q, k, v, scale: float, keys: int | None = None, route: str =
     if route == "mlx" or not metal_available() or check_supported(q, k, v, keys, lengths) is not None:
         return reference_attention(q, k, v, scale, keys, lengths)
     key = race_key(q, k, keys)
-    choice = race_gate().choose(key, lambda threads: multi_row_attention(q, k, v, scale, keys, lengths, threads),
+    choice = shared_gate().choose(key, lambda threads: multi_row_attention(q, k, v, scale, keys, lengths, threads),
                                 lambda: reference_attention(q, k, v, scale, keys, lengths), q.dtype,
                                 thread_sizes(q, k), forced=route == OURS)
     routes.record(key, choice.route, choice.reason, fallback=choice.fallback)

@@ -240,3 +240,13 @@ def describe(found: dict) -> str:
     if ours is None or theirs is None:
         return f"race gate: {found['route']} (no timings recorded)"
     return f"race gate: ours {ms(ours)}, MLX's {ms(theirs)}"
+
+
+_shared: list = []  # the process's gate, made on first use
+
+
+def shared_gate() -> RaceGate:
+    """The process-wide gate every Metal kernel routes through (its verdict cache is read once)."""
+    if not _shared:
+        _shared.append(RaceGate())
+    return _shared[0]

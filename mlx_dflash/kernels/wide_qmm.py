@@ -26,9 +26,8 @@ from mlx.utils import tree_unflatten
 from ..errors import DFlashError
 from ..machine import chip_name, metal_available
 from . import routes
-from .metal import race_gate
 from .source import read_metal_file
-from .race_gate import MLX, OURS, Choice, halvings
+from .race_gate import MLX, OURS, Choice, halvings, shared_gate
 
 MIN_ROWS = 6
 MAX_ROWS = 16
@@ -206,7 +205,7 @@ def choose(x, w, scales, biases, group_size: int, bits: int, route: str) -> Choi
     if route == MLX:
         routes.record(key, MLX, f"route 'mlx' forced ({ROUTE_ENV} or route=)")
         return MLX_PATH
-    choice = race_gate().choose(
+    choice = shared_gate().choose(
         key, lambda threads: wide_quantized_matmul(x, w, scales, biases, group_size, bits, threads),
         lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits),
         x.dtype, thread_sizes(x.dtype), forced=route == OURS)
@@ -253,7 +252,6 @@ __all__ = [
     "MAX_ROWS",
     "ROUTES",
     "default_route",
-    "race_gate",
     "MIN_ROWS",
     "WideQuantizedLinear",
     "check_wide_supported",

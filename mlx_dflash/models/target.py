@@ -297,8 +297,8 @@ class Target:
 
         Features are the captured layer outputs concatenated in `layer_ids` order, the order the
         drafter's `fc` expects (n = 0 where none is captured). On a hybrid target the call is taped, so that
-        `trim` can rewind it; with
-        `install_attention_kernel`, its attention runs through our multi-row kernel where that is faster.
+        `trim` / `trim_rows` can rewind it; after `install_attention_kernel`, its attention runs through our
+        multi-row kernel where that is faster.
         tree: (depth [B, L], ancestors [B, L, L]) when ids are draft trees' nodes (tree_verify.py): each at its
         own position, seeing its ancestors only. Afterwards `keep_paths` says which nodes stay.
         """

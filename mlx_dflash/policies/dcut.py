@@ -8,7 +8,7 @@ the batch's expected tokens per second,
     sum over rows r of E_r(W)  /  (draft time + cost(B, W)),
 
 where E_r(W) = 1 + sum_{k < W} prod_{j <= k} a_{r,j} (the survival scores of row r's drafts: calibrated
-drafter confidences, or prompt lookup's own acceptance by position, policy.Calibration) and cost(B, W) the
+drafter confidences, or prompt lookup's own acceptance by run, policies/width.py Calibration) and cost(B, W) the
 seconds of a verify of B rows x W tokens. A batched forward pads every row to the longest, so a row
 verifying fewer drafts would cost the same and keep fewer: every row verifies W - 1 (fewer only where it
 has fewer tokens left), and the choice per row that D-cut's global top-K makes over flat token budgets

@@ -237,7 +237,7 @@ class Outcome:
     finish_reason: str  # "stop", "length" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    stats: object = None  # decoder.GenerationStats
+    stats: object = None  # decoding/responses.py GenerationStats
     queue_seconds: float = 0.0
     seconds: float = 0.0
     stop_sequence: Optional[str] = None  # the stop string that ended it, if one did
