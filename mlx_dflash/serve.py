@@ -88,7 +88,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     from .machine import metal_available, slow_blas_warning
     from .pair import load
     from .pitfalls import pair_warnings
-    from .server.app import ServerConfig, bind
+    from .server.routes import ServerConfig, bind
     from .server.protocol import Defaults
     from .server.routes import run_server
     from .server.security import allowed_hosts as hosts_for

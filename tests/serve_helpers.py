@@ -111,7 +111,7 @@ class ScriptedScheduler:
 
     def submit(self, request):
         tokenizer = self.engine.tokenizer
-        self.engine.prompts.append(tokenizer.decode(request.ids))
+        self.engine.prompt_texts.append(tokenizer.decode(request.ids))
         text = self.engine.scripts.pop(0)
         ids = (tokenizer.encode(text, add_special_tokens=False) + [min(tokenizer.eos_token_ids)])[:request.max_tokens]
         self.running.append([request.handle, ids, False])
@@ -140,7 +140,7 @@ class ScriptedEngine(Engine):
     """The engine, answering each request with the next of `scripts` (set by the test) instead of decoding."""
 
     def __init__(self, *args, **kwargs):
-        self.scripts, self.prompts = [], []
+        self.scripts, self.prompt_texts = [], []
         super().__init__(*args, **kwargs)
 
     def _new_scheduler(self) -> ScriptedScheduler:

@@ -13,7 +13,7 @@ import urllib.request
 import openai
 
 from mlx_dflash.policies.dcut import build_policy
-from mlx_dflash.server.app import ServerConfig
+from mlx_dflash.server.routes import ServerConfig
 from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.routes import uvicorn_server
 

@@ -211,7 +211,7 @@ def test_system_messages_join_the_system_prompt_where_the_template_takes_one_fir
         m = c.messages.create(model=MODEL, max_tokens=8, system=[billing("1a2b3"), {"type": "text", "text": SYSTEM}],
                               messages=messages)
         assert m.content[0].text == "Waves."
-        assert engine.prompts[-1] == tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+        assert engine.prompt_texts[-1] == tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
         counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages).input_tokens
         assert counted == len(tokenizer.apply_chat_template(merged, add_generation_prompt=True))
 

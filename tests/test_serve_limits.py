@@ -24,6 +24,7 @@ from serve_helpers import pair_with_context
 from serving import CHAT, MODEL, chat_text, client, free_port, head, port_of, raw, running, wait_for_health, wait_until
 from mlx_dflash.cli import main
 from mlx_dflash.server.engine import Engine
+from mlx_dflash.server.prompts import Prompts
 from mlx_dflash.server.logs import RateLimit
 from mlx_dflash.server.protocol import APIError
 from mlx_dflash.server.security import allowed_hosts, api_keys
@@ -151,7 +152,7 @@ def test_max_tokens_is_cut_to_the_limit_and_the_context(pair):
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
-class RecordingTokenizerThread(Engine):
+class RecordingPrompts(Prompts):
     """Records whether prompt_ids ran where an event loop runs."""
 
     on_loop = None
@@ -167,19 +168,27 @@ class RecordingTokenizerThread(Engine):
         return super().prompt_ids(req)
 
 
+class RecordingTokenizerThread(Engine):
+    prompts_class = RecordingPrompts
+
+
 def test_prompts_are_tokenized_off_the_event_loop(pair):
     with running(pair, engine_class=RecordingTokenizerThread) as (url, engine):
         assert raw(url, "/v1/completions", {"model": MODEL, "prompt": "sea " * 1000, "max_tokens": 2})[0] == 200
-        assert engine.on_loop is False
+        assert engine.prompts.on_loop is False
 
 
-class SlowTokenizer(Engine):
+class SlowPrompts(Prompts):
     """Tokenizing takes TOKENIZE_SECONDS (as a few MB does); records which prompts were tokenized."""
 
     def prompt_ids(self, req):
         self.tokenized = getattr(self, "tokenized", []) + [req.prompt[-1]["content"][:1]]
         time.sleep(TOKENIZE_SECONDS)
         return super().prompt_ids(req)[:8]
+
+
+class SlowTokenizer(Engine):
+    prompts_class = SlowPrompts
 
 
 TOKENIZE_SECONDS = 0.5
@@ -218,8 +227,8 @@ def test_big_prompts_tokenize_a_few_at_once_count_tokens_too(wide_pair, path):
             t.start()
         for t in threads:
             t.join()
-        assert statuses.count((200, None)) == len(engine.tokenized) >= 3, statuses
-        assert statuses.count((503, "busy")) == n - len(engine.tokenized) >= n // 2, statuses
+        assert statuses.count((200, None)) == len(engine.prompts.tokenized) >= 3, statuses
+        assert statuses.count((503, "busy")) == n - len(engine.prompts.tokenized) >= n // 2, statuses
 
 
 def test_a_big_prompt_whose_client_left_is_not_tokenized(wide_pair):
@@ -234,7 +243,7 @@ def test_a_big_prompt_whose_client_left_is_not_tokenized(wide_pair):
         tic = time.monotonic()
         status, _, answer = raw(url, "/v1/messages/count_tokens", big_body("b", count_only=True))
         assert status == 200 and answer["input_tokens"] == 8
-        assert engine.tokenized.count("a") <= BIG_PROMPT_THREADS  # only those a thread had taken already
+        assert engine.prompts.tokenized.count("a") <= BIG_PROMPT_THREADS  # only those a thread had taken already
         assert time.monotonic() - tic < 3 * TOKENIZE_SECONDS
 
 

@@ -139,14 +139,14 @@ def test_function_tool_round_trip_streamed_and_not(scripted):
     (call,) = r.output
     assert (call.type, call.name, call.status, r.status) == ("function_call", "get_weather", "completed", "completed")
     assert call.id.startswith("fc_") and call.call_id.startswith("call_") and json.loads(call.arguments) == {"city": "Paris"}
-    assert "The current weather in a city." in engine.prompts[-1]
+    assert "The current weather in a city." in engine.prompt_texts[-1]
 
     follow = ask + [call.model_dump(exclude_none=True),
                     {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 18}'}]
     with c.responses.stream(model=MODEL, input=follow, tools=[WEATHER]) as stream:
         final = stream.get_final_response()
     assert final.output_text == "It is 18 degrees in Paris." and final.status == "completed"
-    prompt = engine.prompts[-1]  # the call and its result, rendered back by the template
+    prompt = engine.prompt_texts[-1]  # the call and its result, rendered back by the template
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in prompt
 
@@ -176,12 +176,12 @@ def test_forced_calls_are_function_call_items_streamed_and_not(scripted):
     (call,) = r.output
     assert (call.type, call.name, json.loads(call.arguments), r.status) == (
         "function_call", "get_weather", {"city": "Paris"}, "completed")
-    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":')
+    assert engine.prompt_texts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":')
     final = streamed(url, {"model": MODEL, "input": ask, "tools": [WEATHER], "tool_choice": choice})[-1][1]
     assert [(i["type"], i["name"]) for i in final["response"]["output"]] == [("function_call", "get_weather")]
     r = c.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice="required")
     assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
-    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+    assert engine.prompt_texts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
 
 
 def test_freeform_tool_is_a_function_of_one_input_and_answers_custom_tool_calls(scripted):
@@ -193,12 +193,12 @@ def test_freeform_tool_is_a_function_of_one_input_and_answers_custom_tool_calls(
     r = c.responses.create(model=MODEL, input="Fix the bug.", tools=[PATCH])
     (call,) = r.output
     assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch", patch)
-    assert call.call_id.startswith("call_") and '"input"' in engine.prompts[-1]
+    assert call.call_id.startswith("call_") and '"input"' in engine.prompt_texts[-1]
     follow = [{"role": "user", "content": "Fix the bug."}, call.model_dump(exclude_none=True),
               {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}]
     assert c.responses.create(model=MODEL, input=follow, tools=[PATCH]).output_text == "Patched."
-    assert "<tool_response>\nDone!\n</tool_response>" in engine.prompts[-1]
-    assert json.dumps(patch) in engine.prompts[-1]  # the call, rendered back as its one argument
+    assert "<tool_response>\nDone!\n</tool_response>" in engine.prompt_texts[-1]
+    assert json.dumps(patch) in engine.prompt_texts[-1]  # the call, rendered back as its one argument
 
     engine.scripts.append('<tool_call>\n{"name": "apply_patch", "arguments": {"input": "x"}}\n</tool_call>')
     events = streamed(url, {"model": MODEL, "input": "Fix it.", "tools": [PATCH]})
@@ -234,7 +234,7 @@ def test_a_body_shaped_as_codex_sends_it(scripted):
     assert [i["type"] for i in final["output"]] == ["message", "function_call"] and final["store"] is False
     call = final["output"][1]
     assert (call["name"], json.loads(call["arguments"])) == ("exec_command", {"cmd": "ls"})
-    prompt = engine.prompts[-1]
+    prompt = engine.prompt_texts[-1]
     assert prompt.startswith("<|im_start|>system\nYou are a coding agent.\n\nSandbox: read-only.")
     assert "exec_command" in prompt and "apply_patch" in prompt and "web_search" not in prompt and "lookup" not in prompt
     assert raw(url, f"/v1/responses/{final['id']}")[0] == 404  # store: false
@@ -245,8 +245,8 @@ def test_a_body_shaped_as_codex_sends_it(scripted):
                                                 "output": "a.py\nb.py"}]
     events = streamed(url, {**body, "input": turn}, headers)
     assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "Two files."
-    assert "I will look.<tool_call>" in engine.prompts[-1]
-    assert "<tool_response>\na.py\nb.py\n</tool_response>" in engine.prompts[-1]
+    assert "I will look.<tool_call>" in engine.prompt_texts[-1]
+    assert "<tool_response>\na.py\nb.py\n</tool_response>" in engine.prompt_texts[-1]
 
 
 def test_server_run_tools_are_left_out_even_where_no_tools_render(pair, served, caplog):
@@ -268,11 +268,11 @@ def test_previous_response_id_kept_and_missing(scripted):
     engine.scripts += ["Hello!", "More.", "Done.", "Unkept."]
     first = c.responses.create(model=MODEL, instructions="Be terse.", input="Hi there.")
     second = c.responses.create(model=MODEL, previous_response_id=first.id, input="And more?")
-    prompt = engine.prompts[-1]
+    prompt = engine.prompt_texts[-1]
     assert "Hi there." in prompt and "Hello!" in prompt and "And more?" in prompt
     assert "Be terse." not in prompt  # instructions are not carried over
     c.responses.create(model=MODEL, previous_response_id=second.id, input="Last.")
-    assert all(s in engine.prompts[-1] for s in ("Hi there.", "Hello!", "And more?", "More.", "Last."))
+    assert all(s in engine.prompt_texts[-1] for s in ("Hi there.", "Hello!", "And more?", "More.", "Last."))
     kept = c.responses.retrieve(first.id)
     assert kept.output_text == "Hello!" and kept.id == first.id and kept.usage.output_tokens == first.usage.output_tokens
 
@@ -403,7 +403,7 @@ def test_openai_agents_default_model_with_a_function_tool(scripted):
     engine.scripts += [CALL, "It is sunny in Paris."]
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
     assert result.final_output == "It is sunny in Paris." and asked == ["Paris"]
-    assert "<tool_response>\nsunny, 18 C\n</tool_response>" in engine.prompts[-1]
+    assert "<tool_response>\nsunny, 18 C\n</tool_response>" in engine.prompt_texts[-1]
 
 
 def test_reasoning_errors_and_unknown_reply_kinds_render_as_valid_events():

@@ -110,7 +110,7 @@ def test_anthropic_thinking_blocks_streamed_and_not(scripted):
     engine.scripts.append("Fine.")
     c.messages.create(model=MODEL, max_tokens=64, messages=ASK + [
         {"role": "assistant", "content": [b.model_dump() for b in final.content]}, {"role": "user", "content": "And?"}])
-    assert REASONING not in engine.prompts[-1]
+    assert REASONING not in engine.prompt_texts[-1]
 
 
 def test_responses_reasoning_item_streamed_and_not(scripted):

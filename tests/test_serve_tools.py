@@ -23,7 +23,7 @@ from serving import MODEL, client, raw, running
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
 from mlx_dflash.generate import generate
-from mlx_dflash.server.engine import Engine
+from mlx_dflash.server.prompts import Prompts
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.server.protocol import APIError, GenerationRequest
 from mlx_dflash.server.tools import (GENERIC_TOOLS_PROMPT, ReplyParser, ToolSupport, forced_prefix,
@@ -131,13 +131,13 @@ def test_openai_tool_round_trip_with_tagged_calls(scripted):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    assert '"name": "get_weather"' in engine.prompts[-1] and "The current weather in a city." in engine.prompts[-1]
+    assert '"name": "get_weather"' in engine.prompt_texts[-1] and "The current weather in a city." in engine.prompt_texts[-1]
 
     messages = ASK + [choice.message.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
     r = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK])
     assert r.choices[0].message.content == "It is 18 degrees in Paris." and r.choices[0].finish_reason == "stop"
-    prompt = engine.prompts[-1]  # the call and its result, rendered back by the template
+    prompt = engine.prompt_texts[-1]  # the call and its result, rendered back by the template
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in prompt
 
@@ -177,7 +177,7 @@ def test_anthropic_tool_round_trip_streamed_and_not(scripted):
     assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
     text, use = m.content
     assert text.text == "I will look." and use.name == "get_weather" and use.input == {"city": "Paris"}
-    assert use.id.startswith("toolu_") and '"name": "get_weather"' in engine.prompts[-1]
+    assert use.id.startswith("toolu_") and '"name": "get_weather"' in engine.prompt_texts[-1]
     messages = [{"role": "user", "content": "What is the weather in Paris?"},
                 {"role": "assistant", "content": [b.model_dump() for b in m.content]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
@@ -185,7 +185,7 @@ def test_anthropic_tool_round_trip_streamed_and_not(scripted):
     with c.messages.stream(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER], messages=messages) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "end_turn" and final.content[0].text == "Sunny, 18 degrees."
-    prompt = engine.prompts[-1]
+    prompt = engine.prompt_texts[-1]
     assert "I will look.<tool_call>" in prompt and "<tool_response>\nsunny, 18 C\n</tool_response>" in prompt
 
     engine.scripts.append(f"```json\n{CALL}\n```")  # a fenced call, streamed
@@ -223,7 +223,7 @@ def test_forced_calls_through_both_apis(scripted):
                            tool_choice={"type": "tool", "name": "get_weather"})
     assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [
         ("tool_use", "get_weather", {"city": "Paris"})]
-    assert engine.prompts[-1].endswith(OPENING)
+    assert engine.prompt_texts[-1].endswith(OPENING)
     with ac.messages.stream(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER], messages=ASK,
                             tool_choice={"type": "tool", "name": "get_weather"}) as stream:
         final = stream.get_final_message()
@@ -233,7 +233,7 @@ def test_forced_calls_through_both_apis(scripted):
     m = ac.messages.create(model=MODEL, max_tokens=64, tools=[ANTHROPIC_WEATHER, ANTHROPIC_CLOCK], messages=ASK,
                            tool_choice={"type": "any"})
     assert [(b.type, b.name) for b in m.content] == [("tool_use", "get_time")]
-    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+    assert engine.prompt_texts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
     r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required")
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "get_time"
 
@@ -242,7 +242,7 @@ def test_forced_calls_through_both_apis(scripted):
     r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice)
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
-    assert engine.prompts[-1].endswith(OPENING) and r.choices[0].message.content is None
+    assert engine.prompt_texts[-1].endswith(OPENING) and r.choices[0].message.content is None
     chunks = list(c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
                                             stream=True))
     (delta,) = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
@@ -251,7 +251,7 @@ def test_forced_calls_through_both_apis(scripted):
     engine.scripts.append("fine")  # tool_choice none: no tools in the prompt, text back
     m = ac.messages.create(model=MODEL, max_tokens=8, tools=[ANTHROPIC_WEATHER], messages=ASK,
                            tool_choice={"type": "none"})
-    assert m.content[0].text == "fine" and '"get_weather"' not in engine.prompts[-1]
+    assert m.content[0].text == "fine" and '"get_weather"' not in engine.prompt_texts[-1]
 
 
 def test_count_tokens_leaves_out_a_forced_calls_opening(scripted):
@@ -307,12 +307,10 @@ class WordStartTokenizer:
 
 
 def forced_prompt_ids(tokenizer, support, force_tool):
-    """Engine.prompt_ids for ASK with the weather tool, a call forced (force_tool), on `tokenizer`."""
+    """Prompts.prompt_ids for ASK with the weather tool, a call forced (force_tool), on `tokenizer`."""
     req = GenerationRequest(kind="chat", model=MODEL, prompt=ASK, max_tokens=8, sampling=SamplingParams(),
                             tools=[WEATHER], force_tool=force_tool)
-    engine = Engine.__new__(Engine)  # its tokenizing alone: no model, no engine thread
-    engine.tokenizer, engine.tools = tokenizer, support
-    return engine.prompt_ids(req)
+    return Prompts(tokenizer, None, support).prompt_ids(req)  # its tokenizing alone: no model, no engine
 
 
 def test_a_forced_opening_is_tokenized_with_the_prompt_text(tools_pair):
@@ -342,7 +340,7 @@ def test_a_call_cannot_be_forced_without_a_tool_call_syntax(tiny_chat_pair, tmp_
         assert status == 400 and "cannot be forced" in answer["error"]["message"], answer
         status, _, answer = raw(url, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": [WEATHER],
                                                               "tool_choice": "required"})
-        assert (status, answer["error"]["param"]) == (400, "tool_choice") and engine.prompts == []
+        assert (status, answer["error"]["param"]) == (400, "tool_choice") and engine.prompt_texts == []
 
 
 def test_tools_the_server_cannot_honour_are_a_400_naming_the_field(scripted, tiny_chat_pair):
@@ -424,7 +422,7 @@ def test_generic_tools_round_trip_through_both_clients(generic):
     c = client(url)
     engine.scripts += [f"<tool_call>\n{CALL}\n</tool_call>", "It is 18 degrees in Paris."]
     r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
-    prompt = engine.prompts[-1]
+    prompt = engine.prompt_texts[-1]
     assert json.dumps(WEATHER) in prompt and "within <tool_call></tool_call> XML tags" in prompt
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
     (call,) = r.choices[0].message.tool_calls
@@ -435,7 +433,7 @@ def test_generic_tools_round_trip_through_both_clients(generic):
                       {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
     r = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
     assert r.choices[0].message.content == "It is 18 degrees in Paris."
-    prompt = engine.prompts[-1]  # the call in the assistant turn, its result in a user turn
+    prompt = engine.prompt_texts[-1]  # the call in the assistant turn, its result in a user turn
     assert f"<|im_start|>assistant\n<tool_call>\n{CALL}\n</tool_call><|im_end|>" in prompt
     assert '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>' in prompt
 
@@ -445,7 +443,7 @@ def test_generic_tools_round_trip_through_both_clients(generic):
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["text", "tool_use"]
     assert final.content[1].input == {"city": "Paris"}
-    assert engine.prompts[-1].startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert engine.prompt_texts[-1].startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
 
 
 def test_generic_tools_are_announced_once_at_start_up(tiny_chat_pair, caplog):

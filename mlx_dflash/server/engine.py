@@ -26,7 +26,8 @@ from ..decoding.prompt import check_context
 from ..decoding.prompt_cache import PromptCache, pair_identity
 from ..decoding.responses import GenerationStats, ResponseStream
 from ..errors import DFlashError
-from .app import COMPOSED_CHARACTERS, Job, Prompts, longest_token, untruncated
+from .jobs import Job
+from .prompts import Prompts
 from .protocol import APIError, Outcome, StopMatcher
 from .tools import tool_support
 
@@ -71,7 +72,7 @@ class JobProgress:
                        time.perf_counter() - self.started, self.stops.matched)
 
 
-class Engine(Prompts):
+class Engine:
     """The model pair, the one thread that runs it, and the requests decoding together.
 
     load() returns (target, drafter, tokenizer, policy) and runs on that thread too: MLX's default streams
@@ -88,6 +89,7 @@ class Engine(Prompts):
     fatal_errors: tuple = ()  # errors after which the engine stops (none for one process)
     probes_ahead = True  # the width policy's probes made at start-up (a sharded target's: as prompts need them)
     ranks = SingleProcess()  # a sharded target's (server/sharded.py)
+    prompts_class = Prompts  # what makes a request's prompt, on the tokenizer threads (`self.prompts`)
 
     def __init__(self, load, max_queue: int = 16, prefill_step: Optional[int] = None, prompt_cache: Optional[dict] = None,
                  max_batch: int = 8):
@@ -181,11 +183,10 @@ class Engine(Prompts):
     def _take(self, loaded):
         self.target, self.drafter, self.tokenizer, self.policy = loaded
         self.tools = tool_support(self.tokenizer)
-        untruncated(self.tokenizer)
-        self.chars_per_token = longest_token(self.tokenizer) * COMPOSED_CHARACTERS
         if self.prompt_cache_settings is not None:
             self.prompt_cache = PromptCache(pair_identity(self.target, self.drafter), self.target.trimmable,
                                             **self.prompt_cache_settings)
+        self.prompts = self.prompts_class(self.tokenizer, self.target, self.tools, self.prompt_cache)
         self.verify_paths = verify_paths(self.target)  # the target's paths do not change while it is served
         while self.probes_ahead and self.policy.probe_ahead():
             pass  # every verify-cost probe the width policy may want, before any request can wait for one

@@ -17,18 +17,21 @@ import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
+from typing import Optional
 
+from ..errors import DFlashError
 from ..models.no_drafter import NoDrafter
 from . import anthropic, openai_responses
-from .app import Job, ServerConfig, replies
+from .jobs import Job, replies
 from .engine import Engine
 from .limits import Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import APIError, completion_body, openai_stream, parse_chat, parse_completion
-from .security import Guard, error_response, with_cors
+from .protocol import APIError, Defaults, completion_body, openai_stream, parse_chat, parse_completion
+from .security import Guard, allowed_hosts, error_response, with_cors
 from .thinking import reasoning_splitter
 from .tools import ReplyParser, forced_prefix
 
@@ -37,6 +40,28 @@ TOKENIZER_THREADS = 4  # short prompts tokenized at once
 BIG_PROMPT_THREADS = 2  # big prompts tokenized at once, on threads of their own
 BIG_PROMPT_CHARACTERS = 1 << 16  # a prompt over this is big: tokenizing it takes tens of milliseconds or more
 BIG_PROMPTS_BODIES = 2  # big prompts tokenizing or waiting for a thread hold at most this many --max-body together
+
+
+@dataclass
+class ServerConfig:
+    """The server's settings (serve's flags): limits.py and security.py say what each limit does."""
+
+    model_name: str  # the id clients send as "model"
+    defaults: Defaults = field(default_factory=Defaults)
+    api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
+    max_body_bytes: int = 4 << 20
+    max_kept_bytes: int = 64 << 20  # kept Responses per API key (4x that across keys), as JSON bytes
+    max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
+    max_connections: int = 128
+    max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    shutdown_grace: float = 10.0
+    ping_seconds: float = 10.0  # a quiet stream (queued, prefilling) gets a keep-alive this often
+    allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
+    allowed_origins: set = field(default_factory=set)
+    generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
+    drafter_name: str = ""  # what / and the live page call the drafter (its directory's name)
 
 
 def prompt_characters(req, body_bytes: int) -> int:
@@ -55,7 +80,7 @@ async def _disconnected(receive):
 
 def _prompt_ids(engine: Engine, waiting: list) -> list:
     """The prompt ids of the request in `waiting`, or None where its client left before a thread took it."""
-    return engine.prompt_ids(waiting[0]) if waiting else None
+    return engine.prompts.prompt_ids(waiting[0]) if waiting else None
 
 
 async def _cancel_on_disconnect(receive, job: Job):
@@ -65,119 +90,87 @@ async def _cancel_on_disconnect(receive, job: Job):
     await job.cancel()
 
 
-def make_app(engine: Engine, config: ServerConfig):
-    """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+class Service:
+    """What the routes share: the engine and the settings, the model card and the live page, the tokenizer threads
+    and the budget of big prompts, the bodies being uploaded, the kept Responses of each API key, the metrics."""
 
-    started = int(time.time())
-    name = config.model_name
-    model_card = {"id": name, "object": "model", "created": started, "owned_by": "mlx-dflash",
-                  "type": "model", "display_name": name,  # the fields Anthropic's clients read
-                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
-    tools = engine.tools
-    system_turns = anthropic.system_turns(engine.tokenizer)  # else system messages join the system prompt
-    caching = engine.prompt_cache is not None
-    metrics = Metrics(engine)
-    live_page = resources.files(__package__).joinpath("live.html").read_text()  # GET / from a browser
-    if not tools.renders_tools and config.generic_tools:
-        log.info("this model's chat template does not render tools: requests with tools get them in the system "
-                 "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
-    uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4),
-                      total=max(1, config.max_connections // 2))
-    tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
-    big_prompts = collections.Counter()  # big prompts tokenizing or waiting for a thread, and their characters
-    big_prompt_threads = ThreadPoolExecutor(BIG_PROMPT_THREADS, thread_name_prefix="mlx-dflash-tokenizer-big")
-    # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
-    # that with several keys a client reads only the responses made with its own key.
-    shared = openai_responses.KeptBytes(4 * config.max_kept_bytes)
-    kept = collections.defaultdict(lambda: openai_responses.ResponseStore(max_bytes=config.max_kept_bytes,
-                                                                          shared=shared))
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine, self.config, self.tools = engine, config, engine.tools
+        started, name = int(time.time()), config.model_name
+        self.model_card = {"id": name, "object": "model", "created": started, "owned_by": "mlx-dflash",
+                           "type": "model", "display_name": name,  # the fields Anthropic's clients read
+                           "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+        self.system_turns = anthropic.system_turns(engine.tokenizer)  # else system messages join the system prompt
+        self.caching = engine.prompt_cache is not None
+        self.metrics = Metrics(engine)
+        self.live_page = resources.files(__package__).joinpath("live.html").read_text()  # GET / from a browser
+        if not self.tools.renders_tools and config.generic_tools:
+            log.info("this model's chat template does not render tools: requests with tools get them in the system "
+                     "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
+        self.uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4),
+                               total=max(1, config.max_connections // 2))
+        self.tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
+        self.big_prompts = collections.Counter()  # big prompts tokenizing or waiting for a thread, their characters
+        self.big_prompt_threads = ThreadPoolExecutor(BIG_PROMPT_THREADS, thread_name_prefix="mlx-dflash-tokenizer-big")
+        # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
+        # that with several keys a client reads only the responses made with its own key.
+        shared = openai_responses.KeptBytes(4 * config.max_kept_bytes)
+        self.kept = collections.defaultdict(lambda: openai_responses.ResponseStore(max_bytes=config.max_kept_bytes,
+                                                                                   shared=shared))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        tokenizer_threads.shutdown(wait=False)
-        big_prompt_threads.shutdown(wait=False)
+    def close(self):
+        self.tokenizer_threads.shutdown(wait=False)
+        self.big_prompt_threads.shutdown(wait=False)
 
-    async def health(request):
-        body = {"status": "ok", "model": name, "waiting": engine.waiting}
-        if not request.scope.get("dflash.authorized", True):  # the counters tell what others' requests did
-            return JSONResponse(body)
-        if engine.prompt_cache is not None:  # the caller's API key's own entries and lookups
-            body["prompt_cache"] = engine.prompt_cache.stats(request.scope.get("dflash.cache_scope", ""))
-        body["batch"] = engine.batch_report()
-        return JSONResponse(body)
-
-    async def root(request):  # Claude Code's first request is HEAD /; a browser's gets the live page
-        if "text/html" in request.headers.get("accept", ""):
-            return HTMLResponse(live_page)
-        drafter = ("none: drafts from the context (prompt lookup)" if isinstance(engine.drafter, NoDrafter)
-                   else config.drafter_name or "a DFlash drafter")
-        return JSONResponse({"model": name, "drafter": drafter, "mode": list(engine.policy.notes),
-                             "max_batch": engine.max_batch,
-                             "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                                           "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics"]})
-
-    async def metrics_text(request):  # Prometheus' scrape
-        return Response(metrics.render(request.scope.get("dflash.cache_scope", "")), media_type=CONTENT_TYPE)
-
-    def forced(req) -> str:
+    def forced(self, req) -> str:
         """The text a forced tool call makes the reply start with ("": none is forced)."""
-        return "" if req.force_tool is None else forced_prefix(tools, req.force_tool)
+        return "" if req.force_tool is None else forced_prefix(self.tools, req.force_tool)
 
-    async def models(request):
-        return JSONResponse({"object": "list", "data": [model_card], "has_more": False, "first_id": name,
-                             "last_id": name})
+    def kept_for(self, request) -> openai_responses.ResponseStore:
+        return self.kept[request.scope.get("dflash.cache_scope", "")]
 
-    async def model(request):
-        if request.path_params["model_id"] != name:
-            raise APIError(404, f"model '{request.path_params['model_id']}' is not served here", code="model_not_found")
-        return JSONResponse(model_card)
-
-    async def tokenized(request, parse, admit: bool) -> tuple:
+    async def tokenized(self, request, parse, admit: bool) -> tuple:
         """(request, prompt ids, the threads that tokenized it): the body read and parsed, then (admitted to the
         queue) tokenized off the loop."""
-        body, size = await read_json(request, config.max_body_bytes, config.body_timeout, uploads)
-        req = parse(body, config.defaults, name)
+        engine, config = self.engine, self.config
+        body, size = await read_json(request, config.max_body_bytes, config.body_timeout, self.uploads)
+        req = parse(body, config.defaults, config.model_name)
         request.scope.setdefault("dflash.log", {})["id"] = req.id
-        if req.tools and not tools.renders_tools and not config.generic_tools:
+        if req.tools and not self.tools.renders_tools and not config.generic_tools:
             raise APIError(400, "'tools' cannot be honoured: this model's chat template does not render tools "
                            "(the server runs with --no-generic-tools)", param="tools")
-        forced(req)  # a call that cannot be forced is refused before the queue
+        self.forced(req)  # a call that cannot be forced is refused before the queue
         if admit:
-            engine.refuse_surely_too_long(req)
+            engine.prompts.refuse_surely_too_long(req)
         characters = prompt_characters(req, size)
-        big = characters > BIG_PROMPT_CHARACTERS
+        big, held = characters > BIG_PROMPT_CHARACTERS, self.big_prompts
         budget = BIG_PROMPTS_BODIES * config.max_body_bytes
-        if big and big_prompts["prompts"] and big_prompts["characters"] + characters > budget:
-            raise APIError(503, f"the server is tokenizing {big_prompts['prompts']} big prompts already "
-                           f"({big_prompts['characters']} characters; at most {budget} together, twice --max-body); "
+        if big and held["prompts"] and held["characters"] + characters > budget:
+            raise APIError(503, f"the server is tokenizing {held['prompts']} big prompts already "
+                           f"({held['characters']} characters; at most {budget} together, twice --max-body); "
                            "retry in a moment", code="tokenizer_busy", headers={"Retry-After": "1"})
         if admit:
             engine.admit()  # before the work of tokenizing: a full queue costs nothing
         taken = collections.Counter(prompts=1, characters=characters) if big else collections.Counter()
-        big_prompts.update(taken)
-        threads = big_prompt_threads if big else tokenizer_threads
+        held.update(taken)
+        threads = self.big_prompt_threads if big else self.tokenizer_threads
         try:
-            ids = await tokenize(request, req, threads)
+            ids = await self.tokenize(request, req, threads)
             if admit:
-                engine.fit(req, len(ids), config.max_tokens_limit)
+                engine.prompts.fit(req, len(ids), config.max_tokens_limit)
         except BaseException:
             if admit:
                 engine.leave()
             raise
         finally:
-            big_prompts.subtract(taken)
+            held.subtract(taken)
         return req, ids, threads
 
-    async def tokenize(request, req, threads) -> list:
+    async def tokenize(self, request, req, threads) -> list:
         """The prompt's ids, from a tokenizer thread. A client that leaves first is answered 499 at once (its
         places given back) and its prompt is never tokenized if no thread has taken it yet, nor kept."""
         waiting = [req]
-        job = asyncio.get_running_loop().run_in_executor(threads, _prompt_ids, engine, waiting)
+        job = asyncio.get_running_loop().run_in_executor(threads, _prompt_ids, self.engine, waiting)
         job.add_done_callback(lambda f: f.cancelled() or f.exception())  # a left client's error is no one's
         watch = asyncio.ensure_future(_disconnected(request.receive))
         try:
@@ -189,77 +182,188 @@ def make_app(engine: Engine, config: ServerConfig):
         waiting.clear()
         raise APIError(499, "the client disconnected before its prompt was tokenized")
 
-    async def generate(request, parse, stream, body):
-        req, ids, threads = await tokenized(request, parse, admit=True)
-        boundaries = await asyncio.get_running_loop().run_in_executor(threads, engine.message_boundaries, req, ids)
-        job = Job(req, ids, ReplyParser(tools, req.tools, req.parallel_tool_calls, forced(req)) if req.tools else None,
-                  boundaries, reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None,
-                  request.scope.get("dflash.cache_scope", ""))
+    async def generate(self, request, parse, stream, body):
+        """A generation route: the request read and tokenized, queued as a job, answered as a stream of the API's
+        events or as one body (parse, stream and body are the API's)."""
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        engine = self.engine
+        req, ids, threads = await self.tokenized(request, parse, admit=True)
+        boundaries = await asyncio.get_running_loop().run_in_executor(threads, engine.prompts.message_boundaries, req, ids)
+        calls = ReplyParser(self.tools, req.tools, req.parallel_tool_calls, self.forced(req)) if req.tools else None
+        thinking = reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None
+        job = Job(req, ids, calls, boundaries, thinking, request.scope.get("dflash.cache_scope", ""))
         engine.enqueue(job)
         info = request.scope["dflash.log"]
         if req.stream:
-            chunks = stream(req, len(ids), replies(job, config.ping_seconds))
+            chunks = stream(req, len(ids), replies(job, self.config.ping_seconds))
             return StreamingResponse(_stream(job, info, chunks), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
-        text, calls, reasoning = [], [], []
+        pieces = {"text": [], "call": [], "reasoning": []}
         try:
             async for kind, payload in replies(job, None):
-                if kind == "text":
-                    text.append(payload)
-                elif kind == "reasoning":
-                    reasoning.append(payload)
-                elif kind == "call":
-                    calls.append(payload)
-                elif kind == "error":
+                if kind == "error":
                     raise payload
+                if kind in pieces:  # ("done", outcome) ends it: the job holds the outcome
+                    pieces[kind].append(payload)
         finally:
             watch.cancel()
         info["outcome"] = job.outcome
         if job.outcome.finish_reason == "cancelled":
             return JSONResponse({}, status_code=499)  # nobody reads it; the log shows the cancel
-        return JSONResponse(body(req, "".join(text), job.outcome, calls, reasoning="".join(reasoning)))
+        return JSONResponse(body(req, "".join(pieces["text"]), job.outcome, pieces["call"],
+                                 reasoning="".join(pieces["reasoning"])))
 
-    async def _stream(job, info, chunks):
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            if not job.finished.is_set():  # the client went away mid-stream
-                await job.cancel()
-                info["status"] = 499  # the log's status: the 200 it was sent was not the end
-            info["outcome"] = job.outcome
-            if job.error is not None:
-                info["error"] = job.error.message
 
-    async def chat(request):
-        return await generate(request, parse_chat, openai_stream, completion_body)
+async def _stream(job: Job, info: dict, chunks):
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        if not job.finished.is_set():  # the client went away mid-stream
+            await job.cancel()
+            info["status"] = 499  # the log's status: the 200 it was sent was not the end
+        info["outcome"] = job.outcome
+        if job.error is not None:
+            info["error"] = job.error.message
 
-    async def completions(request):
-        return await generate(request, parse_completion, openai_stream, completion_body)
 
-    async def messages(request):
-        return await generate(request, partial(anthropic.parse_messages, system_turns=system_turns),
-                              partial(anthropic.message_stream, caching=caching),
-                              partial(anthropic.message_body, caching=caching))
+def service(request) -> Service:
+    return request.app.state.service
 
-    def kept_for(request) -> openai_responses.ResponseStore:
-        return kept[request.scope.get("dflash.cache_scope", "")]
 
-    async def responses(request):
-        store = kept_for(request)
-        return await generate(request, partial(openai_responses.parse_responses, store=store),
+# ---------------------------------------------------------------------------------------------------------------
+# The server itself: its page and description, health, metrics and models.
+
+async def root(request):  # Claude Code's first request is HEAD /; a browser's gets the live page
+    from starlette.responses import HTMLResponse, JSONResponse
+
+    svc = service(request)
+    if "text/html" in request.headers.get("accept", ""):
+        return HTMLResponse(svc.live_page)
+    drafter = ("none: drafts from the context (prompt lookup)" if isinstance(svc.engine.drafter, NoDrafter)
+               else svc.config.drafter_name or "a DFlash drafter")
+    return JSONResponse({"model": svc.config.model_name, "drafter": drafter, "mode": list(svc.engine.policy.notes),
+                         "max_batch": svc.engine.max_batch,
+                         "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                       "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics"]})
+
+
+async def health(request):
+    from starlette.responses import JSONResponse
+
+    engine = service(request).engine
+    body = {"status": "ok", "model": service(request).config.model_name, "waiting": engine.waiting}
+    if not request.scope.get("dflash.authorized", True):  # the counters tell what others' requests did
+        return JSONResponse(body)
+    if engine.prompt_cache is not None:  # the caller's API key's own entries and lookups
+        body["prompt_cache"] = engine.prompt_cache.stats(request.scope.get("dflash.cache_scope", ""))
+    body["batch"] = engine.batch_report()
+    return JSONResponse(body)
+
+
+async def metrics_text(request):  # Prometheus' scrape
+    from starlette.responses import Response
+
+    text = service(request).metrics.render(request.scope.get("dflash.cache_scope", ""))
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+async def models(request):
+    from starlette.responses import JSONResponse
+
+    card = service(request).model_card
+    return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
+                         "last_id": card["id"]})
+
+
+async def model(request):
+    from starlette.responses import JSONResponse
+
+    card = service(request).model_card
+    if request.path_params["model_id"] != card["id"]:
+        raise APIError(404, f"model '{request.path_params['model_id']}' is not served here", code="model_not_found")
+    return JSONResponse(card)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OpenAI: chat completions, completions, Responses (and the kept ones).
+
+async def chat(request):
+    return await service(request).generate(request, parse_chat, openai_stream, completion_body)
+
+
+async def completions(request):
+    return await service(request).generate(request, parse_completion, openai_stream, completion_body)
+
+
+async def responses(request):
+    svc = service(request)
+    store = svc.kept_for(request)
+    return await svc.generate(request, partial(openai_responses.parse_responses, store=store),
                               partial(openai_responses.response_stream, store=store),
                               partial(openai_responses.response_body, store=store))
 
-    async def kept_response(request):
-        kept_json = kept_for(request).response(request.path_params["response_id"])
-        return Response(kept_json, media_type="application/json")  # kept as the JSON bytes: nothing to encode
 
-    async def count_tokens(request):
-        parse = partial(anthropic.parse_messages, count_only=True, system_turns=system_turns)
-        _, ids, _ = await tokenized(request, parse, admit=False)
-        return JSONResponse({"input_tokens": len(ids)})
+async def kept_response(request):
+    from starlette.responses import Response
+
+    kept_json = service(request).kept_for(request).response(request.path_params["response_id"])
+    return Response(kept_json, media_type="application/json")  # kept as the JSON bytes: nothing to encode
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anthropic: messages and count_tokens.
+
+async def messages(request):
+    svc = service(request)
+    return await svc.generate(request, partial(anthropic.parse_messages, system_turns=svc.system_turns),
+                              partial(anthropic.message_stream, caching=svc.caching),
+                              partial(anthropic.message_body, caching=svc.caching))
+
+
+async def count_tokens(request):
+    from starlette.responses import JSONResponse
+
+    svc = service(request)
+    parse = partial(anthropic.parse_messages, count_only=True, system_turns=svc.system_turns)
+    _, ids, _ = await svc.tokenized(request, parse, admit=False)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors, each in the shape of the API its path belongs to (security.py).
+
+async def api_error(request, e: APIError):
+    request.scope.setdefault("dflash.log", {})["error"] = e.message
+    return error_response(e, request.url.path)
+
+
+async def http_error(request, e):
+    path = request.url.path[:200]  # a client's path is not echoed whole
+    messages = {404: f"no such endpoint: {request.method} {path}",
+                405: f"{request.method} is not allowed on {path}"}
+    return await api_error(request, APIError(e.status_code, messages.get(e.status_code, str(e.detail))))
+
+
+async def internal_error(request, e: Exception):
+    log.exception("request failed")
+    return await api_error(request, APIError(500, f"internal error ({type(e).__name__}); see the server log"))
+
+
+def make_app(engine: Engine, config: ServerConfig):
+    """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    svc = Service(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        svc.close()
 
     routes = [
         Route("/", root),
@@ -274,25 +378,11 @@ def make_app(engine: Engine, config: ServerConfig):
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
-
-    async def api_error(request, e: APIError):
-        request.scope.setdefault("dflash.log", {})["error"] = e.message
-        return error_response(e, request.url.path)
-
-    async def http_error(request, e: HTTPException):
-        path = request.url.path[:200]  # a client's path is not echoed whole
-        messages = {404: f"no such endpoint: {request.method} {path}",
-                    405: f"{request.method} is not allowed on {path}"}
-        return await api_error(request, APIError(e.status_code, messages.get(e.status_code, str(e.detail))))
-
-    async def internal_error(request, e: Exception):
-        log.exception("request failed")
-        return await api_error(request, APIError(500, f"internal error ({type(e).__name__}); see the server log"))
-
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
+    app.state.service = svc
     guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_keys)
-    return RequestLog(with_cors(guarded, config.allowed_origins), metrics)
+    return RequestLog(with_cors(guarded, config.allowed_origins), svc.metrics)
 
 
 def uvicorn_server(engine: Engine, config: ServerConfig):
@@ -342,3 +432,17 @@ def run_server(engine: Engine, config: ServerConfig, sock):
             signal.signal(sig, handler)
     if engine.failure is not None:
         raise engine.failure
+
+
+def bind(host: str, port: int):
+    """The listening socket, before the models load: a taken port is a one-line error, not a wait then a crash."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror or e}): pass another --port or --host") from None
+    return sock

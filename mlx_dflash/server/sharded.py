@@ -31,7 +31,7 @@ from ..decoding.batch_decoder import Request, Scheduler
 from ..decoding.sampling import SamplingParams
 from ..distributed import RankLost, Ranks, lost_rank_errors
 from ..errors import DFlashError
-from .app import Job
+from .jobs import Job
 from .engine import Engine
 
 log = logging.getLogger("mlx_dflash.server")
