@@ -13,7 +13,7 @@ from .generate import main as generate
 from .launch import CLIENTS, command as launch_command
 from .serve import main as serve
 from .train import main as train
-from .widths import main as widths
+from .bench_widths import main as widths
 from .errors import DFlashError
 
 MODEL_COMMANDS = {"generate", "serve", "train", "bench"}  # those whose speed is the CPU's matmuls

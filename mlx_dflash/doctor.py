@@ -143,7 +143,7 @@ def check_verdict_cache() -> Check:
 
 def check_sweep(metal: bool) -> Check:
     """A quantized matmul at verify widths 1..16: MLX's (and ours on Metal), with the cliff verdict."""
-    from .widths import run_widths_bench
+    from .bench_widths import run_widths_bench
 
     shape = SWEEP_SHAPES[metal]
     with tempfile.TemporaryDirectory(prefix="mlx-dflash-doctor-") as tmp:

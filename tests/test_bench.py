@@ -11,7 +11,7 @@ from mlx_lm.models import llama
 
 from mlx_dflash.machine import quantized_matmul_routing
 from mlx_dflash.policies.cliff import cliff_width, find_jumps
-from mlx_dflash.widths import model_shapes, run_widths_bench
+from mlx_dflash.bench_widths import model_shapes, run_widths_bench
 from mlx_dflash.policies.verify_costs import filled_cache, load_cost_table
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels.wide_qmm import metal_available
@@ -234,7 +234,7 @@ def test_bad_arguments(tmp_path, kwargs, words):
 
 def test_our_kernels_are_measured_where_they_run(tiny_model, tmp_path, monkeypatch):
     """The Metal path (ours against MLX's), with a CPU stand-in for the wide kernel."""
-    import mlx_dflash.widths as bench
+    import mlx_dflash.bench_widths as bench
     import mlx_dflash.kernels.wide_qmm as kernels
 
     rows = []

@@ -163,8 +163,8 @@ def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_conf
 
     target, tokenizer, drafter = tiny_chat_pair
     reads = []
-    real_read = decoder.read
-    monkeypatch.setattr(decoder, "read", lambda *arrays: (reads.append(len(arrays)), real_read(*arrays))[1])
+    real_to_host = decoder.to_host
+    monkeypatch.setattr(decoder, "to_host", lambda *arrays: (reads.append(len(arrays)), real_to_host(*arrays))[1])
     ids = mx.array(chat_ids(tokenizer, "Count to twenty."))
     auto = DCutPolicy(drafter.block_size, drafter.block_size, {1: {w: 0.01 for w in range(1, 9)}})  # wider is free
     cases = [("fixed, greedy", make_policy(drafter.block_size, 4), SamplingParams(), 1),

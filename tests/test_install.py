@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlx_dflash"
 OPTIONAL = {"matplotlib", "torch", "scipy", "regex", "pytest"}  # extras (bench, parity, dev) only
-BENCHMARKS = {"mlx_dflash.widths", "mlx_dflash.plot"}  # reached through `mlx-dflash bench` only
+BENCHMARKS = {"mlx_dflash.bench_widths", "mlx_dflash.plot"}  # reached through `mlx-dflash bench` only
 # What a user runs: the CLI's commands but `bench`, and the Python API.
 ENTRY_POINTS = ["mlx_dflash", "mlx_dflash.cli", "mlx_dflash.generate", "mlx_dflash.server.routes", "mlx_dflash.convert",
                 "mlx_dflash.tuner.trainer"]

@@ -365,7 +365,7 @@ def test_the_doctor_answers_with_failing_kernels(monkeypatch):
 
 
 def test_bench_widths_forced_says_what_fell_back(monkeypatch, tmp_path):
-    from mlx_dflash.widths import run_widths_bench
+    from mlx_dflash.bench_widths import run_widths_bench
 
     fake_metal(monkeypatch)
     FakeKernels(monkeypatch, fail="compile")

@@ -233,7 +233,7 @@ def test_compare_reports_the_ratios():
 
 
 def test_bench_widths_prints_the_model_beside_the_timings(tmp_path):
-    from mlx_dflash.widths import run_widths_bench
+    from mlx_dflash.bench_widths import run_widths_bench
 
     lines = []
     res = run_widths_bench(None, tmp_path, shapes=["256x512", "512x256"], widths=range(4, 9), repeats=1, warmup=0,

@@ -3,7 +3,7 @@ verify, accept, roll back. `speculative_round` is one round, written once over r
 one-row case (`speculative_rounds`, which `generate.py` wraps in the tokenizer, stop handling, streaming
 text and statistics), and a batch of requests decoding together its many-row case (decoding/batch_decoder.py).
 
-Host round trips: the loop reads the device back through `read` only, once per round where it can.
+Host round trips: the loop reads the device back through `to_host` only, once per round where it can.
 - Every round: the drafts, the number kept, the next token and prompt lookup's count come back
   together after the verify (greedy and sampled rounds alike: acceptance runs on the device).
 - `--width auto` and `--p-min` (policies that read the drafter's confidence) add one before the verify:
@@ -107,7 +107,7 @@ class DecodeState:
             self.context = features if self.context is None else mx.concatenate([self.context, features], axis=1)
 
 
-def read(*arrays: mx.array) -> list:
+def to_host(*arrays: mx.array) -> list:
     """The arrays' values on the host, in one round trip (one evaluation, then copies)."""
     mx.eval(*arrays)
     return [a.tolist() for a in arrays]
@@ -196,15 +196,15 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         tree = may_tree and (draft.candidates is not None or trees is not None)
         if policy.uses_confidence or tree:
             ranked = tree and trees is None  # the drafter's candidates, for a tree of them
-            confidence, copied, *top = read(draft.confidence, looked_up, *(draft.candidates if ranked else ()))
+            confidence, looked_up_host, *top = to_host(draft.confidence, looked_up, *(draft.candidates if ranked else ()))
             if ranked:  # prompt lookup's copies, where there are some, are branches beside the drafter's candidates
                 copies = [r.history.copies(d) if policy.prompt_lookup else [] for r, d in zip(rows, depths)]
                 trees = grow(*map(np.array, top), width, depths, copies)
             if tree:
-                width, tree = policy.cut_tree(width, trees, confidence, copied, most, runs)
+                width, tree = policy.cut_tree(width, trees, confidence, looked_up_host, most, runs)
                 trees = trees if tree else None
             else:
-                width = policy.cut(width, confidence, copied, most, runs)
+                width = policy.cut(width, confidence, looked_up_host, most, runs)
             drafts = drafts[:, : width - 1]
     drafts, confidence = ranks.agree(drafts, confidence)
     width = drafts.shape[1] + 1  # rank 0's, under a sharded target
@@ -219,9 +219,9 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         v = verify_trees(target, cache, rows, trees, width, most, keys)
     else:
         v = verify_chains(target, cache, rows, drafts, proposal, limits, keys, looked_up, ranks)
-    logits, features, accepted, bonus, copied = v.logits, v.features, v.accepted, v.bonus, v.looked_up
+    logits, features, accepted, bonus, looked_up = v.logits, v.features, v.accepted, v.bonus, v.looked_up
     policy.observe(confidence, limits, accepted, len(rows), width, draft_seconds,
-                   time.perf_counter() - tic - draft_seconds, copied, v.tree, runs)
+                   time.perf_counter() - tic - draft_seconds, looked_up, v.tree, runs)
 
     # Roll back: each row's cache keeps its anchor and accepted drafts, whose features join its context.
     target.trim_rows(cache, [width - 1 - a for a in accepted])
@@ -233,8 +233,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         new = kept + [bonus[b]]
         r.history.extend(new)
         r.anchor, r.remaining, r.first = bonus[b], r.remaining - len(new), False
-        looked = min(copied[b], limits[b])
-        rounds.append(Round(new, limits[b], accepted[b], looked, log_softmax(logits[b, path]), tree=v.tree is not None))
+        rounds.append(Round(new, limits[b], accepted[b], min(looked_up[b], limits[b]), log_softmax(logits[b, path]),
+                            tree=v.tree is not None))
     return rounds, width
 
 
@@ -260,9 +260,9 @@ def verify_chains(target: Target, cache: list, rows: list, drafts: mx.array, pro
     block = mx.concatenate([mx.array([[r.anchor] for r in rows], dtype=mx.int32), drafts], axis=1)
     logits, features = target.forward(block, cache)
     accepted, bonus = accept_rows(drafts, logits, [r.sampling for r in rows], limits, proposal, keys)
-    drafts, accepted, bonus, copied = read(drafts, accepted, bonus, looked_up)
+    drafts, accepted, bonus, looked_up = to_host(drafts, accepted, bonus, looked_up)
     accepted, bonus = ranks.settle(accepted, bonus)
-    return Verified(logits, features, drafts, accepted, bonus, copied)
+    return Verified(logits, features, drafts, accepted, bonus, looked_up)
 
 
 def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list) -> Verified:
@@ -271,12 +271,12 @@ def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, mos
     block = trees.first(nodes, [r.anchor for r in rows], [min(nodes, n) for n in most])
     logits, features = target.forward(mx.array(block.tokens, mx.int32), cache,
                                       (mx.array(block.depth, mx.int32), mx.array(block.ancestors)))
-    last, bonus = read(*accept_trees(block, logits, [r.sampling for r in rows], keys))
+    last, bonus = to_host(*accept_trees(block, logits, [r.sampling for r in rows], keys))
     paths = [block.path(b, n) for b, n in enumerate(last)]
     target.keep_paths(cache, paths, nodes)
     drafts = [block.tokens[b, p[1:]].tolist() for b, p in enumerate(paths)]
-    copied = [int(block.copied[b, p].sum()) for b, p in enumerate(paths)]  # kept tokens lookup's copy proposed
-    return Verified(logits, features, drafts, [len(p) - 1 for p in paths], bonus, copied, paths,
+    looked_up = [int(block.copied[b, p].sum()) for b, p in enumerate(paths)]  # kept tokens lookup's copy proposed
+    return Verified(logits, features, drafts, [len(p) - 1 for p in paths], bonus, looked_up, paths,
                     tree_verdict(block, paths))
 
 
@@ -308,7 +308,7 @@ def speculative_rounds(
     done = len(state.tokens)
     logits, features = target.prefill(prompt[done:], state.cache, prefill_step, prefill_progress)
     first_key, key = seeded_keys(seed)
-    (anchor,) = read(next_token(logits, sampling, first_key))
+    (anchor,) = to_host(next_token(logits, sampling, first_key))
     _, (anchor,) = ranks.settle([0], [anchor])  # every rank takes rank 0's first token
     state.extend(prompt[done:].tolist(), ranks.whole_features(features))
     if policy.max_width > 1:
@@ -359,7 +359,7 @@ def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features:
         keys = [r.key for r in rows]  # the rows' streams before the next step draws from them
         upcoming = step(current[0], first=False) if i + 1 < n else None
         chosen, logits, features = current
-        tokens, rounds = read(chosen)[0], []
+        tokens, rounds = to_host(chosen)[0], []
         for b, (r, token) in enumerate(zip(rows, tokens)):
             # the row of the token before entered the cache; its features are the drafter's context
             r.state.extend([r.anchor], features[b : b + 1] if keep_features else None)

@@ -139,27 +139,27 @@ class DCutPolicy(WidthPolicy):
         where positions cost nothing to read out: no drafter)."""
         return max(self.chosen) + self.REACH_MARGIN if self.chosen and self.reads_out else self.block_size
 
-    def expected(self, confidence: list, copied: list, remaining: list, width: int, runs=None) -> float:
+    def expected(self, confidence: list, looked_up: list, remaining: list, width: int, runs=None) -> float:
         """The batch's expected tokens from a round verifying `width` rows."""
         return sum(self.calibration.expected_tokens(conf, min(width, left), lookup, run)
-                   for conf, lookup, left, run in zip(confidence, copied, remaining, runs or [1] * len(copied)))
+                   for conf, lookup, left, run in zip(confidence, looked_up, remaining, runs or [1] * len(looked_up)))
 
-    def rate(self, confidence, copied, remaining, width: int, runs=None) -> float:
+    def rate(self, confidence, looked_up, remaining, width: int, runs=None) -> float:
         batch = len(confidence)
-        expected = self.expected(confidence, copied, remaining, width, runs)
+        expected = self.expected(confidence, looked_up, remaining, width, runs)
         return expected / (self.draft_seconds + self.cost(batch, width))
 
-    def cut(self, width: int, confidence: list, copied: list, remaining: list, runs=None) -> int:
-        width = super().cut(width, confidence, copied, remaining)  # p-min / n-min first, when given
-        return self.choose({w: self.rate(confidence, copied, remaining, w, runs) for w in range(1, width + 1)},
+    def cut(self, width: int, confidence: list, looked_up: list, remaining: list, runs=None) -> int:
+        width = super().cut(width, confidence, looked_up, remaining)  # p-min / n-min first, when given
+        return self.choose({w: self.rate(confidence, looked_up, remaining, w, runs) for w in range(1, width + 1)},
                            len(confidence))
 
-    def cut_tree(self, width: int, trees, confidence: list, copied: list, remaining: list, runs=None) -> tuple:
+    def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list, runs=None) -> tuple:
         """As `cut`, choosing between a chain and a tree of each size: a tree of n nodes expects 1 + the sum of
         its n - 1 best nodes' chances of being reached (each the product of its path's calibrated acceptances,
         policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times the running ratio of
         tree verifies' times to chains' (its mask and per-node positions). Returns (rows, tree or not)."""
-        width = WidthPolicy.cut(self, width, confidence, copied, remaining)
+        width = WidthPolicy.cut(self, width, confidence, looked_up, remaining)
         accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied, runs) * trees.alive
         reach = np.zeros_like(accept)
         for r in range(accept.shape[1]):  # parents rank before their children
@@ -169,7 +169,7 @@ class DCutPolicy(WidthPolicy):
         totals = np.concatenate([[0.0], np.cumsum(reach.sum(axis=0))])  # the batch's, by nodes past the anchor
         batch = len(confidence)
         self.tree_expected = {w: batch + totals[w - 1] for w in range(1, width + 1)}
-        rates = {(w, False): self.rate(confidence, copied, remaining, w, runs) for w in range(1, width + 1)}
+        rates = {(w, False): self.rate(confidence, looked_up, remaining, w, runs) for w in range(1, width + 1)}
         rates.update({(w, True): self.tree_expected[w] / (self.draft_seconds + self.cost(batch, w) * self.tree_cost)
                       for w in range(2, width + 1)})
         best = max(rates, key=rates.get)
@@ -187,7 +187,7 @@ class DCutPolicy(WidthPolicy):
         near = [w for w in rates if rates[w] >= (1 - self.EXPLORE_LOSS) * rates[best]]
         return min(near, key=lambda w: (timed[w], -rates[w]))
 
-    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, copied, tree=None,
+    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, looked_up, tree=None,
                 runs=None):
         a = self.SMOOTHING
         if confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
@@ -198,8 +198,8 @@ class DCutPolicy(WidthPolicy):
                 self.tree_cost = running(self.tree_cost, verify_seconds / self.cost(batch, width), a)
                 verify_seconds /= self.tree_cost  # its cell keeps a chain's time
             else:
-                rate = self.rate(confidence, copied, [n + 1 for n in limits], width, runs)
-                for conf, n, kept, lookup, run in zip(confidence, limits, accepted, copied, runs or [1] * batch):
+                rate = self.rate(confidence, looked_up, [n + 1 for n in limits], width, runs)
+                for conf, n, kept, lookup, run in zip(confidence, limits, accepted, looked_up, runs or [1] * batch):
                     self.calibration.record(conf, n, kept, min(int(lookup), n), run)
             self.gain = running(self.gain, rate / plain, a)
             self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
