@@ -148,10 +148,10 @@ def training_args(ap: argparse.ArgumentParser, steps: int, sequences: int, ancho
 def train(label: str, flags: list, args: argparse.Namespace, out: Path) -> list:
     """One `mlx-dflash train` run, in a process of its own: `flags`, then the training flags in `args`
     (`training_args`), into `out`; its evaluations (trainer_state.json's history)."""
-    command = [sys.executable, "-m", "mlx_dflash.cli", "train", *flags, "--out", str(out)]
-    command += [a for name in TRAINING_FLAGS for a in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
-    print(f"{label}: {' '.join(command[3:])}", flush=True)
-    subprocess.run(command, check=True)
+    cmd = [sys.executable, "-m", "mlx_dflash.cli", "train", *flags, "--out", str(out)]
+    cmd += [a for name in TRAINING_FLAGS for a in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
+    print(f"{label}: {' '.join(cmd[3:])}", flush=True)
+    subprocess.run(cmd, check=True)
     return json.loads((out / "trainer_state.json").read_text())["history"]
 
 

@@ -1,6 +1,7 @@
 """bench/harness.py, what the benchmarks share: the run record, the writer of a run's files, the side-by-side
-order, the check that mlx_dflash is this tree's, and bench/ free of sys.path edits."""
+order, the training runs, the check that mlx_dflash is this tree's, and bench/ free of sys.path edits."""
 
+import argparse
 import datetime
 import json
 import os
@@ -53,6 +54,23 @@ def test_side_by_side_order_alternates_by_turn():
     assert harness.alternate(["a", "b"], 1) == ["b", "a"]
     assert harness.alternate({"x": 1, "y": 2, "z": 3}, 3) == ["z", "y", "x"]  # a dict's keys, as configs are
     assert harness.alternate(range(3), 4) == [0, 1, 2]
+
+
+def test_train_passes_the_training_flags_on(tmp_path, monkeypatch):
+    ap = argparse.ArgumentParser()
+    harness.training_args(ap, steps=3, sequences=2, anchors=4, lr=1e-4, eval_every=1, eval_sequences=5)
+    ran = []
+
+    def run(command, check):
+        ran.append(command)
+        (tmp_path / "trainer_state.json").write_text('{"history": [{"step": 3, "tau": 1.5}]}')
+
+    monkeypatch.setattr(harness.subprocess, "run", run)
+    history = harness.train("shape", ["--prompts", "p.jsonl"], ap.parse_args(["--seed", "7"]), tmp_path)
+    assert history == [{"step": 3, "tau": 1.5}]
+    assert ran[0][1:] == ["-m", "mlx_dflash.cli", "train", "--prompts", "p.jsonl", "--out", str(tmp_path),
+                          "--steps", "3", "--sequences", "2", "--anchors", "4", "--lr", "0.0001", "--eval-every", "1",
+                          "--eval-sequences", "5", "--seed", "7"]
 
 
 def test_a_package_from_another_tree_is_refused_in_one_line(tmp_path):
