@@ -20,21 +20,20 @@ not on PyPI; `--prompts FILE --first 7000`), which the default drafter never saw
 """
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash.machine import machine_info, versions
+from harness import pair_args, prompt_args, prompt_path, results_dir, run_record, write_results
 from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
 from mlx_dflash.decoding.decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
-from mlx_dflash.utils import portable_path, write_atomic
+from mlx_dflash.utils import portable_path
 from mlx_dflash.pair import load_target
-from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target, ensure_prompt_set
-from mlx_dflash.plot import bar_chart_png, charts_available
+from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target
+from mlx_dflash.plot import bar_chart_png
 from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.tuner.replay import (TargetFeatures, decoding_acceptance, looked_up_acceptance, prompt_lookup_drafts,
@@ -44,22 +43,19 @@ from mlx_dflash.tuner.replay import (TargetFeatures, decoding_acceptance, looked
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
-    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", default="mt-bench", help=f"prompt set ({', '.join(PROMPT_SETS)}) or prompt file")
-    p.add_argument("--first", type=int, default=0, help="index of the first held-out prompt")
+    pair_args(p)
+    prompt_args(p, first_help="index of the first held-out prompt")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--widths", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--check", type=int, default=3, help="prompts also decoded for real, to verify the replay")
-    p.add_argument("--out", default="bench/results/acceptance")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: bench/results/acceptance)")
     args = p.parse_args()
 
     drafter_dir = (args.drafter or shipped_drafter_dir())
     target, tokenizer = load_target(default_target(args.model))
     drafter = drafter_from_dir(drafter_dir).bind(target)
-    prompt_file = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
-    prompts = read_prompts(prompt_file)[args.first : args.first + args.num_prompts]
+    prompts = read_prompts(prompt_path(args.prompts))[args.first : args.first + args.num_prompts]
     answers = cache_dir() / "data" / f"heldout-{Path(args.prompts).stem}-{args.first}-{args.max_tokens}.jsonl"
     generate_responses(target.model, tokenizer, prompts, answers, max_tokens=args.max_tokens, batch_size=32)
     samples = sorted(read_samples(answers), key=lambda s: s["index"])[: len(prompts)]
@@ -88,26 +84,20 @@ def main():
                                "same_tokens": decoded == ids[start : start + len(decoded)],
                                "replay_tau": replay["tau"], "decoded_tau": real_tau})
 
-    results = {
-        "machine": machine_info(), "versions": versions(), "drafter": portable_path(drafter_dir),
-        "prompts": f"{portable_path(args.prompts) if args.prompts not in PROMPT_SETS else args.prompts} [{args.first}:{args.first + len(prompts)}]", "num_prompts": len(sequences),
-        "max_tokens": args.max_tokens, "seconds": seconds, "acceptance": drafter_acceptance,
-        "trained_with_lookup": combined, "looked_up_acceptance": looked_up, "prompt_lookup": lookup,
-        "checks": checks,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "acceptance.json", json.dumps(results, indent=1) + "\n")
+    shown = args.prompts if args.prompts in PROMPT_SETS else portable_path(args.prompts)
+    results = run_record(
+        __file__, drafter=portable_path(drafter_dir), prompts=f"{shown} [{args.first}:{args.first + len(prompts)}]",
+        num_prompts=len(sequences), max_tokens=args.max_tokens, seconds=seconds, acceptance=drafter_acceptance,
+        trained_with_lookup=combined, looked_up_acceptance=looked_up, prompt_lookup=lookup, checks=checks)
     # The per-position curve: P(draft k kept) for each k, one bar per verify width.
     longest = max(args.widths)
     labels = [f"draft {k}" for k in range(1, longest)]
     series = {f"width {w}": r["reach"] + [None] * (longest - w) for w, r in drafter_acceptance.items()}
     series[f"trained + lookup, width {longest}"] = combined[longest]["reach"]
     series[f"prompt lookup, width {longest}"] = lookup[longest]["reach"]
-    if charts_available():
-        write_atomic(out / "acceptance.png", bar_chart_png(
-            labels, series, title=f"P(draft k kept), {len(sequences)} held-out prompts, greedy",
-            xlabel="fraction of rounds in which draft k was kept"))
+    write_results(args.out or results_dir("acceptance"), "acceptance", results, chart=lambda: bar_chart_png(
+        labels, series, title=f"P(draft k kept), {len(sequences)} held-out prompts, greedy",
+        xlabel="fraction of rounds in which draft k was kept"))
 
     print(f"{len(sequences)} held-out prompts ({results['prompts']}), greedy, up to {args.max_tokens} tokens")
     print("| drafter | verify width | tau (tokens/round) | rounds | P(draft k kept), k = 1..8 |")

@@ -17,16 +17,10 @@ answers.md into bench/results/<name>/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from harness import name_arg, results_dir, run_record, write_results
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-answers/1"
 
@@ -84,11 +78,9 @@ def run(args) -> dict:
              "vs_mlx_lm_batch": round(seconds[base] / seconds[name] * tokens[name] / tokens[base], 3),
              "equal_to_one_request": sum(a == r for a, r in zip(answers[name], reference))}
             for name in engines]
-    return {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(["python", "bench/answers.py", *sys.argv[1:]]), "machine": machine_info(),
-            "versions": versions(), "prompts": portable_path(args.prompts), "first": args.first,
-            "num_prompts": len(ids), "batch": args.batch, "max_tokens": args.max_tokens, "checked": len(reference),
-            "rows": rows}
+    return run_record(__file__, schema=SCHEMA, prompts=portable_path(args.prompts), first=args.first,
+                      num_prompts=len(ids), batch=args.batch, max_tokens=args.max_tokens, checked=len(reference),
+                      rows=rows)
 
 
 def markdown(result: dict) -> str:
@@ -96,7 +88,8 @@ def markdown(result: dict) -> str:
              f"{result['num_prompts']} prompts from {result['prompts']} (from {result['first']}), batches of "
              f"{result['batch']}, greedy, at most {result['max_tokens']} tokens; equal: of the first "
              f"{result['checked']}, answers equal to the target's one-request greedy answer.", "",
-             "| engine | answer tokens | seconds | tokens/s | vs mlx-lm's batch | equal |", "|---|---:|---:|---:|---:|---:|"]
+             "| engine | answer tokens | seconds | tokens/s | vs mlx-lm's batch | equal |",
+             "|---|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
         lines.append(f"| {row['engine']} | {row['tokens']} | {row['seconds']} | {row['tokens_per_s']} | "
                      f"{row['vs_mlx_lm_batch']:.2f}x | {row['equal_to_one_request']}/{result['checked']} |")
@@ -112,14 +105,11 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--widths", default="auto", help="Our engine's widths, comma-separated (auto: D-cut).")
     parser.add_argument("--check", type=int, default=8, help="Prompts checked against one-request greedy.")
-    parser.add_argument("--name", default="answers-cpu")
+    name_arg(parser, "answers-cpu")
     args = parser.parse_args()
     args.widths = [w if w == "auto" else int(w) for w in args.widths.split(",")]
     result = run(args)
-    out = Path(__file__).parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "answers.json", json.dumps(result, indent=1) + "\n")
-    write_atomic(out / "answers.md", markdown(result))
+    write_results(results_dir(args.name), "answers", result, markdown(result))
     print(markdown(result))
 
 

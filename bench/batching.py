@@ -6,16 +6,16 @@
         --long-clients 2 --long-tokens 3000 --max-tokens 64 --requests-per-client 1 --name batching-cpu-mixed
 
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
-`mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one
-request at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto`
-(D-cut) (`--configs` picks some). `--base REV` adds the same servers of another revision (a git worktree of
-it, imported alone), to measure a change against the commit before it in the same run. The servers start one after another, each once the one before answers (so that a start-up
-probe times a quiet machine, as it would on a user's). For each concurrency level c, every server is
-measured in an order that rotates from level to level and from repeat to repeat (drift on a shared
-machine spreads over all): c client threads, each sending --requests-per-client streamed greedy chat
-requests one after another through the `openai` client. Request j of client k gets prompt
-k * requests + j of the set, so every server answers the same prompts; every answer must be the same on
-every server (a difference prints a loud line and makes the exit status 1).
+`mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one request
+at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto` (D-cut)
+(`--configs` picks some). `--base REV` adds the same servers of another revision (a git worktree of it, imported
+alone), to measure a change against the commit before it in the same run. The servers start one after another, each
+once the one before answers (so that a start-up probe times a quiet machine, as it would on a user's). For each
+concurrency level c, every server is measured in an order that rotates from level to level and from repeat to
+repeat (drift on a shared machine spreads over all): c client threads, each sending --requests-per-client streamed
+greedy chat requests one after another through the `openai` client. Request j of client k gets prompt k * requests
++ j of the set, so every server answers the same prompts; every answer must be the same on every server (a
+difference prints a loud line and makes the exit status 1).
 
 A mixed load (`--long-clients M`): the last M clients of every level send long prompts instead, each a
 document of --long-tokens tokens made of the set's prompts as numbered problems (request i's document
@@ -34,23 +34,20 @@ bench/results/<name>/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from servers import dflash_server, mlx_lm_server, stream_chat  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.tuner.data import read_prompts  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import ROOT, name_arg, pair_args, prompt_args, prompt_path, results_dir, run_record, write_results
+from servers import dflash_server, mlx_lm_server, stream_chat
+from mlx_dflash.downloads import default_target
+from mlx_dflash.plot import line_chart_png
+from mlx_dflash.tuner.data import read_prompts
 
 SCHEMA = "mlx-dflash/bench-batching/1"
 MLX_LM, SERIAL = "mlx_lm.server", "ours, one at a time (auto)"
@@ -71,11 +68,8 @@ def configurations(max_batch: int, keys: str = "serial,4,8,16,dcut") -> dict:
 
 def base_tree(revision: str) -> Path:
     """`revision` checked out into a temporary folder (git worktree), for its servers to run from."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
     path = Path(tempfile.mkdtemp(prefix="mlx-dflash-base-")) / "tree"
-    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(path), revision], check=True)
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), revision], check=True)
     return path
 
 
@@ -148,7 +142,8 @@ def summary(name: str, clients: int, repeats: list) -> dict:
             "aggregate_tokens_per_s": statistics.median(r["aggregate_tokens_per_s"] for r in repeats),
             "aggregate_tokens_per_s_repeats": [r["aggregate_tokens_per_s"] for r in repeats],
             "tokens_per_s_per_request": statistics.median(decode) if decode else 0.0,
-            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]}
+            "ttft_p50_s": statistics.median(ttft),
+            "ttft_p95_s": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]}
 
 
 def markdown(rows: list, levels: list) -> str:
@@ -176,36 +171,16 @@ def markdown(rows: list, levels: list) -> str:
     return "\n".join(out)
 
 
-def chart(rows: list, levels: list, path: Path):
-    from mlx_dflash.plot import charts_available
-
-    if not charts_available():
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["server"] for r in rows):
-        ax.plot(levels, [next(r for r in rows if r["server"] == name and r["clients"] == c)["aggregate_tokens_per_s"]
-                         for c in levels], marker="o", label=name)
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("aggregate tokens/s")
-    ax.set_xticks(levels)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def chart(rows: list, levels: list) -> bytes:
+    by = {(r["server"], r["clients"]): r["aggregate_tokens_per_s"] for r in rows}
+    curves = {name: (levels, [by[name, c] for c in levels]) for name in dict.fromkeys(r["server"] for r in rows)}
+    return line_chart_png(curves, "concurrent clients", "aggregate tokens/s")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="target (default: the default pair's)")
-    ap.add_argument("--drafter", help="drafter (default: the shipped one)")
-    ap.add_argument("--prompts", default="mt-bench", help=f"a prompt file or set ({', '.join(PROMPT_SETS)})")
-    ap.add_argument("--first", type=int, default=0, help="the first prompt used (held-out GSM8K: 7000)")
+    pair_args(ap)
+    prompt_args(ap, first_help="the first prompt used (held-out GSM8K: 7000)")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -216,15 +191,14 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="serial,4,8,16,dcut",
                     help="our servers: serial (one at a time), 4, 8, 16 (fixed widths), dcut")
     ap.add_argument("--base", help="also run our servers at this revision (a git worktree), side by side")
-    ap.add_argument("--name", default="batching-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "batching-cpu")
     args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]
     if not 0 <= args.long_clients < min(levels):
         raise SystemExit(f"--long-clients {args.long_clients}: give fewer than the smallest level's clients "
                          f"({min(levels)}), so every level has short requests")
-    source = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
-    texts = read_prompts(source)
+    texts = read_prompts(prompt_path(args.prompts))
     prompts = texts[args.first : args.first + max(levels) * args.requests_per_client]
     model = default_target(args.model)
     long_prompts = [{}] * args.repeats
@@ -234,7 +208,8 @@ def main(argv=None) -> int:
         tokenizer, pool = load_tokenizer(Path(model)), texts[args.first + len(prompts):] or texts
         long_prompts = long_prompt_sets(tokenizer, pool, args.long_clients * args.requests_per_client,
                                         args.long_tokens, args.repeats)
-    common = ["--model", model, "--max-tokens", str(args.max_tokens)] + (["--drafter", args.drafter] if args.drafter else [])
+    common = ["--model", model, "--max-tokens", str(args.max_tokens)]
+    common += ["--drafter", args.drafter] if args.drafter else []
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-batching-"))  # kept only if something fails
     starts = {MLX_LM: lambda: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log")}
     ours = configurations(args.max_batch, args.configs)
@@ -264,10 +239,7 @@ def main(argv=None) -> int:
         for s in servers.values():
             s.stop()
         if tree is not None:
-            import subprocess
-
-            subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "worktree", "remove", "--force",
-                            str(tree)])
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
     shutil.rmtree(logs)
     rows = [summary(name, clients, [r for r in runs if r["server"] == name and r["clients"] == clients])
             for name in servers for clients in levels]
@@ -280,17 +252,10 @@ def main(argv=None) -> int:
                 if len({r["requests"][i]["text"] for r in level}) > 1:
                     identical = False
                     print(f"!!! {clients} clients, request {i}: the servers' answers differ", file=sys.stderr)
-    out_dir = Path(__file__).resolve().parent / "results" / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "versions": versions(), "settings": {k: v for k, v in vars(args).items()
-                                                                            if k != "model"},
-              "command": "python bench/batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "identical": identical, "rows": rows, "runs": runs}
-    write_atomic(out_dir / "batching.json", json.dumps(record, indent=1))
+    record = run_record(__file__, argv, schema=SCHEMA, settings={k: v for k, v in vars(args).items() if k != "model"},
+                        identical=identical, rows=rows, runs=runs)
     table = markdown(rows, levels)
-    write_atomic(out_dir / "batching.md", table + "\n")
-    chart(rows, levels, out_dir / "batching.png")
+    write_results(results_dir(args.name), "batching", record, table, chart=lambda: chart(rows, levels))
     print(table)
     return 0 if identical else 1
 

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from editing import functions
+from mlx_dflash.utils import cache_dir, write_atomic
 
 OUT = Path(__file__).resolve().parent / "data" / "agent-requests"
 MODEL = "local-model"
@@ -131,8 +132,6 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def npm_client(name: str) -> Path:
-    from mlx_dflash.utils import cache_dir
-
     path = cache_dir() / "npm" / "node_modules" / ".bin" / name
     if not path.exists():
         raise SystemExit(f"{name} is not installed: run `python -m pytest -m slow tests/test_agents_real.py` once "
@@ -197,10 +196,8 @@ def main(argv=None) -> int:
             if server.captured is None:
                 print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{client}: no request carried the file back")
-            out = OUT / f"{client}.json"
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(scrubbed(server.captured, scratch), indent=1, sort_keys=True) + "\n")
-            tmp.replace(out)
+            out = write_atomic(OUT / f"{client}.json",
+                               json.dumps(scrubbed(server.captured, scratch), indent=1, sort_keys=True) + "\n")
             print(f"{client}: {out} ({out.stat().st_size} bytes)")
     return 0
 

@@ -14,24 +14,20 @@ alone on given logits (top-k, codebook gathers, the walk). Process CPU time on a
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlx_dflash.models.config import parse_config  # noqa: E402
+from harness import ROOT, device_tag, results_dir, run_record, write_results
+from mlx_dflash.models.config import parse_config
 from mlx_dflash.models.dflash import Borrowed
-from mlx_dflash.models.loader import init_drafter  # noqa: E402
-from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
-from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
+from mlx_dflash.models.loader import init_drafter
+from mlx_dflash.kernels.wide_qmm import metal_available
+from mlx_dflash.decoding.sampling import SamplingParams
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "dflash2-config.json"
+FIXTURE = ROOT / "tests" / "fixtures" / "dflash2-config.json"
 
 
 def configs(hidden: int) -> tuple:
@@ -49,8 +45,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    device = "metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}"
-    out = args.out or Path(__file__).resolve().parent / "results" / f"dflash2-draft-{device}"
+    device = device_tag()
     clock = time.perf_counter if metal_available() else time.process_time
 
     v1_config, d2_config = configs(args.hidden)
@@ -117,11 +112,9 @@ def main(argv=None):
     for name, m in medians.items():
         lines.append(f"{name:34s} {m * 1e3:9.1f} ms   x{m / base:.2f} of the v1 step")
     print("\n".join(lines))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dflash2.json").write_text(json.dumps(
-        {"hidden": H, "vocab": V, "context": args.context, "repeats": args.repeats, "device": device,
-         "command": "python bench/dflash2.py " + " ".join(argv or sys.argv[1:]),
-         "seconds": times, "median_seconds": medians, "summary": lines}, indent=2) + "\n")
+    record = run_record(__file__, argv, hidden=H, vocab=V, context=args.context, repeats=args.repeats, device=device,
+                        seconds=times, median_seconds=medians, summary=lines)
+    write_results(args.out or results_dir(f"dflash2-draft-{device}"), "dflash2", record)
 
 
 if __name__ == "__main__":

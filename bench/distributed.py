@@ -25,7 +25,6 @@ bench/results/<name>/distributed.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -36,17 +35,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import write_atomic as _write_atomic  # noqa: E402
-from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
-from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, ensure_smollm2  # noqa: E402
+from harness import RESULTS, name_arg, run_record, write_results
+from mlx_dflash.decoding.prompt import encode_prompt
+from mlx_dflash.generate import generate
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, ensure_smollm2
 
 PROMPTS = [
     "Janet has 3 apples and buys 5 more. She eats 2. How many are left?",
@@ -197,14 +193,12 @@ def worker(args) -> int:
     lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in latencies.items()]
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out_root) / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  machine=machine_info(), versions=versions(), ranks=group.size(), backend=args.backend,
-                  settings=dict(num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.repeats),
-                  summary=summary, ratio_on_off=ratio, latencies_seconds=latencies, mismatches=mismatches,
-                  measured=[{k: v for k, v in m.items() if k != "tokens"} for m in measured], table=table)
-    _write_atomic(out / "distributed.json", (json.dumps(report, indent=2) + "\n").encode())
+    user_flags = sys.argv[1:sys.argv.index("--worker")]  # main() puts the worker's own flags last
+    report = run_record(__file__, user_flags, ranks=group.size(), backend=args.backend,
+                        settings=dict(num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.repeats),
+                        summary=summary, ratio_on_off=ratio, latencies_seconds=latencies, mismatches=mismatches,
+                        measured=[{k: v for k, v in m.items() if k != "tokens"} for m in measured], table=table)
+    write_results(Path(args.out_root) / args.name, "distributed", report)
     return 1 if mismatches else 0
 
 
@@ -213,9 +207,9 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--name", default="distributed-pipeline-cpu")
+    name_arg(parser, "distributed-pipeline-cpu")
     parser.add_argument("--backend", default="ring")
-    parser.add_argument("--out-root", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out-root", default=str(RESULTS))
     parser.add_argument("--model"), parser.add_argument("--drafter")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -226,8 +220,8 @@ def main() -> int:
     forward = ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--repeats",
                str(args.repeats), "--name", args.name, "--backend", args.backend, "--out-root", args.out_root]
     cmd = [sys.executable, *LAUNCH, "--backend", args.backend, "-n", "2", "--env", "OPENBLAS_NUM_THREADS=1", "--",
-           sys.executable, __file__, "--worker", "--model", str(model), "--drafter", str(shipped_drafter_dir()),
-           *forward]
+           sys.executable, __file__, *forward, "--worker", "--model", str(model),
+           "--drafter", str(shipped_drafter_dir())]
     started = time.time()
     done = subprocess.run(cmd)
     result = Path(args.out_root) / args.name / "distributed.json"

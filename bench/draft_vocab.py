@@ -16,34 +16,30 @@ Writes draft_vocab.json and a markdown table into --out (atomically); prints the
 
 import argparse
 from collections import Counter
-import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.tuner.draft_vocab import coverage, response_token_counts, select_draft_vocab  # noqa: E402
-from mlx_dflash.models.loader import drafter_from_dir  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
-from mlx_dflash.pair import load_target  # noqa: E402
-from mlx_dflash.tuner.replay import TargetFeatures, decoding_acceptance  # noqa: E402
-from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
+from harness import pair_args, prompt_path, results_dir, run_record, write_results
+from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
+from mlx_dflash.downloads import cache_dir, shipped_drafter_dir, default_target
+from mlx_dflash.tuner.draft_vocab import coverage, response_token_counts, select_draft_vocab
+from mlx_dflash.models.loader import drafter_from_dir
+from mlx_dflash.utils import portable_path
+from mlx_dflash.pair import load_target
+from mlx_dflash.tuner.replay import TargetFeatures, decoding_acceptance
+from mlx_dflash.decoding.sampling import SamplingParams
 
 FULL = "full"
 
 
 def heldout_sequences(target, tokenizer, spec: str, first: int, count: int, max_tokens: int) -> list:
     """(ids, response start) of the target's greedy answers to prompts first..first+count of a set or file."""
-    prompt_file = ensure_prompt_set(spec) if spec in PROMPT_SETS else spec
-    prompts = read_prompts(prompt_file)[first : first + count]
+    prompts = read_prompts(prompt_path(spec))[first : first + count]
     answers = cache_dir() / "data" / f"heldout-{Path(spec).stem}-{first}-{max_tokens}.jsonl"
     generate_responses(target.model, tokenizer, prompts, answers, max_tokens=max_tokens, batch_size=32,
                        log=lambda m: print(m, file=sys.stderr))
@@ -75,8 +71,7 @@ def draft_seconds(drafter, target, ids: list, widths, repeats: int, sizes: dict,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="target (default: SmolLM2-135M-Instruct from PyPI)")
-    ap.add_argument("--drafter", help="drafter directory (default: the shipped one)")
+    pair_args(ap)
     ap.add_argument("--vocab-data", required=True, help="the target's responses that rank the tokens (train --data)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--heldout", nargs="+", default=["mt-bench"], help="prompt sets or files for the held-out tau")
@@ -86,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--context-tokens", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/draft-vocab"))
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: bench/results/draft-vocab)")
     args = ap.parse_args(argv)
     firsts = args.first + [args.first[-1]] * (len(args.heldout) - len(args.first))
 
@@ -114,15 +109,12 @@ def main(argv=None) -> int:
     context_ids = [t for ids, _ in next(iter(heldout.values())) for t in ids][: args.context_tokens]
     seconds = draft_seconds(drafter, target, context_ids, args.widths, args.repeats, sizes, seed=0)
 
-    results = {"machine": machine_info(), "versions": versions(), "drafter": portable_path(drafter_dir),
-               "vocab_data": portable_path(args.vocab_data), "vocab_data_tokens": sum(counts.values()),
-               "distinct_tokens_seen": len(counts), "max_tokens": args.max_tokens, "widths": args.widths,
-               "repeats": args.repeats, "context_tokens": len(context_ids), "tau": acceptance,
-               "coverage": covered, "draft_seconds": seconds}
+    results = run_record(__file__, argv, drafter=portable_path(drafter_dir), vocab_data=portable_path(args.vocab_data),
+                         vocab_data_tokens=sum(counts.values()), distinct_tokens_seen=len(counts),
+                         max_tokens=args.max_tokens, widths=args.widths, repeats=args.repeats,
+                         context_tokens=len(context_ids), tau=acceptance, coverage=covered, draft_seconds=seconds)
     table = markdown(results, list(sizes))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "draft_vocab.json", json.dumps(results, indent=1) + "\n")
-    write_atomic(args.out / "draft_vocab.md", table + "\n")
+    write_results(args.out or results_dir("draft-vocab"), "draft_vocab", results, table)
     print(table)
     return 0
 

@@ -21,19 +21,13 @@ widths 4, 8 and 16 and, for every shape, its tau@16 interpolated at the CPU time
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_dflash.downloads import default_target  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.plot import charts_available, line_chart_png  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from harness import name_arg, results_dir, run_record, train, training_args, write_results
+from mlx_dflash.downloads import default_target
+from mlx_dflash.plot import line_chart_png
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-drafter-shapes/1"
 DATA = Path(__file__).parent / "data"  # the target's answers, committed once made
@@ -61,18 +55,12 @@ def slices(gsm8k: Path, work: Path, args) -> tuple:
     return prompts, held_out
 
 
-def train(shape: str, args, files: tuple, out: Path) -> list:
-    """One training run from random weights; returns its evaluations (trainer_state.json's history)."""
+def shape_flags(shape: str, args, files: tuple) -> list:
+    """`mlx-dflash train`'s flags for one shape, from random weights (no --init)."""
     block, layers = shape_of(shape)
-    command = [sys.executable, "-m", "mlx_dflash.cli", "train", "--prompts", str(files[0]), "--data", args.data,
-               "--eval-prompts", str(files[1]), "--eval-data", args.eval_data,
-               "--eval-sequences", str(args.eval_sequences), "--out", str(out), "--block-size", str(block),
-               "--layers", str(layers), "--target-features", str(args.target_features), "--steps", str(args.steps),
-               "--sequences", str(args.sequences), "--anchors", str(args.anchors), "--lr", str(args.lr),
-               "--eval-every", str(args.eval_every), "--seed", str(args.seed)]
-    print(f"{shape}: {' '.join(command[3:])}", flush=True)
-    subprocess.run(command, check=True)
-    return json.loads((out / "trainer_state.json").read_text())["history"]
+    return ["--prompts", str(files[0]), "--data", args.data, "--eval-prompts", str(files[1]), "--eval-data",
+            args.eval_data, "--block-size", str(block), "--layers", str(layers), "--target-features",
+            str(args.target_features)]
 
 
 def final_taus(target, tokenizer, drafter_dir: Path, args) -> dict:
@@ -126,14 +114,8 @@ def main(argv=None):
                     help="JSONL of the target's answers to the held-out problems (made where missing)")
     ap.add_argument("--shapes", default="b16-l1,b8-l1,b16-l2")
     ap.add_argument("--target-features", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--sequences", type=int, default=2)
-    ap.add_argument("--anchors", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-sequences", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="drafter-shapes-cpu", help="results go to bench/results/<name>/")
+    training_args(ap, steps=300, sequences=2, anchors=32, lr=3e-4, eval_every=100, eval_sequences=48)
+    name_arg(ap, "drafter-shapes-cpu")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     for shape in shapes:
@@ -145,23 +127,15 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         files = slices(Path(args.gsm8k), Path(tmp), args)
         for shape in shapes:
-            runs[shape] = {"history": train(shape, args, files, Path(tmp) / shape)}
+            runs[shape] = {"history": train(shape, shape_flags(shape, args, files), args, Path(tmp) / shape)}
         target, tokenizer = load_target(default_target(None))
         for shape in shapes:
             runs[shape]["final"] = final_taus(target, tokenizer, Path(tmp) / shape, args)
             print(f"{shape}: {runs[shape]['final']}", flush=True)
-    out = Path(__file__).parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
     paths = ("gsm8k", "data", "eval_data")
     settings = {**vars(args), **{p: portable_path(getattr(args, p)) for p in paths}}
-    shown = [portable_path(a) if Path(a).expanduser().exists() else a for a in (argv or sys.argv[1:])]
-    result = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "versions": versions(), "settings": settings,
-              "command": "python bench/drafter_shapes.py " + " ".join(shown), "runs": runs}
-    write_atomic(out / "shapes.json", json.dumps(result, indent=1) + "\n")
-    write_atomic(out / "shapes.md", table(runs))
-    if charts_available():
-        write_atomic(out / "shapes.png", chart(runs))
+    result = run_record(__file__, argv, schema=SCHEMA, settings=settings, runs=runs)
+    write_results(results_dir(args.name), "shapes", result, table(runs), chart=lambda: chart(runs))
     print(table(runs))
 
 

@@ -16,24 +16,17 @@ table into bench/results/<name>/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import random
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from long_context import HELD_OUT, code_prompt, decode_rate, gsm8k_prompt, ours  # noqa: E402
-from mlx_dflash import load  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import gsm8k_arg, held_out_gsm8k, lossless_status, name_arg, results_dir, run_record, write_results
+from long_context import code_prompt, decode_rate, gsm8k_prompt, ours
+from mlx_dflash import load
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity
 
 SCHEMA = "mlx-dflash/bench-drafter-window/1"
 
@@ -73,26 +66,26 @@ def table(prompts: list, windows: list) -> str:
 
 
 def main(argv=None) -> int:
-    here = Path(__file__).resolve()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="2000,4000,6000")
     ap.add_argument("--kinds", default="gsm8k,code")
     ap.add_argument("--windows", default="all,2048,512,128,32", help="'all' (no window) and window sizes")
-    ap.add_argument("--gsm8k", default=str(here.parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"))
+    gsm8k_arg(ap)
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--name", default="drafter-window-cpu")
+    name_arg(ap, "drafter-window-cpu")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     windows = args.windows.split(",")
     try:
         if windows[0] != "all" or not all(w.isdigit() and int(w) > 0 for w in windows[1:]):
             raise DFlashError("--windows starts with 'all', then positive window sizes")
-        rows = [json.loads(line) for line in Path(args.gsm8k).read_text().splitlines()][HELD_OUT:]
+        rows = held_out_gsm8k(args.gsm8k)
         pair = load()
         prompts = []
-        for i, (kind, length) in enumerate((k, int(n)) for n in args.contexts.split(",") for k in args.kinds.split(",")):
+        prompt_kinds = [(k, int(n)) for n in args.contexts.split(",") for k in args.kinds.split(",")]
+        for i, (kind, length) in enumerate(prompt_kinds):
             ids = gsm8k_prompt(pair[2], rows, length) if kind == "gsm8k" else code_prompt(pair[2], length)
             log(f"{kind} prompt of {len(ids)} tokens")
             p = {"kind": kind, **measure(pair, ids, windows, args, i, log)}
@@ -102,18 +95,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     mismatches = sum(r["tokens"] != p["runs"][0]["tokens"] for p in prompts for r in p["runs"])
-    results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), "versions": versions(), "settings": {**vars(args), "gsm8k": "GSM8K train.jsonl"},
-               "mismatches": mismatches, "prompts": prompts}
-    out = here.parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "drafter_window.json", (json.dumps(results, indent=1) + "\n").encode())
-    write_atomic(out / "drafter_window.md", (table(prompts, windows) + "\n").encode())
+    results = run_record(__file__, argv, schema=SCHEMA, settings={**vars(args), "gsm8k": "GSM8K train.jsonl"},
+                         mismatches=mismatches, prompts=prompts)
+    write_results(results_dir(args.name), "drafter_window", results, table(prompts, windows))
     log("\n" + table(prompts, windows))
-    if mismatches:
-        log(f"!!!!! {mismatches} generation(s) differ between windows: NOT LOSSLESS !!!!!")
-        return 1
-    return 0
+    return lossless_status(mismatches, "generation(s) differ between windows")
 
 
 if __name__ == "__main__":

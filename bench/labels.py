@@ -26,21 +26,15 @@ bench/results/<name>/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_dflash.downloads import cache_dir, default_target, shipped_drafter_dir  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.plot import charts_available, line_chart_png  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from harness import name_arg, results_dir, run_record, train, training_args, write_results
+from mlx_dflash.downloads import cache_dir, default_target, shipped_drafter_dir
+from mlx_dflash.plot import line_chart_png
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-labels/1"
 VARIANTS = ("text-target", "text-text", "answers", "text-chat-code", "mix")
@@ -88,19 +82,11 @@ def variant_args(variant: str, files: dict, answers: Path) -> list:
     raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
 
 
-def train(variant: str, args, files: dict, answers: Path, held_out: Path, out: Path) -> list:
-    """One training run; returns its evaluations (trainer_state.json's history)."""
-    command = [sys.executable, "-m", "mlx_dflash.cli", "train", *variant_args(variant, files, answers),
-               "--eval-prompts", str(files["held-out"]), "--eval-data", str(held_out),
-               "--eval-sequences", str(args.eval_sequences), "--max-response-tokens", str(args.max_tokens),
-               "--out", str(out), "--steps", str(args.steps), "--sequences", str(args.sequences),
-               "--anchors", str(args.anchors), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
-               "--seed", str(args.seed)]
-    if args.init != "none":
-        command += ["--init", args.init or str(shipped_drafter_dir())]
-    print(f"{variant}: {' '.join(command[3:])}", flush=True)
-    subprocess.run(command, check=True)
-    return json.loads((out / "trainer_state.json").read_text())["history"]
+def variant_flags(variant: str, args, files: dict, answers: Path, held_out: Path) -> list:
+    """`mlx-dflash train`'s flags for one variant: its data, the held-out set, the start drafter."""
+    flags = [*variant_args(variant, files, answers), "--eval-prompts", str(files["held-out"]), "--eval-data",
+             str(held_out), "--max-response-tokens", str(args.max_tokens)]
+    return flags + (["--init", args.init or str(shipped_drafter_dir())] if args.init != "none" else [])
 
 
 def final_scores(target, drafter_dir: Path, held_out: list, chat: list) -> dict:
@@ -145,16 +131,10 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--answers", type=int, default=96, help="GSM8K problems the target answers for `answers`")
     ap.add_argument("--init", default=None, help="start drafter (default: the shipped one; none: random weights)")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--sequences", type=int, default=4)
-    ap.add_argument("--anchors", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-5)
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--eval-sequences", type=int, default=48)
+    training_args(ap, steps=60, sequences=4, anchors=64, lr=3e-5, eval_every=20, eval_sequences=48)
     ap.add_argument("--chat-sequences", type=int, default=48, help="MT-Bench first turns for the chat tau")
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="labels-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "labels-cpu")
     args = ap.parse_args(argv)
 
     from mlx_dflash.downloads import ensure_prompt_set
@@ -185,21 +165,13 @@ def main(argv=None):
                     _, answers_cpu = answered(target, tokenizer, files["answer-prompts"], answers, args.max_tokens)
                 data_cpu = answers_cpu
             out = Path(tmp) / variant
-            history = train(variant, args, files, answers, held_out_data, out)
+            history = train(variant, variant_flags(variant, args, files, answers, held_out_data), args, out)
             runs[variant] = {"history": history, "data_cpu_seconds": data_cpu, "start": start,
                              "final": final_scores(target, out, held_out, chat)}
             print(table(runs), flush=True)
-    out = Path(__file__).parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    shown = [portable_path(a) if Path(a).expanduser().exists() else a for a in (argv or sys.argv[1:])]
-    result = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "versions": versions(),
-              "settings": {**vars(args), "gsm8k": portable_path(args.gsm8k)},
-              "command": "python bench/labels.py " + " ".join(shown), "runs": runs}
-    write_atomic(out / "labels.json", json.dumps(result, indent=1) + "\n")
-    write_atomic(out / "labels.md", table(runs))
-    if charts_available():
-        write_atomic(out / "labels.png", chart(runs))
+    result = run_record(__file__, argv, schema=SCHEMA, settings={**vars(args), "gsm8k": portable_path(args.gsm8k)},
+                        runs=runs)
+    write_results(results_dir(args.name), "labels", result, table(runs), chart=lambda: chart(runs))
     print(table(runs))
 
 

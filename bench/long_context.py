@@ -24,33 +24,29 @@ against the context length) into bench/results/<name>/, and prints a markdown ta
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
-import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from mlx_dflash import load, stream_generate  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.plot import charts_available  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from harness import (alternate, gsm8k_arg, held_out_gsm8k, lossless_status, name_arg, pair_args, results_dir,
+                     run_record, write_results)
+from mlx_dflash import load, stream_generate
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.decoding.prompt import encode_prompt
+from mlx_dflash.plot import charts_available
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-long-context/1"
 CONFIGS = ("mlx-lm alone", "width 4", "width 16", "width auto")
 WIDTHS = {"width 4": 4, "width 16": 16, "width auto": "auto"}
-HELD_OUT = 7000  # GSM8K train lines before this one trained the shipped drafter
 
 
 def gsm8k_prompt(tokenizer, rows: list, length: int) -> list:
@@ -108,8 +104,7 @@ def measure_prompt(pair, ids: list, args, order_seed: int, log) -> dict:
     stop = set(tokenizer.eos_token_ids)
     cache = PromptCache(pair_identity(target, drafter), target.trimmable)
     read = {}
-    sides = ["mlx-lm", "ours"] if order_seed % 2 == 0 else ["ours", "mlx-lm"]
-    for side in sides:  # cold reads, one each
+    for side in alternate(["mlx-lm", "ours"], order_seed):  # cold reads, one each
         if side == "mlx-lm":
             read[side] = mlx_lm_tokens(target.model, ids, None, 1, stop)[1]
         else:
@@ -190,17 +185,14 @@ def chart(rows: list) -> bytes:
 
 
 def parse_args(argv):
-    here = Path(__file__).resolve()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="2000,4000,6000", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--kinds", default="gsm8k,code", help="which prompts: gsm8k, code")
-    ap.add_argument("--gsm8k", default=str(here.parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"),
-                    help="GSM8K's train.jsonl (openai/grade-school-math)")
+    gsm8k_arg(ap)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--drafter", default=None, help="drafter (default: the one shipped for the default target)")
-    ap.add_argument("--name", default="long-context-cpu")
+    pair_args(ap)
+    name_arg(ap, "long-context-cpu")
     return ap.parse_args(argv)
 
 
@@ -212,12 +204,7 @@ def main(argv=None) -> int:
         kinds = args.kinds.split(",")
         if set(kinds) - {"gsm8k", "code"} or args.max_tokens < 2 or args.repeats < 1:
             raise DFlashError("--kinds takes gsm8k and code; --max-tokens must be at least 2, --repeats at least 1")
-        rows = []
-        if "gsm8k" in kinds:
-            try:
-                rows = [json.loads(line) for line in Path(args.gsm8k).read_text().splitlines()][HELD_OUT:]
-            except OSError as e:
-                raise DFlashError(f"--gsm8k {args.gsm8k}: {e.strerror}; give GSM8K's train.jsonl") from None
+        rows = held_out_gsm8k(args.gsm8k) if "gsm8k" in kinds else []
         pair = load(args.model, args.drafter)
         prompts = []
         for i, (kind, length) in enumerate((k, n) for n in lengths for k in kinds):
@@ -228,26 +215,19 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary, mismatches = summarize(prompts)
-    results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), "versions": versions(),
-               "settings": {"contexts": lengths, "kinds": kinds, "max_tokens": args.max_tokens,
-                            "repeats": args.repeats, "model": portable_path(args.model) if args.model else None,
-                            "drafter": portable_path(args.drafter) if args.drafter else None, "sampling": "greedy"},
-               "summary": summary, "mismatches": mismatches, "prompts": prompts}
-    out = Path(__file__).resolve().parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "long_context.json", (json.dumps(results, indent=1) + "\n").encode())
-    if charts_available():
-        write_atomic(out / "long_context.png", chart(summary))
+    settings = {"contexts": lengths, "kinds": kinds, "max_tokens": args.max_tokens, "repeats": args.repeats,
+                "model": portable_path(args.model) if args.model else None,
+                "drafter": portable_path(args.drafter) if args.drafter else None, "sampling": "greedy"}
+    results = run_record(__file__, argv, schema=SCHEMA, settings=settings, summary=summary, mismatches=mismatches,
+                         prompts=prompts)
+    out = results_dir(args.name)
+    write_results(out, "long_context", results, chart=lambda: chart(summary))
     m = results["machine"]
     log(f"\n{m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}, {args.max_tokens} tokens, "
         f"{args.repeats} repeats, greedy; median decode tokens/s (speed-up over mlx-lm alone)\n")
     log(markdown_table(summary))
     log(f"\nwrote {out / 'long_context.json'}" + (" and long_context.png" if charts_available() else ""))
-    if mismatches:
-        log(f"!!!!! {mismatches} generation(s) differ from mlx-lm alone: NOT LOSSLESS !!!!!")
-        return 1
-    return 0
+    return lossless_status(mismatches, "generation(s) differ from mlx-lm alone")
 
 
 if __name__ == "__main__":

@@ -16,37 +16,22 @@ objectives.png (held-out tau against training CPU-hours, a line per objective) i
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_dflash.downloads import shipped_drafter_dir  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.plot import charts_available, line_chart_png  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic  # noqa: E402
+from harness import name_arg, results_dir, run_record, train, training_args, write_results
+from mlx_dflash.downloads import shipped_drafter_dir
+from mlx_dflash.plot import line_chart_png
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-objectives/1"
 
 
-def train(objective: str, args, out: Path) -> list:
-    """One training run; returns its evaluations (trainer_state.json's history)."""
-    command = [sys.executable, "-m", "mlx_dflash.cli", "train", "--prompts", args.prompts, "--data", args.data,
-               "--out", str(out), "--objective", objective, "--steps", str(args.steps),
-               "--sequences", str(args.sequences), "--anchors", str(args.anchors),
-               "--eval-every", str(args.eval_every), "--eval-sequences", str(args.eval_sequences),
-               "--seed", str(args.seed)]
-    if args.num_prompts:
-        command += ["--num-prompts", str(args.num_prompts)]
-    if args.init != "none":
-        command += ["--init", args.init or str(shipped_drafter_dir())]
-    print(f"{objective}: {' '.join(command[3:])}", flush=True)
-    subprocess.run(command, check=True)
-    return json.loads((out / "trainer_state.json").read_text())["history"]
+def objective_flags(objective: str, args) -> list:
+    """`mlx-dflash train`'s flags for one objective: the data, the objective, the start drafter."""
+    flags = ["--prompts", args.prompts, "--data", args.data, "--objective", objective]
+    flags += ["--num-prompts", str(args.num_prompts)] if args.num_prompts else []
+    return flags + (["--init", args.init or str(shipped_drafter_dir())] if args.init != "none" else [])
 
 
 def table(runs: dict) -> str:
@@ -71,31 +56,18 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--objectives", default="decay,verified,variable-prefix")
     ap.add_argument("--init", default=None, help="start drafter (default: the shipped one; none: random weights)")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--sequences", type=int, default=2)
-    ap.add_argument("--anchors", type=int, default=32)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-sequences", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="objectives-cpu", help="results go to bench/results/<name>/")
+    # --lr 3e-4: `mlx-dflash train`'s own default
+    training_args(ap, steps=150, sequences=2, anchors=32, lr=3e-4, eval_every=50, eval_sequences=32)
+    name_arg(ap, "objectives-cpu")
     args = ap.parse_args(argv)
 
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for objective in args.objectives.split(","):
-            runs[objective] = train(objective, args, Path(tmp) / objective)
-    out = Path(__file__).parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
+            runs[objective] = train(objective, objective_flags(objective, args), args, Path(tmp) / objective)
     settings = {**vars(args), "prompts": portable_path(args.prompts), "data": portable_path(args.data)}
-    shown = [portable_path(a) if Path(a).expanduser().exists() else a for a in (argv or sys.argv[1:])]
-    result = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "versions": versions(), "settings": settings,
-              "command": "python bench/objectives.py " + " ".join(shown),
-              "runs": runs}
-    write_atomic(out / "objectives.json", json.dumps(result, indent=1) + "\n")
-    write_atomic(out / "objectives.md", table(runs))
-    if charts_available():
-        write_atomic(out / "objectives.png", chart(runs))
+    result = run_record(__file__, argv, schema=SCHEMA, settings=settings, runs=runs)
+    write_results(results_dir(args.name), "objectives", result, table(runs), chart=lambda: chart(runs))
     print(table(runs))
 
 

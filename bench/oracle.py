@@ -35,39 +35,29 @@ bench/results/<name>/ (default oracle-<device>), atomically.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/e2e.py
+import mlx.core as mx
+import mlx.nn as nn
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-from e2e import load_prompts, mark_identical, run_target_alone  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.policies.verify_costs import timed  # noqa: E402
-from mlx_dflash.decoding.prompt import encode_prompt  # noqa: E402
-from mlx_dflash.generate import generate  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, shipped_drafter_dir, default_target  # noqa: E402
-from mlx_dflash.models.base import Draft  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.utils import portable_path, write_atomic, write_json  # noqa: E402
-from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
+from e2e import load_prompts, mark_identical, run_target_alone
+from harness import device_tag, lossless_status, name_arg, prompt_args, results_dir, run_record, write_results
+from mlx_dflash.policies.verify_costs import timed
+from mlx_dflash.decoding.prompt import encode_prompt
+from mlx_dflash.generate import generate
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
+from mlx_dflash.downloads import shipped_drafter_dir, default_target
+from mlx_dflash.models.base import Draft
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-oracle/1"
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
-
-
-def default_name() -> str:
-    return "oracle-" + ("metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}")
 
 
 class OracleDrafter(nn.Module):
@@ -217,9 +207,7 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
     ap.add_argument("--drafter", help="drafter directory whose config (target layers) the oracle takes "
                                       "(default: the packaged drafter)")
-    ap.add_argument("--prompts", default="mt-bench",
-                    help=f"a prompt set fetched from PyPI ({', '.join(PROMPT_SETS)}) or a prompt file")
-    ap.add_argument("--prompt-offset", type=int, default=0)
+    prompt_args(ap, "--prompt-offset", "first prompt to use")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=49, help="49: 48 tokens after the first, a multiple of "
                                                                "every default width")
@@ -229,7 +217,7 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--quantize", type=int, choices=[0, 4, 8], default=0,
                     help="quantize the target in memory (bits, group 64) first")
     ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
-    ap.add_argument("--name", default=None, help="results go to bench/results/<name>/ (default: oracle-<device>)")
+    name_arg(ap, f"oracle-{device_tag()}")
     ap.add_argument("--out", type=Path, default=None, help="output directory (overrides --name)")
     return ap.parse_args(argv)
 
@@ -281,7 +269,8 @@ def measure(tasks: Tasks, args, log) -> tuple[list[dict], int]:
             order = list(tasks.tasks)
             rng.shuffle(order)
             done = [{"repeat": rep, "prompt": i, "prompt_index": args.prompt_offset + i, "order": pos, "kind": kind,
-                     "width": w, "prompt_tokens": len(ids), **tasks.run(kind, w, i, args.max_tokens, args.verify_repeats)}
+                     "width": w, "prompt_tokens": len(ids),
+                     **tasks.run(kind, w, i, args.max_tokens, args.verify_repeats)}
                     for pos, (kind, w) in enumerate(order)]
             mismatches += check_oracle_runs(done, args.prompt_offset + i, rep, log)
             runs += done
@@ -293,8 +282,8 @@ def measure(tasks: Tasks, args, log) -> tuple[list[dict], int]:
     return runs, mismatches
 
 
-def write_results(out_dir: Path, args, model, drafter_dir, prompt_file, prompts, tasks: Tasks, widths, runs,
-                  mismatches) -> dict:
+def write_oracle(out_dir: Path, argv, args, model, drafter_dir, prompt_file, prompts, tasks: Tasks, widths, runs,
+                 mismatches) -> dict:
     """oracle.json (machine, versions, settings, summary, every run) and oracle.md (the table)."""
     rows = summarize(runs, widths)
     settings = {"model": portable_path(model), "drafter_config": portable_path(drafter_dir),
@@ -303,18 +292,13 @@ def write_results(out_dir: Path, args, model, drafter_dir, prompt_file, prompts,
                 "repeats": args.repeats, "verify_repeats": args.verify_repeats, "quantize": args.quantize,
                 "seed": args.seed, "sampling": "greedy", "verify_context_tokens": tasks.context_tokens,
                 "prompts": prompts, "prompt_tokens": [len(p) for p in tasks.prompt_ids]}
-    results = {"schema": SCHEMA,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), "versions": versions(), "settings": settings,
-               "summary": rows, "mismatches": mismatches,
-               "runs": runs}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "oracle.json", results, indent=1)
+    results = run_record(__file__, argv, schema=SCHEMA, settings=settings, summary=rows, mismatches=mismatches,
+                         runs=runs)
     m = results["machine"]
-    write_atomic(out_dir / "oracle.md",
-                 f"Oracle ceiling, {m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}: "
-                 f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_tokens} max tokens, greedy, "
-                 f"verify at {tasks.context_tokens} tokens past the prompt.\n\n{markdown_table(rows)}\n")
+    write_results(out_dir, "oracle", results,
+                  f"Oracle ceiling, {m.get('chip')} ({m['device']}), mlx {results['versions']['mlx']}: "
+                  f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_tokens} max tokens, greedy, "
+                  f"verify at {tasks.context_tokens} tokens past the prompt.\n\n{markdown_table(rows)}\n")
     return results
 
 
@@ -329,7 +313,6 @@ def main(argv=None) -> int:
             raise DFlashError("--widths must be >= 1, --max-tokens >= 2, --repeats and --verify-repeats >= 1")
         model, drafter_dir = default_target(args.model), (args.drafter or shipped_drafter_dir())
         prompt_file, prompts = load_prompts(args.prompts, args.prompt_offset, args.num_prompts)
-        out_dir = args.out or Path(__file__).resolve().parent / "results" / (args.name or default_name())
 
         log(f"target {model}\ndrafter config {drafter_dir}")
         target, tokenizer = load_target(model)
@@ -340,18 +323,16 @@ def main(argv=None) -> int:
         prompt_ids = [encode_prompt(tokenizer, p, chat_template=None) for p in prompts]
         tasks = Tasks(target, tokenizer, oracle, prompt_ids, widths, args.max_tokens)
         runs, mismatches = measure(tasks, args, log)
-        results = write_results(out_dir, args, model, drafter_dir, prompt_file, prompts, tasks, widths, runs,
-                                mismatches)
+        out_dir = args.out or results_dir(args.name)
+        results = write_oracle(out_dir, argv, args, model, drafter_dir, prompt_file, prompts, tasks, widths, runs,
+                               mismatches)
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     log("\n" + markdown_table(results["summary"]))
     log(f"\nwrote {out_dir / 'oracle.json'} and {out_dir / 'oracle.md'}")
-    if mismatches:
-        log(f"!!!!! {mismatches} oracle generation(s) differ from the target alone: NOT LOSSLESS !!!!!")
-        return 1
-    return 0
+    return lossless_status(mismatches, "oracle generation(s) differ from the target alone")
 
 
 if __name__ == "__main__":

@@ -20,27 +20,21 @@ markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-from long_context import HELD_OUT, gsm8k_prompt  # noqa: E402
-
-from mlx_dflash import load, stream_generate  # noqa: E402
-from mlx_dflash.decoding.decoder import DecodeState  # noqa: E402
-from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.machine import machine_info, prefill_step, versions  # noqa: E402
-from mlx_dflash.policies.dcut import build_policy  # noqa: E402
-from mlx_dflash.policies.width import WidthOptions  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import gsm8k_arg, held_out_gsm8k, name_arg, results_dir, run_record, write_results
+from long_context import gsm8k_prompt
+from mlx_dflash import load, stream_generate
+from mlx_dflash.decoding.decoder import DecodeState
+from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.machine import prefill_step
+from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.policies.width import WidthOptions
 
 SCHEMA = "mlx-dflash/bench-prefill/1"
 MLX_LM_STEP = 2048  # prompt tokens per chunk: mlx-lm's generate_step default
@@ -114,24 +108,18 @@ def table(medians: dict) -> str:
 
 
 def main(argv=None) -> int:
-    here = Path(__file__).resolve()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gsm8k", default=str(here.parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"),
-                    help="GSM8K's train.jsonl (lines 7000 on make the prompt)")
+    gsm8k_arg(ap)
     ap.add_argument("--tokens", type=int, default=6000, help="the prompt's length in tokens (at least)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--name", default="prefill-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "prefill-cpu")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     try:
         if args.repeats < 1 or args.tokens < 2:
             raise DFlashError("--repeats must be at least 1 and --tokens at least 2")
-        try:
-            rows = [json.loads(line) for line in Path(args.gsm8k).read_text().splitlines()][HELD_OUT:]
-        except OSError as e:
-            raise DFlashError(f"--gsm8k {args.gsm8k}: {e.strerror}; give GSM8K's train.jsonl") from None
         pair = load()
-        ids = gsm8k_prompt(pair[2], rows, args.tokens)
+        ids = gsm8k_prompt(pair[2], held_out_gsm8k(args.gsm8k), args.tokens)
         log(f"a {len(ids)}-token prompt")
         mlx_lm_first(pair[0], ids[:64])  # warm-up of both sides, untimed
         ours_first(pair, ids[:64])
@@ -140,14 +128,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     medians = {name: statistics.median(r["seconds"] for r in runs if r["side"] == name) for name in SIDES}
-    results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), "versions": versions(), "prompt_tokens": len(ids),
-               "settings": {"tokens": args.tokens, "repeats": args.repeats, "prefill_step": prefill_step(),
-                            "mlx_lm_prefill_step": MLX_LM_STEP},
-               "medians": medians, "ratios": {n: medians[n] / medians["mlx-lm alone"] for n in SIDES}, "runs": runs}
-    out = here.parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "prefill.json", (json.dumps(results, indent=1) + "\n").encode())
+    results = run_record(__file__, argv, schema=SCHEMA, prompt_tokens=len(ids),
+                         settings={"tokens": args.tokens, "repeats": args.repeats, "prefill_step": prefill_step(),
+                                   "mlx_lm_prefill_step": MLX_LM_STEP},
+                         medians=medians, ratios={n: medians[n] / medians["mlx-lm alone"] for n in SIDES}, runs=runs)
+    out = results_dir(args.name)
+    write_results(out, "prefill", results)
     log(f"\n{len(ids)}-token prompt, {args.repeats} repeats, cold; time to the first token\n")
     log(table(medians))
     log(f"\nwrote {out / 'prefill.json'}")

@@ -16,22 +16,17 @@ size's time over the 2048-token chunks' (or the largest size's).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-from long_context import HELD_OUT, gsm8k_prompt  # noqa: E402
-
-from mlx_dflash.downloads import default_target  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.machine import machine_info, prefill_step, versions  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import alternate, gsm8k_arg, held_out_gsm8k, name_arg, results_dir, run_record, write_results
+from long_context import gsm8k_prompt
+from mlx_dflash.downloads import default_target
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.machine import prefill_step
 
 SCHEMA = "mlx-dflash/bench-prefill-chunks/1"
 
@@ -59,25 +54,20 @@ def sizes(text: str, flag: str) -> list:
 def main(argv=None) -> int:
     from mlx_lm import load
 
-    here = Path(__file__).resolve()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="the target (default: the default target)")
-    ap.add_argument("--gsm8k", default=str(here.parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"),
-                    help="GSM8K's train.jsonl (lines 7000 on make the prompt)")
+    gsm8k_arg(ap)
     ap.add_argument("--tokens", default="3000,6000", help="prompt lengths, comma-separated")
     ap.add_argument("--steps", default="128,256,512,2048", help="chunk sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--name", default="prefill-chunks-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "prefill-chunks-cpu")
     args = ap.parse_args(argv)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     try:
         lengths, steps = sizes(args.tokens, "--tokens"), sizes(args.steps, "--steps")
         if args.repeats < 1:
             raise DFlashError("--repeats must be at least 1")
-        try:
-            rows = [json.loads(line) for line in Path(args.gsm8k).read_text().splitlines()][HELD_OUT:]
-        except OSError as e:
-            raise DFlashError(f"--gsm8k {args.gsm8k}: {e.strerror}; give GSM8K's train.jsonl") from None
+        rows = held_out_gsm8k(args.gsm8k)
         model_path = default_target(args.model)
         try:
             model, tokenizer = load(model_path)
@@ -88,7 +78,7 @@ def main(argv=None) -> int:
         runs = []
         for length in lengths:
             for repeat in range(args.repeats):
-                for step in steps if repeat % 2 == 0 else steps[::-1]:
+                for step in alternate(steps, repeat):
                     seconds = read_seconds(model, prompt[:length], step)
                     runs.append({"tokens": length, "step": step, "repeat": repeat, "seconds": seconds})
                     log(f"  {length} tokens, {step}-token chunks, repeat {repeat}: {seconds:.2f} s")
@@ -102,15 +92,13 @@ def main(argv=None) -> int:
     base = 2048 if 2048 in steps else max(steps)
     lines = ["| prompt tokens | chunk | seconds (fastest) | / " + f"{base}-token chunks |", "|---:|---:|---:|---:|"]
     lines += [f"| {n} | {s} | {best[n, s]:.2f} | {best[n, s] / best[n, base]:.3f} |" for n in lengths for s in steps]
-    results = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine_info(), "versions": versions(), "model": Path(model_path).name,
-               "settings": {"tokens": lengths, "steps": steps, "repeats": args.repeats,
-                            "machine_prefill_step": prefill_step()},
-               "fastest": [{"tokens": n, "step": s, "seconds": best[n, s]} for n in lengths for s in steps],
-               "runs": runs}
-    out = here.parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "prefill_chunks.json", (json.dumps(results, indent=1) + "\n").encode())
+    results = run_record(__file__, argv, schema=SCHEMA, model=Path(model_path).name,
+                         settings={"tokens": lengths, "steps": steps, "repeats": args.repeats,
+                                   "machine_prefill_step": prefill_step()},
+                         fastest=[{"tokens": n, "step": s, "seconds": best[n, s]} for n in lengths for s in steps],
+                         runs=runs)
+    out = results_dir(args.name)
+    write_results(out, "prefill_chunks", results)
     log(f"\n{Path(model_path).name}, {args.repeats} repeats, a cold read to the first token\n")
     log("\n".join(lines))
     log(f"\nwrote {out / 'prefill_chunks.json'}")

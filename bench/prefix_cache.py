@@ -21,20 +21,15 @@ makes the exit status 1). Writes prefix_cache.json and prefix_cache.md into benc
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from servers import dflash_server, mlx_lm_server, stream_chat  # noqa: E402
-from mlx_dflash.downloads import PROMPT_SETS, default_target, ensure_prompt_set  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.tuner.data import read_prompts  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import name_arg, pair_args, prompt_args, prompt_path, results_dir, run_record, write_results
+from servers import dflash_server, mlx_lm_server, stream_chat
+from mlx_dflash.downloads import default_target
+from mlx_dflash.tuner.data import read_prompts
 
 SCHEMA = "mlx-dflash/bench-prefix-cache/1"
 OURS, COLD, MLX_LM = "mlx-dflash serve", "mlx-dflash serve, no prefix cache", "mlx_lm.server"
@@ -102,35 +97,34 @@ def markdown(workloads: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="target (default: the default pair's)")
-    ap.add_argument("--drafter", help="drafter (default: the shipped one)")
-    ap.add_argument("--prompts", default="mt-bench", help=f"a prompt file or set ({', '.join(PROMPT_SETS)})")
-    ap.add_argument("--first", type=int, default=0, help="the first prompt used")
+    pair_args(ap)
+    prompt_args(ap)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-problems", type=int, default=8, help="worked examples in the chat's system prompt")
     ap.add_argument("--context-tokens", type=int, default=4000)
     ap.add_argument("--agent-steps", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--name", default="prefix-cache-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "prefix-cache-cpu")
     args = ap.parse_args(argv)
 
     from mlx_lm.utils import load_tokenizer
 
     model = default_target(args.model)
     tokenizer = load_tokenizer(Path(model))
-    source = ensure_prompt_set(args.prompts) if args.prompts in PROMPT_SETS else args.prompts
-    problems = read_prompts(source)[args.first:]
+    problems = read_prompts(prompt_path(args.prompts))[args.first:]
     chat = args.system_problems + args.turns
     workloads = {"chat": chat_requests(problems, args.turns, args.system_problems),
                  "agent": agent_requests(problems[chat:], tokenizer, args.context_tokens, args.agent_steps)}
-    ours = ["--model", model, "--max-tokens", str(args.max_tokens)] + (["--drafter", args.drafter] if args.drafter else [])
+    ours = ["--model", model, "--max-tokens", str(args.max_tokens)]
+    ours += ["--drafter", args.drafter] if args.drafter else []
     logs = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-prefix-"))  # kept only if something fails
     servers = {OURS: dflash_server(ours, logs / "ours.log"),
                MLX_LM: mlx_lm_server(model, ["--max-tokens", str(args.max_tokens)], logs / "mlx-lm.log"),
                COLD: dflash_server(ours + ["--prompt-cache-size", "0"], logs / "cold.log")}
     try:
         models = {name: s.wait_ready() for name, s in servers.items()}
-        results = {name: run_workload(servers, models, requests, args.max_tokens) for name, requests in workloads.items()}
+        results = {name: run_workload(servers, models, requests, args.max_tokens)
+                   for name, requests in workloads.items()}
     finally:
         for s in servers.values():
             s.stop()
@@ -142,15 +136,9 @@ def main(argv=None) -> int:
             if not r[OURS]["text"] == r[COLD]["text"] == r[MLX_LM]["text"]:
                 identical = False
                 print(f"!!! {name}, {r['request']}: the servers' answers differ", file=sys.stderr)
-    out_dir = Path(__file__).resolve().parent / "results" / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "versions": versions(), "settings": vars(args),
-              "command": "python bench/prefix_cache.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "identical": identical, "workloads": results}
-    write_atomic(out_dir / "prefix_cache.json", json.dumps(record, indent=1))
+    record = run_record(__file__, argv, schema=SCHEMA, settings=vars(args), identical=identical, workloads=results)
     table = markdown(results)
-    write_atomic(out_dir / "prefix_cache.md", table + "\n")
+    write_results(results_dir(args.name), "prefix_cache", record, table)
     print(table)
     return 0 if identical else 1
 

@@ -6,78 +6,42 @@ Python API, alternated, so that a change is measured against the commit before i
     python bench/revisions.py --base HEAD~1 --prompts editing --trees --name quick-trees  # draft trees, editing
 
 Each revision (`--base` and `--head`, default the working tree) is checked out into a temporary folder (`git
-worktree`) and every measurement runs in a fresh process importing that revision alone: it loads the pair,
-runs one short warm-up of the same configuration, then times the workload. Configurations, each as one call
-of that revision's API: mlx-lm alone (`generate_step`, the anchor both are divided by), `generate` at width
-auto, 4 and 16 (one request at a time; decode tokens/s = (tokens - 1) / seconds from the first token to the
-last, as `GenerationStats.decode_tps`), and `batch_generate` at width auto over all the prompts at once
-(tokens / wall seconds, the prompts' reading included); with --trees also `generate(tree=True)` at width 8 and
-auto. --prompts editing takes bench/editing.py's editing requests (whole HumanEval functions to change and
-return) instead of GSM8K's questions. The order of revisions is alternated within every
-configuration and repeat. Every greedy output must equal mlx-lm's (a mismatch is printed and the exit status
-is 1). Writes revisions.json and revisions.md into bench/results/<name>/ and prints the table.
+worktree`) and every measurement runs in a fresh process importing that revision alone (bench/revisions_child.py):
+it loads the pair, runs one short warm-up of the same configuration, then times the workload. Configurations, each
+as one call of that revision's API: mlx-lm alone (`generate_step`, the anchor both are divided by), `generate` at
+width auto, 4 and 16 (one request at a time; decode tokens/s = (tokens - 1) / seconds from the first token to the
+last, as `GenerationStats.decode_tps`), and `batch_generate` at width auto over all the prompts at once (tokens /
+wall seconds, the prompts' reading included); with --trees also `generate(tree=True)` at width 8 and auto.
+--prompts editing takes bench/editing.py's editing requests (whole HumanEval functions to change and return)
+instead of GSM8K's questions. The order of revisions is alternated within every configuration and repeat. Every
+greedy output must equal mlx-lm's (a mismatch is printed and the exit status is 1). Writes revisions.json and
+revisions.md into bench/results/<name>/ and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import mlx_dflash
+from editing import editing_prompts, functions
+from harness import GSM8K, ROOT, alternate, name_arg, results_dir, run_record, write_results
+from mlx_dflash.decoding.prompt import encode_prompt
+from revisions_child import TREES
+
 CONFIGS = ("mlx-lm alone", "width auto", "width 4", "width 16", "batch, width auto")
-TREES = ("tree, width 8", "tree, width auto")
-WIDTHS = {"width auto": "auto", "width 4": 4, "width 16": 16, "tree, width 8": 8, "tree, width auto": "auto"}
+CHILD = Path(__file__).resolve().with_name("revisions_child.py")
 
 
 def commit_of(revision: str) -> str:
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", revision], capture_output=True,
                           text=True).stdout.strip()
-
-
-def child(spec: dict) -> dict:
-    """One configuration on the revision this process imports (PYTHONPATH): {"tokens": per prompt, "tps"}."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    import mlx_dflash
-    from mlx_dflash.decoding.batch_decoder import batch_generate
-
-    target, drafter, tokenizer = mlx_dflash.load()
-    prompts, max_tokens, config = spec["prompts"], spec["max_tokens"], spec["config"]
-    stop = set(tokenizer.eos_token_ids)
-
-    def alone(ids: list, n: int) -> tuple:
-        tokens, times = [], []
-        for token, _ in generate_step(mx.array(ids), target.model, max_tokens=n):
-            times.append(time.perf_counter())
-            if token in stop:
-                break
-            tokens.append(int(token))
-        return tokens, (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-
-    def ours(ids: list, n: int) -> tuple:
-        tree = {"tree": True} if config in TREES else {}
-        out = mlx_dflash.generate(target, drafter, tokenizer, ids, max_tokens=n, width=WIDTHS[config], **tree)
-        return [int(t) for t in out.tokens], out.stats.decode_tps
-
-    if config == "batch, width auto":
-        batch_generate(target, drafter, tokenizer, prompts, max_tokens=4, width="auto")  # warm-up
-        tic = time.perf_counter()
-        out = batch_generate(target, drafter, tokenizer, prompts, max_tokens=max_tokens, width="auto")
-        tokens = [[int(t) for t in row] for row in out.token_ids]
-        return {"tokens": tokens, "tps": sum(map(len, tokens)) / (time.perf_counter() - tic)}
-    run = alone if config == "mlx-lm alone" else ours
-    run(prompts[0], 8)  # warm-up (and, at width auto, the start-up probe)
-    done = [run(ids, max_tokens) for ids in prompts]
-    return {"tokens": [t for t, _ in done], "tps": statistics.mean(tps for _, tps in done)}
 
 
 def checkout(revision: str, folder: Path) -> Path:
@@ -90,8 +54,9 @@ def checkout(revision: str, folder: Path) -> Path:
 
 
 def measure(tree: Path, spec: dict) -> dict:
+    """One configuration on `tree`'s revision: bench/revisions_child.py in a process importing that tree alone."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+    done = subprocess.run([sys.executable, str(CHILD), json.dumps(spec)], env=env,
                           cwd=tempfile.gettempdir(), capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{tree}: {spec['config']} failed:\n{done.stderr[-2000:]}")
@@ -101,13 +66,8 @@ def measure(tree: Path, spec: dict) -> dict:
 def prompt_ids(path: str, first: int, count: int) -> list:
     """GSM8K questions `first`.. (or "editing": bench/editing.py's) as chat-template token ids of the default
     target."""
-    import mlx_dflash
-    from mlx_dflash.decoding.prompt import encode_prompt
-
     _, _, tokenizer = mlx_dflash.load()
     if path == "editing":
-        from editing import editing_prompts, functions
-
         texts = editing_prompts(functions(), first + count)[first:]
     else:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()[first:first + count]]
@@ -128,10 +88,9 @@ def table(results: dict, revisions: list, configs: tuple) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--base", default="HEAD~1", help="the revision measured against (default HEAD~1)")
     ap.add_argument("--head", default="", help="the revision measured (default: this working tree)")
-    ap.add_argument("--prompts", default=str(ROOT.parent / "shared/data/gsm8k/train.jsonl"),
+    ap.add_argument("--prompts", default=str(GSM8K),
                     help="GSM8K-style JSONL (question per line), or 'editing' (bench/editing.py's editing "
                     "requests); default ../shared/data/gsm8k/train.jsonl")
     ap.add_argument("--first", type=int, default=None,
@@ -140,12 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--name", default="revisions-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "revisions-cpu")
     args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return 0
-    sys.path.insert(0, str(ROOT))
     args.first = args.first if args.first is not None else 0 if args.prompts == "editing" else 7000
     configs = CONFIGS + (TREES if args.trees else ())
     ids = prompt_ids(args.prompts, args.first, args.num_prompts)
@@ -158,7 +113,7 @@ def main(argv=None) -> int:
             runs, bad, reference = {r: {c: [] for c in configs} for r in revisions}, 0, None
             for repeat in range(args.repeats):
                 for i, config in enumerate(configs):  # mlx-lm alone first: its output is the reference
-                    for k in [0, 1] if (repeat + i) % 2 == 0 else [1, 0]:
+                    for k in alternate([0, 1], repeat + i):
                         got = measure(trees[k], {"prompts": ids, "max_tokens": args.max_tokens, "config": config})
                         runs[revisions[k]][config].append(got["tps"])
                         reference = reference or got["tokens"]
@@ -172,17 +127,11 @@ def main(argv=None) -> int:
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
     medians = {r: {c: statistics.median(v) for c, v in runs[r].items()} for r in revisions}
     md = table(medians, revisions, configs)
-    out = ROOT / "bench/results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    from mlx_dflash.utils import write_atomic, write_json
-
-    write_json(out / "revisions.json", {
-        "date": datetime.date.today().isoformat(), "base": args.base, "base_commit": commits[0], "head": args.head,
-        "head_commit": commits[1],
-        "prompts": Path(args.prompts).name, "first": args.first, "num_prompts": args.num_prompts,
-        "trees": args.trees, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": runs, "medians": medians,
-        "mismatches": bad})
-    write_atomic(out / "revisions.md", md + "\n")
+    record = run_record(__file__, argv, base=args.base, base_commit=commits[0], head=args.head, head_commit=commits[1],
+                        prompts=Path(args.prompts).name, first=args.first, num_prompts=args.num_prompts,
+                        trees=args.trees, max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
+                        medians=medians, mismatches=bad)
+    write_results(results_dir(args.name), "revisions", record, md)
     print(md)
     return 1 if bad else 0
 

@@ -18,8 +18,6 @@ The rejected alternative, re-running the target on the kept rows, costs a verify
 """
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import sys
@@ -33,10 +31,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.utils import _get_classes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
-from mlx_dflash.models.target import Target  # noqa: E402
+from harness import command, device_tag, results_dir, run_record, write_results
+from mlx_dflash.models.target import Target
 
 
 def hybrid_config(hidden: int, layers: int, intermediate: int, vocab: int) -> dict:
@@ -113,8 +109,7 @@ def main(argv=None):
     if args.quick:
         args.hidden, args.layers, args.intermediate, args.vocab = 1024, 4, 2048, 8000
     args.repeats = args.repeats or (2 if args.quick else 5)
-    device = "metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}"
-    out = args.out or Path(__file__).resolve().parent / "results" / f"rollback-{device}{'-q%d' % args.bits if args.bits else ''}"
+    device = device_tag()
 
     config = hybrid_config(args.hidden, args.layers, args.intermediate, args.vocab)
     target = build_target(config, args.bits)
@@ -153,14 +148,10 @@ def main(argv=None):
             row[f"share_{tag}"] = row[f"rollback_longest_{tag}_ms"] / verify
         rows.append(row)
 
-    out.mkdir(parents=True, exist_ok=True)
     params = sum(v.size for _, v in tree_flatten(target.model.parameters()))
     meta = dict(config=config, bits=args.bits, context=args.context, repeats=args.repeats, parameters=params,
-                device=device, mlx=mx.__version__, mlx_lm=mlx_lm.__version__,
-                command="python bench/rollback.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    tmp = out / "rollback.json.tmp"
-    tmp.write_text(json.dumps(dict(meta=meta, rows=rows, raw={f"{w}:{k}": ts for (w, k), ts in times.items()})))
-    tmp.replace(out / "rollback.json")
+                device=device, mlx=mx.__version__, mlx_lm=mlx_lm.__version__, command=command(__file__, argv))
+    record = run_record(__file__, argv, meta=meta, rows=rows, raw={f"{w}:{k}": ts for (w, k), ts in times.items()})
 
     head = ("| width | verify ms (CPU) | untaped ms (CPU) | rollback keep 1 ms (CPU) | rollback keep w-1 ms (CPU) "
             "| keep all ms | keep w-1 / verify, CPU | same, wall |")
@@ -170,8 +161,9 @@ def main(argv=None):
                      f"{r['rollback_keep1_cpu_ms']:.1f} | {r['rollback_longest_cpu_ms']:.1f} | "
                      f"{r['keep_all_wall_ms']:.2f} | {100 * r['share_cpu']:.1f}% | {100 * r['share_wall']:.1f}% |")
     table = "\n".join(lines)
-    (out / "rollback.md").write_text(f"{params / 1e6:.0f}M parameters, {args.bits or 32}-bit, context "
-                                     f"{args.context}, median of {args.repeats}; `{meta['command']}`\n\n{table}\n")
+    out = args.out or results_dir(f"rollback-{device}{f'-q{args.bits}' if args.bits else ''}")
+    write_results(out, "rollback", record, f"{params / 1e6:.0f}M parameters, {args.bits or 32}-bit, context "
+                  f"{args.context}, median of {args.repeats}; `{meta['command']}`\n\n{table}\n")
     print(table)
 
 

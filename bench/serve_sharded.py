@@ -17,7 +17,6 @@ bench/results/<name>/serve_sharded.json atomically and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -30,15 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import openai
 
-import openai  # noqa: E402
-
-from distributed import PROMPTS, check_relayout, smollm2_as_qwen2  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import write_json  # noqa: E402
-from mlx_dflash.downloads import shipped_drafter_dir  # noqa: E402
+from distributed import PROMPTS, check_relayout, smollm2_as_qwen2
+from harness import RESULTS, alternate, name_arg, run_record, write_results
+from mlx_dflash.downloads import shipped_drafter_dir
 
 SCHEMA = "mlx-dflash/bench-serve-sharded/1"
 DRAFTING, PLAIN = "drafting on", "drafting off (--width 1)"
@@ -114,20 +109,17 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--name", default="serve-sharded-cpu")
-    parser.add_argument("--out-root", default=str(Path(__file__).resolve().parent / "results"))
+    name_arg(parser, "serve-sharded-cpu")
+    parser.add_argument("--out-root", default=str(RESULTS))
     args = parser.parse_args()
     model, drafter = smollm2_as_qwen2(), shipped_drafter_dir()
     check_relayout(model, PROMPTS[0])
-    out_dir = Path(args.out_root) / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="serve-sharded-"))  # the ranks' logs: kept (and named) on failure
     prompts = PROMPTS[: args.num_prompts]
     configs = {DRAFTING: [], PLAIN: ["--width", "1"]}
     requests, exits = {name: [] for name in configs}, []
     for rnd in range(args.rounds):
-        order = list(configs) if rnd % 2 == 0 else list(configs)[::-1]
-        for name in order:
+        for name in alternate(configs, rnd):
             tag = f"round{rnd}-{'on' if name == DRAFTING else 'off'}"
             ranks, client = start_server(model, drafter, args.mode, configs[name], log_dir, tag)
             try:
@@ -146,12 +138,11 @@ def main() -> int:
                           tokens_per_s=round(tokens / seconds, 3),
                           decode_tokens_per_s_median=statistics.median(r["decode_tokens_per_s"] for r in reqs),
                           tau=round(sum(r["tau"] * r["rounds"] for r in reqs) / sum(r["rounds"] for r in reqs), 3))
-    result = dict(schema=SCHEMA, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  machine=machine_info(), versions=versions(),
-                  settings={k: v for k, v in vars(args).items() if k != "out_root"}, load_average=os.getloadavg(),
-                  rows=rows, ratio_on_over_off=round(rows[DRAFTING]["tokens_per_s"] / rows[PLAIN]["tokens_per_s"], 3),
-                  exits=exits, mismatches=mismatches, requests=requests)
-    write_json(out_dir / "serve_sharded.json", result, indent=1)
+    result = run_record(__file__, schema=SCHEMA, settings={k: v for k, v in vars(args).items() if k != "out_root"},
+                        load_average=os.getloadavg(), rows=rows,
+                        ratio_on_over_off=round(rows[DRAFTING]["tokens_per_s"] / rows[PLAIN]["tokens_per_s"], 3),
+                        exits=exits, mismatches=mismatches, requests=requests)
+    write_results(Path(args.out_root) / args.name, "serve_sharded", result)
     print(f"| 2 ranks, {args.mode}, served | requests | tokens/s (client wall) | decode tokens/s (median) | tau |")
     print("|---|---|---|---|---|")
     for name, row in rows.items():

