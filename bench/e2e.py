@@ -130,8 +130,8 @@ def run_dflash(pair: dict, policy, ids: list, max_tokens: int, drafter=None) -> 
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
             "finish_reason": stats.finish_reason, "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds, "decode_tps": stats.decode_tps, "tau": stats.tau,
-            "rounds": stats.rounds, "widths": {str(k): v for k, v in sorted(stats.widths.items())},
-            "looked_up_rounds": stats.looked_up_rounds, "tree_rounds": stats.tree_rounds,
+            "rounds": stats.rounds, "plain_steps": stats.plain_steps,
+            "widths": {str(k): v for k, v in sorted(stats.widths.items())}, "looked_up_rounds": stats.looked_up_rounds, "tree_rounds": stats.tree_rounds,
             "accepted_lengths": {str(k): v for k, v in sorted(stats.accepted_lengths.items())},
             "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
 
@@ -282,7 +282,9 @@ def summarize(configs: list[dict], runs: list[dict], num_prompts: int) -> list[d
         ratios = [statistics.median(x["decode_tps"] for x in per_prompt[p]) / base_phase[p]
                   for p in sorted(per_prompt) if base_phase.get(p)]
         checked = [r for r in mine if r["identical"] is not None]
-        round_ms = [1e3 * r["decode_seconds"] / r["rounds"] for r in mine if r.get("rounds")]
+        # per step: a verify round or a plain step (tau is over verify rounds only)
+        steps = [(r["decode_seconds"], r.get("rounds", 0) + r.get("plain_steps", 0)) for r in mine]
+        round_ms = [1e3 * seconds / n for seconds, n in steps if n]
         rounds = sum(r.get("rounds", 0) for r in mine) if cfg["kind"] == "dflash" else 0
         widths, accepted = {}, {}
         for r in mine:

@@ -136,7 +136,7 @@ def run_oracle(target, oracle, tokenizer, ids: list, continuation: list, width: 
     tokens, stats = out.tokens, out.stats
     return {"tokens": [int(t) for t in tokens], "generated_tokens": stats.generated_tokens,
             "finish_reason": stats.finish_reason, "decode_seconds": stats.decode_seconds,
-            "decode_tps": stats.decode_tps, "tau": stats.tau, "rounds": stats.rounds,
+            "decode_tps": stats.decode_tps, "tau": stats.tau, "rounds": stats.rounds, "plain_steps": stats.plain_steps,
             "widths": {str(k): v for k, v in sorted(stats.widths.items())},
             "draft_calls": oracle.draft_calls,
             "t_draft": oracle.draft_seconds / oracle.draft_calls if oracle.draft_calls else 0.0}

@@ -6,7 +6,7 @@ GGUF), quantized to 4 bits (group 64) in memory, since the cliff is a property o
     python bench/widths.py --model DIR --out DIR --repeats 7 --bits 0   # 0: keep the model's weights
 
 Writes widths.json (every timing, all repeats), cost_table.json (load with
-mlx_dflash.policies.width.load_cost_table) and widths.png. On the CPU, 4-bit matmul with float32 activations
+mlx_dflash.policies.verify_costs.load_cost_table) and widths.png. On the CPU, 4-bit matmul with float32 activations
 costs about what the dense float32 matmul does (scalar code, ~1 GMAC/s), so the full sweep stays a
 few minutes; activations in float16/bfloat16 would be 10-60x slower there.
 """
@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from harness import device_tag, results_dir
-from mlx_dflash.widths import run_widths_bench
+from mlx_dflash.bench_widths import run_widths_bench
 
 
 def main(argv=None):

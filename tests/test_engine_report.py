@@ -66,8 +66,8 @@ def test_without_metal_every_verify_is_mlxs(tiny_chat_pair):
     assert stats.plain_steps == 0 and stats.rounds - 1 <= stats.drafted_rounds <= stats.rounds
     lines = stats.summary(verbose=True).splitlines()
     assert f"verify matmul: {NOT_QUANTIZED}" in lines and f"verify attention: {NO_METAL_SDPA}" in lines
-    assert lines[-3].startswith(f"drafter: drafted in {stats.drafted_rounds} of {stats.rounds} rounds; plain target "
-                                "steps: 0")
+    assert lines[-3].startswith(f"drafter: drafted in {stats.drafted_rounds} of {stats.rounds} verify rounds; "
+                                "plain target steps: 0")
     assert "verify matmul" not in stats.summary()  # the short summary stays as it was
 
 
@@ -153,7 +153,9 @@ def test_plain_steps_and_a_drafter_that_does_not_pay(tiny_chat_pair, capsys):
             return 3 if next(calls) == 0 else 0
 
     stats = run(target, drafter, tokenizer, policy=Skipping(block_size=8, max_width=8)).stats
-    assert stats.plain_steps == 3 and stats.drafted_rounds >= stats.rounds - 4
+    assert stats.plain_steps == 3 and stats.drafted_rounds >= stats.rounds - 1  # plain steps are no verify rounds
+    assert stats.modes["plain"] == 3 and sum(stats.accepted_lengths.values()) == stats.rounds  # verify rounds only
+    assert stats.generated_tokens == 1 + stats.plain_steps + sum(n * c for n, c in stats.accepted_lengths.items())
     assert stats.notes == [engine_report.DRAFTING_NOTE]
     assert capsys.readouterr().err.splitlines() == [engine_report.DRAFTING_NOTE]
     assert "plain target steps: 3;" in stats.summary(verbose=True)
@@ -166,8 +168,8 @@ def test_generate_verbose_prints_the_engine_report(monkeypatch, tiny_chat_pair):
     assert result.exit_code == 0, result.output
     err = result.stderr.splitlines()
     assert f"verify matmul: {NOT_QUANTIZED}" in err and f"verify attention: {NO_METAL_SDPA}" in err
-    assert any(re.fullmatch(r"drafter: drafted in \d+ of \d+ rounds; plain target steps: \d+; rounds that verified "
-                            r"no draft: \d+", line) for line in err)
+    assert any(re.fullmatch(r"drafter: drafted in \d+ of \d+ verify rounds; plain target steps: \d+; verify rounds "
+                            r"with no draft: \d+", line) for line in err)
     plain = CliRunner().invoke(cli, ["generate", "--prompt", "Hi", "--max-tokens", "8"])
     assert plain.exit_code == 0 and "verify matmul" not in plain.output
 

@@ -117,10 +117,10 @@ class Report:
 
 def engine_lines(stats) -> list[str]:
     """What served the generation: the verify paths, the drafter or plain steps, the routed calls."""
-    nothing = stats.rounds - stats.drafted_rounds - stats.plain_steps
+    nothing = stats.rounds - stats.drafted_rounds
     lines = [
-        f"drafter: drafted in {stats.drafted_rounds} of {stats.rounds} rounds; plain target steps: "
-        f"{stats.plain_steps}; rounds that verified no draft: {nothing}",
+        f"drafter: drafted in {stats.drafted_rounds} of {stats.rounds} verify rounds; plain target steps: "
+        f"{stats.plain_steps}; verify rounds with no draft: {nothing}",
         f"verify matmul: {stats.verify_paths.get('matmul', '-')}",
         f"verify attention: {stats.verify_paths.get('attention', '-')}",
     ]

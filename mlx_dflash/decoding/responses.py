@@ -18,14 +18,14 @@ from .decoder import Round
 class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0  # a stop token counts, as in mlx-lm
-    rounds: int = 0  # verify rounds (the prefill's first token is not one)
-    accepted_lengths: Counter = field(default_factory=Counter)  # tokens per round, bonus included
-    widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per round
-    looked_up_rounds: int = 0  # rounds that verified prompt lookup's drafts
-    drafted_rounds: int = 0  # rounds that verified at least one drafted token
-    plain_steps: int = 0  # rounds that were plain target steps (the policy skipped the drafter)
-    tree_rounds: int = 0  # rounds that verified a tree of drafts (decoding/tree.py), not one path
-    modes: Counter = field(default_factory=Counter)  # rounds by what served them (see `mode`)
+    rounds: int = 0  # verify rounds (neither the prefill's first token nor a plain step is one)
+    accepted_lengths: Counter = field(default_factory=Counter)  # tokens per verify round, bonus included
+    widths: Counter = field(default_factory=Counter)  # verify width (rows) chosen per verify round
+    looked_up_rounds: int = 0  # verify rounds that verified prompt lookup's drafts
+    drafted_rounds: int = 0  # verify rounds that verified at least one drafted token
+    plain_steps: int = 0  # plain target steps, one token each (the policy skipped the drafter), counted apart
+    tree_rounds: int = 0  # verify rounds that verified a tree of drafts (decoding/tree.py), not one path
+    modes: Counter = field(default_factory=Counter)  # verify rounds and plain steps by what served them (`mode`)
     verify_paths: dict = field(default_factory=dict)  # what serves the verify's matmuls and attention
     routes: list = field(default_factory=list)  # routed verify calls per shape bin (decoding/engine_report.py)
     cached_tokens: int = 0  # prompt tokens a prefix cache held (not read again)
@@ -40,7 +40,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length: tokens per verify round, bonus token included."""
+        """Mean acceptance length: tokens per verify round, bonus token included (plain steps left out)."""
         total = sum(n * c for n, c in self.accepted_lengths.items())
         return total / self.rounds if self.rounds else 0.0
 
@@ -57,20 +57,23 @@ class GenerationStats:
 
     @property
     def mode(self) -> str:
-        """What served most of the rounds, in one word: "tree" (a tree of drafts), "chain" (one path of the
-        drafter's), "lookup" (one path copied from the context), "plain" (target steps); "-" before any."""
+        """What served most of the verify rounds and plain steps, in one word: "tree" (a tree of drafts), "chain"
+        (one path of the drafter's), "lookup" (one path copied from the context), "plain" (target steps); "-"
+        before any."""
         return self.modes.most_common(1)[0][0] if self.modes else "-"
 
     def count(self, rnd: Round):
-        """A verify round (or plain step) seen."""
+        """A verify round or plain step seen."""
         self.modes["plain" if rnd.plain else "tree" if rnd.tree else
                    "lookup" if rnd.drafted and rnd.looked_up == rnd.drafted else "chain"] += 1
+        if rnd.plain:  # one token, never verified: tau and the histograms are the verify rounds'
+            self.plain_steps += 1
+            return
         self.rounds += 1
         self.accepted_lengths[len(rnd.tokens)] += 1
         self.widths[rnd.width] += 1
         self.looked_up_rounds += rnd.looked_up > 0
         self.drafted_rounds += rnd.drafted > 0
-        self.plain_steps += rnd.plain
         self.tree_rounds += rnd.tree
 
     def summary(self, verbose: bool = False) -> str:
@@ -85,8 +88,9 @@ class GenerationStats:
         lines = [
             f"prompt: {self.prompt_tokens} tokens{cached}, {self.prefill_tps:.1f} tokens/s",
             f"generation: {self.generated_tokens} tokens, {self.decode_tps:.1f} tokens/s, "
-            f"{self.rounds} rounds, tau {tau} (block {self.block_size}, verify width <= {self.max_width})",
-            f"accepted length histogram (tokens per round: rounds): {hist or '-'}",
+            f"{self.rounds} verify rounds and {self.plain_steps} plain steps, tau {tau} (block {self.block_size}, "
+            f"verify width <= {self.max_width})",
+            f"accepted length histogram (tokens per verify round: rounds): {hist or '-'}",
             "verify widths chosen (rows: rounds): " + " ".join(f"{w}:{self.widths[w]}" for w in sorted(self.widths))
             + f"; trees in {self.tree_rounds}; prompt lookup drafted {self.looked_up_rounds} of {self.rounds} rounds",
             f"peak memory: {self.peak_memory_gb:.2f} GB, finish: {self.finish_reason}",

@@ -48,13 +48,13 @@ class Metrics:
                                    registry=r)
         self.speed = Histogram(PREFIX + "decode_tokens_per_second", "A generation's tokens per second of decoding",
                                buckets=TOKENS_PER_SECOND, registry=r)
-        self.rounds = Counter(PREFIX + "rounds", "Rounds of the generations that ran, by what served them: chain "
-                              "(one path of the drafter's drafts), tree (a tree of drafts), lookup (one path copied "
-                              "from the context), plain (a target step without drafts)", ["kind"], registry=r)
-        self.round_tokens = Histogram(PREFIX + "tokens_per_round", "Tokens a round emitted (accepted drafts and "
-                                      "the bonus; a plain step 1): the mean is tau", buckets=ROUND_TOKENS,
-                                      registry=r)
-        self.widths = Histogram(PREFIX + "round_rows", "Rows a round verified for one request (a plain step 1)",
+        self.rounds = Counter(PREFIX + "rounds", "Verify rounds and plain steps of the generations that ran, by "
+                              "what served them: chain (one path of the drafter's drafts), tree (a tree of drafts), "
+                              "lookup (one path copied from the context), plain (a target step without drafts)",
+                              ["kind"], registry=r)
+        self.round_tokens = Histogram(PREFIX + "tokens_per_round", "Tokens a verify round emitted (accepted drafts "
+                                      "and the bonus): the mean is tau", buckets=ROUND_TOKENS, registry=r)
+        self.widths = Histogram(PREFIX + "round_rows", "Rows a verify round verified for one request",
                                 buckets=ROWS, registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes and the like, where the system tells them
         r.register(EngineFigures(engine))
