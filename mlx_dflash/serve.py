@@ -72,7 +72,7 @@ from .policies.dcut import build_policy, read_batch_costs
               help="Also keep the states on disk here, so a restart keeps them (one file each, naming its pair).")
 @kv_options
 @shard_options
-def main(model_path, drafter_path, drafter_window, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
+def main(pair, host, port, model_name, api_key, allowed_hosts, allowed_origins, max_queue,
          max_connections, max_uploads_per_client, max_body_bytes, max_kept_bytes, header_timeout, body_timeout,
          max_tokens, max_tokens_limit, prefill_step_size, shutdown_grace, max_batch, sampling, widths,
          prompt_cache_size, prompt_cache_bytes, prompt_cache_dir, kv, shard, no_generic_tools):
@@ -83,10 +83,9 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     width defaults to --width auto (D-cut, as in generate: one width for the whole batch each round).
     With --shard (under mlx.launch) only rank 0 listens; the other ranks follow its requests."""
     from .decoding.engine_report import announce
-    from .distributed import Ranks, launched_group, load_sharded_pair
+    from .distributed import Ranks, launched_group
     from .downloads import default_target, shipped_drafter_dir
     from .machine import metal_available, slow_blas_warning
-    from .pair import load
     from .pitfalls import pair_warnings
     from .server.routes import ServerConfig, bind
     from .server.protocol import Defaults
@@ -123,17 +122,10 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
     if shard:
         rank = launched_group("serve").rank()
     sock = bind(host, port) if rank == 0 else None  # only rank 0 listens
-    target_path = default_target(model_path)
+    target_path = default_target(pair.model_path)
 
     def load_models():  # on the engine's thread (rank 0), or the main one (the others)
-        if not shard:
-            target, drafter, tokenizer = load(target_path, drafter_path)
-        else:
-            target, drafter, tokenizer, group = load_sharded_pair(target_path, drafter_path,
-                                                                  shard.mode, "serve")
-        if drafter_window is not None:
-            drafter.set_context_window(drafter_window or None)
-        kv.apply(target)
+        target, drafter, tokenizer, group = pair.load(kv, shard, "serve")
         policy = build_policy(target, drafter, widths, max_batch)
         policy.notes += pair_warnings(target, drafter, tokenizer)
         for note in policy.notes if rank == 0 else ():
@@ -154,7 +146,7 @@ def main(model_path, drafter_path, drafter_window, host, port, model_name, api_k
         follow(*load_models(), max_batch, prefill_step_size)
         return
     config = ServerConfig(model_name or Path(target_path).name, Defaults(max_tokens, sampling), api_keys=keys,
-                          drafter_name=Path(drafter_path or shipped_drafter_dir()).name,
+                          drafter_name=Path(pair.drafter_path or shipped_drafter_dir()).name,
                           max_body_bytes=max_body_bytes, max_kept_bytes=max_kept_bytes,
                           max_tokens_limit=max_tokens_limit,
                           max_connections=max_connections, max_uploads_per_client=max_uploads_per_client,

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from mlx_dflash.models.base import Draft, DraftModel
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
+from mlx_dflash.policies.width import RoundSeen
 
 
 def planted(continuation: list, errors: set, vocab: int, start: int, n: int) -> list:
@@ -151,5 +152,5 @@ def observe_one(policy, confidence: list, drafted: int, accepted: int, draft_sec
                 looked_up: int = 0, run: int = 1):
     """A policy's observation of a one-row round (confidence [] when the round read none); run: how long the
     copy lookup proposed had run."""
-    policy.observe([confidence] if confidence else None, [drafted], [accepted], 1, drafted + 1, draft_seconds,
-                   verify_seconds, [looked_up], runs=[run])
+    policy.observe(RoundSeen([confidence] if confidence else None, [drafted], [accepted], drafted + 1, draft_seconds,
+                             verify_seconds, [looked_up], runs=[run]))

@@ -20,6 +20,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.decoding.sampling import SamplingParams, target_probs
+from mlx_dflash.policies.width import RoundSeen
 
 LIMITS = [20, 7, 15, 3, 12, 9, 18, 5]  # tokens per request: rows leave at different rounds
 
@@ -454,8 +455,8 @@ def test_dcut_chooses_the_width_a_brute_force_over_per_row_keeps_finds(seed):
 def test_dcut_interpolates_costs_between_measured_batch_sizes_and_learns_each_cell_from_its_rounds():
     policy = DCutPolicy(8, 4, {1: {w: 0.1 * w for w in range(1, 5)}, 4: {w: 0.4 * w for w in range(1, 5)}})
     assert policy.cost(2, 3) == pytest.approx(0.6) and policy.cost(8, 1) == pytest.approx(0.8)
-    policy.observe([[0.9, 0.9, 0.9]], [3], [3], 1, 4, 0.01, 0.2, [0])
-    policy.observe([[0.9, 0.9, 0.9]] * 2, [3, 3], [3, 3], 2, 4, 0.01, 0.3, [0, 0])
+    policy.observe(RoundSeen([[0.9, 0.9, 0.9]], [3], [3], 4, 0.01, 0.2, [0]))
+    policy.observe(RoundSeen([[0.9, 0.9, 0.9]] * 2, [3, 3], [3, 3], 4, 0.01, 0.3, [0, 0]))
     assert policy.cost(1, 4) == pytest.approx(0.2) and policy.cost(2, 4) == pytest.approx(0.3)  # as timed
     # a width not timed: the probe's cost at the scale its batch size's rounds showed (0.2 for 0.4 guessed)
     assert policy.cost(1, 3) == pytest.approx(0.3 * (0.8 + 0.2 * 0.5))
@@ -472,7 +473,8 @@ def test_dcut_learns_that_a_wider_verify_can_cost_less():
     for _ in range(30):
         width = policy.cut(5, confidence, [0] * 4, [48] * 4)
         chosen.append(width)
-        policy.observe(confidence, [width - 1] * 4, [width - 1] * 4, 4, width, 0.01, true_cost[width], [0] * 4)
+        policy.observe(RoundSeen(confidence, [width - 1] * 4, [width - 1] * 4, width, 0.01, true_cost[width],
+                                 [0] * 4))
     assert chosen[0] == 3 and chosen.count(5) <= 1 and chosen[1:].count(4) >= 28
 
 
@@ -482,16 +484,17 @@ def test_dcut_times_a_near_best_width_one_round_in_ten():
     for _ in range(10):  # 4 is best, 3 within 20% of it, 2 and 5 far below
         width = policy.cut(5, confidence, [0] * 4, [48] * 4)
         chosen.append(width)
-        policy.observe(None, [width - 1] * 4, [0] * 4, 4, width, 0.01, policy.cost(4, width), [0] * 4)  # a timing only
+        # a timing only
+        policy.observe(RoundSeen(None, [width - 1] * 4, [0] * 4, width, 0.01, policy.cost(4, width), [0] * 4))
     assert chosen == [4] * 9 + [3]
 
 
 def test_dcut_drafts_two_positions_past_the_widest_width_chosen_lately():
     policy = DCutPolicy(16, 16, {2: {w: 0.05 + 0.01 * w for w in range(1, 17)}})
     assert policy.width(2, 48) == 16  # nothing chosen yet: the whole block
-    policy.observe([[0.5] * 15] * 2, [2, 2], [1, 1], 2, 3, 0.01, 0.08, [0, 0])  # a round chose 3
+    policy.observe(RoundSeen([[0.5] * 15] * 2, [2, 2], [1, 1], 3, 0.01, 0.08, [0, 0]))  # a round chose 3
     assert policy.width(2, 48) == 5
-    policy.observe([[0.5] * 4] * 2, [4, 4], [1, 1], 2, 5, 0.01, 0.10, [0, 0])  # it wanted all 5 it had
+    policy.observe(RoundSeen([[0.5] * 4] * 2, [4, 4], [1, 1], 5, 0.01, 0.10, [0, 0]))  # it wanted all 5 it had
     assert policy.width(2, 48) == 16 and policy.width(2, 4) == 4
 
 

@@ -13,6 +13,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.policies.verify_costs import ContextCosts, interpolate_costs, table_context_costs
+from mlx_dflash.policies.width import RoundSeen
 
 # One row's verify seconds as a CPU shows them: at a long context a wide verify gets much dearer than a narrow one.
 MEASURED = {256: {1: 0.05, 16: 0.10}, 4096: {1: 0.10, 16: 0.40}}
@@ -125,7 +126,7 @@ def test_dcut_costs_a_round_at_its_longest_rows_context_and_learns_its_cells_at_
     long = max(range(1, 17), key=lambda w: policy.rate(confidence, copied, remaining, w))
     assert long < short
     policy.at_context(4096)
-    policy.observe(confidence, [15] * 4, [0] * 4, 4, 16, 0.01, 0.8, copied)
+    policy.observe(RoundSeen(confidence, [15] * 4, [0] * 4, 16, 0.01, 0.8, copied))
     assert policy.costs[4][16] == pytest.approx(0.8 / 4.0)
 
 

@@ -8,6 +8,7 @@ import pytest
 from test_families import assert_arrays_close, cache_arrays
 from tiny_families import FAMILIES, HYBRIDS, PROMPT, bound_pair, tiny_model
 from mlx_dflash.decoding.tree import TreeBlock, grow
+from mlx_dflash.policies.width import RoundSeen
 
 TREE_FAMILIES = [f for f in FAMILIES if f not in HYBRIDS]
 # parents of a 9-node tree, every parent before its children: branches at the root and deeper
@@ -281,8 +282,8 @@ def test_dcut_costs_a_tree_by_its_nodes_reach_and_learns_from_every_node_judged(
     block = trees.first(4, [0], [4])
     reached = np.array([[True, True, False, False]])  # the 0.9 node kept, its two children judged and refused
     before = policy.calibration.trials.sum()
-    policy.observe([list(probs[0, :, 0])], [3], [1], 1, 4, 0.001, 0.028, [0],
-                   TreeVerdict(block.probs, block.depth, block.copied, np.array([[False, True, True, True]]), reached))
+    verdict = TreeVerdict(block.probs, block.depth, block.copied, np.array([[False, True, True, True]]), reached)
+    policy.observe(RoundSeen([list(probs[0, :, 0])], [3], [1], 4, 0.001, 0.028, [0], verdict))
     assert policy.calibration.trials.sum() == before + 3 and policy.calibration.hits.sum() == 1
     # the tree took twice the 4-row cell's 0.014 s: the ratio moves from 1 towards 2, and the cell keeps a chain's time
     assert policy.tree_cost == pytest.approx(0.8 + 0.2 * 2) and policy.costs[1][4] == pytest.approx(0.028 / 1.2)

@@ -24,7 +24,7 @@ import numpy as np
 from ..models.base import DraftModel
 from ..models.no_drafter import NoDrafter
 from ..models.target import Target
-from ..policies.width import WidthPolicy
+from ..policies.width import RoundSeen, WidthPolicy
 from .lookup import PromptLookup, with_lookup
 from .sampling import SamplingParams, accept_rows, next_token
 from .tree import TreeVerdict, accept_trees, copy_trees, grow, tree_verdict
@@ -196,7 +196,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
         tree = may_tree and (draft.candidates is not None or trees is not None)
         if policy.uses_confidence or tree:
             ranked = tree and trees is None  # the drafter's candidates, for a tree of them
-            confidence, looked_up_host, *top = to_host(draft.confidence, looked_up, *(draft.candidates if ranked else ()))
+            candidates = draft.candidates if ranked else ()
+            confidence, looked_up_host, *top = to_host(draft.confidence, looked_up, *candidates)
             if ranked:  # prompt lookup's copies, where there are some, are branches beside the drafter's candidates
                 copies = [r.history.copies(d) if policy.prompt_lookup else [] for r, d in zip(rows, depths)]
                 trees = grow(*map(np.array, top), width, depths, copies)
@@ -220,8 +221,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     else:
         v = verify_chains(target, cache, rows, drafts, proposal, limits, keys, looked_up, ranks)
     logits, features, accepted, bonus, looked_up = v.logits, v.features, v.accepted, v.bonus, v.looked_up
-    policy.observe(confidence, limits, accepted, len(rows), width, draft_seconds,
-                   time.perf_counter() - tic - draft_seconds, looked_up, v.tree, runs)
+    policy.observe(RoundSeen(confidence, limits, accepted, width, draft_seconds,
+                             time.perf_counter() - tic - draft_seconds, looked_up, v.tree, runs))
 
     # Roll back: each row's cache keeps its anchor and accepted drafts, whose features join its context.
     target.trim_rows(cache, [width - 1 - a for a in accepted])

@@ -48,7 +48,7 @@ from ..errors import DFlashError
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
                            probe_costs, read_cost_table, running, table_context_costs, table_costs)
 from ..models.no_drafter import NoDrafter
-from .width import Backoff, Calibration, WidthOptions, WidthPolicy, fixed_policy, has_quantized_layers
+from .width import Backoff, Calibration, RoundSeen, WidthOptions, WidthPolicy, fixed_policy, has_quantized_layers
 
 
 class DCutPolicy(WidthPolicy):
@@ -187,22 +187,22 @@ class DCutPolicy(WidthPolicy):
         near = [w for w in rates if rates[w] >= (1 - self.EXPLORE_LOSS) * rates[best]]
         return min(near, key=lambda w: (timed[w], -rates[w]))
 
-    def observe(self, confidence, limits, accepted, batch, width, draft_seconds, verify_seconds, looked_up, tree=None,
-                runs=None):
-        a = self.SMOOTHING
-        if confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
+    def observe(self, seen: RoundSeen):
+        a, batch, width, verify_seconds, runs = self.SMOOTHING, seen.rows, seen.width, seen.verify_seconds, seen.runs
+        if seen.confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
             plain = batch / self.cost(batch, 1)
-            if tree is not None:
+            if seen.tree is not None:
                 rate = self.tree_expected[width] / (self.draft_seconds + self.cost(batch, width) * self.tree_cost)
-                self.calibration.record_nodes(tree, runs)
+                self.calibration.record_nodes(seen.tree, runs)
                 self.tree_cost = running(self.tree_cost, verify_seconds / self.cost(batch, width), a)
                 verify_seconds /= self.tree_cost  # its cell keeps a chain's time
             else:
-                rate = self.rate(confidence, looked_up, [n + 1 for n in limits], width, runs)
-                for conf, n, kept, lookup, run in zip(confidence, limits, accepted, looked_up, runs or [1] * batch):
+                rate = self.rate(seen.confidence, seen.looked_up, [n + 1 for n in seen.limits], width, runs)
+                for conf, n, kept, lookup, run in zip(seen.confidence, seen.limits, seen.accepted, seen.looked_up,
+                                                      runs or [1] * batch):
                     self.calibration.record(conf, n, kept, min(int(lookup), n), run)
             self.gain = running(self.gain, rate / plain, a)
-            self.draft_seconds = running(self.draft_seconds or None, draft_seconds, a)
+            self.draft_seconds = running(self.draft_seconds or None, seen.draft_seconds, a)
             if width >= self.drafted:  # it wanted every position it had: the next draft gets them all
                 self.chosen.clear()
             else:

@@ -46,6 +46,28 @@ def has_quantized_layers(model: nn.Module) -> bool:
 
 
 @dataclass
+class RoundSeen:
+    """What a round showed its width policy: each row's drafts' confidence as read (None: none was read), its drafts
+    verified (`limits`) and kept (`accepted`), the round's width and times, each row's drafts prompt lookup proposed
+    (`looked_up`) and how long its copy had run (`runs`, as `cut` takes them), and for a tree its nodes' verdict
+    (decoding/tree.py `TreeVerdict`)."""
+
+    confidence: Optional[list]
+    limits: list
+    accepted: list
+    width: int
+    draft_seconds: float
+    verify_seconds: float
+    looked_up: list
+    tree: object = None
+    runs: Optional[list] = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.limits)
+
+
+@dataclass
 class WidthPolicy:
     """Fixed widths, with llama.cpp's draft controls on top; the protocol every width policy keeps, for one
     request (one row) or a batch of them (decoding/decoder.py `speculative_round`).
@@ -119,11 +141,8 @@ class WidthPolicy:
             drafts = max(drafts, cut)
         return 1 if drafts < self.n_min else drafts + 1
 
-    def observe(self, confidence, limits: list, accepted: list, rows: int, width: int, draft_seconds: float,
-                verify_seconds: float, looked_up: list, tree=None, runs=None):
-        """What a round showed: the confidence it read (None: none), each row's drafts verified (`limits`) and
-        kept, the round's rows and width, its times, each row's looked-up drafts, for a tree its nodes'
-        verdict (tree.py `TreeVerdict`), and each row's copy run (as `cut`). Fixed widths ignore it."""
+    def observe(self, seen: RoundSeen):
+        """What a round showed (`RoundSeen`). Fixed widths ignore it."""
 
 
 def make_policy(
