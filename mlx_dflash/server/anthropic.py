@@ -253,7 +253,7 @@ def message_body(req: GenerationRequest, text: str, outcome: Outcome, calls: lis
 
 
 async def message_stream(req: GenerationRequest, prompt_tokens: int, replies, caching: bool = False):
-    """The SSE body of a streamed message, from app.py's reply events. message_start's usage counts none of
+    """The SSE body of a streamed message, from jobs.py's reply events. message_start's usage counts none of
     the prompt as read from the prefix cache (that is known once the request runs), message_delta's is the
     usage; input_tokens is the same in both (Claude Code keeps message_start's when message_delta's is 0)."""
     start = {"id": req.id, "type": "message", "role": "assistant", "model": req.model, "content": [],

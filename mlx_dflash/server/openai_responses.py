@@ -418,7 +418,7 @@ class _Events:
 
 
 async def response_stream(req: ResponsesRequest, prompt_tokens: int, replies, *, store: ResponseStore):
-    """The SSE body of a streamed response, from app.py's reply events (prompt_tokens: unused, as the
+    """The SSE body of a streamed response, from jobs.py's reply events (prompt_tokens: unused, as the
     usage comes with the last event)."""
     events = _Events(req)
     yield events.event("response.created", response=response_object(req, []))

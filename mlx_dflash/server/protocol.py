@@ -342,7 +342,7 @@ def sse(body: dict, event: Optional[str] = None) -> str:
 
 
 async def openai_stream(req: GenerationRequest, prompt_tokens: int, replies):
-    """The SSE body of a streamed OpenAI response, from app.py's reply events (prompt_tokens: unused, as
+    """The SSE body of a streamed OpenAI response, from jobs.py's reply events (prompt_tokens: unused, as
     OpenAI's first chunk has no usage)."""
     calls = 0
     if req.kind == "chat":

@@ -189,7 +189,8 @@ class Service:
 
         engine = self.engine
         req, ids, threads = await self.tokenized(request, parse, admit=True)
-        boundaries = await asyncio.get_running_loop().run_in_executor(threads, engine.prompts.message_boundaries, req, ids)
+        loop = asyncio.get_running_loop()
+        boundaries = await loop.run_in_executor(threads, engine.prompts.message_boundaries, req, ids)
         calls = ReplyParser(self.tools, req.tools, req.parallel_tool_calls, self.forced(req)) if req.tools else None
         thinking = reasoning_splitter(engine.tokenizer, ids) if req.kind == "chat" else None
         job = Job(req, ids, calls, boundaries, thinking, request.scope.get("dflash.cache_scope", ""))

@@ -1,6 +1,6 @@
 """`mlx-dflash serve --shard tensor|pipeline` under mlx.launch: only rank 0 listens; the others follow it.
 
-Rank 0 runs the usual server (app.py) with a `ShardedEngine`: the engine (engine.py) over a scheduler that
+Rank 0 runs the usual server (routes.py) with a `ShardedEngine`: the engine (engine.py) over a scheduler that
 tells the other ranks what it was told. Every rank runs the same scheduler over the same rows, kept in step
 by distributed.py's `Ranks` exchanges inside each step (rank 0's drafts, verdicts and clock-made choices);
 what is added here is the traffic between steps:
