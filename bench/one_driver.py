@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 from e2e import run_target_alone
 from harness import alternate, gsm8k_arg, held_out_gsm8k, lossless_status, name_arg, results_dir, run_record, \
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
                     print(f"!!! prompt {i}: {name}'s output differs from mlx-lm alone's", file=sys.stderr)
     medians = {name: statistics.median(v) for name, v in speeds.items()}
     md = table(medians, widths)
-    record = run_record(__file__, argv, settings=vars(args), speeds=speeds, medians=medians, mismatches=mismatches)
+    settings = {**vars(args), "gsm8k": Path(args.gsm8k).name}  # no machine's path in results
+    record = run_record(__file__, argv, settings=settings, speeds=speeds, medians=medians, mismatches=mismatches)
     write_results(results_dir(args.name), "one_driver", record, md)
     print(md)
     return lossless_status(mismatches, "generation(s) differ from mlx-lm alone's")
