@@ -22,6 +22,11 @@ from functools import partial
 from importlib import resources
 from typing import Optional
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
 from ..errors import DFlashError
 from ..models.no_drafter import NoDrafter
 from . import anthropic, openai_responses
@@ -185,8 +190,6 @@ class Service:
     async def generate(self, request, parse, stream, body):
         """A generation route: the request read and tokenized, queued as a job, answered as a stream of the API's
         events or as one body (parse, stream and body are the API's)."""
-        from starlette.responses import JSONResponse, StreamingResponse
-
         engine = self.engine
         req, ids, threads = await self.tokenized(request, parse, admit=True)
         loop = asyncio.get_running_loop()
@@ -238,8 +241,6 @@ def service(request) -> Service:
 # The server itself: its page and description, health, metrics and models.
 
 async def root(request):  # Claude Code's first request is HEAD /; a browser's gets the live page
-    from starlette.responses import HTMLResponse, JSONResponse
-
     svc = service(request)
     if "text/html" in request.headers.get("accept", ""):
         return HTMLResponse(svc.live_page)
@@ -252,10 +253,9 @@ async def root(request):  # Claude Code's first request is HEAD /; a browser's g
 
 
 async def health(request):
-    from starlette.responses import JSONResponse
-
-    engine = service(request).engine
-    body = {"status": "ok", "model": service(request).config.model_name, "waiting": engine.waiting}
+    svc = service(request)
+    engine = svc.engine
+    body = {"status": "ok", "model": svc.config.model_name, "waiting": engine.waiting}
     if not request.scope.get("dflash.authorized", True):  # the counters tell what others' requests did
         return JSONResponse(body)
     if engine.prompt_cache is not None:  # the caller's API key's own entries and lookups
@@ -265,23 +265,17 @@ async def health(request):
 
 
 async def metrics_text(request):  # Prometheus' scrape
-    from starlette.responses import Response
-
     text = service(request).metrics.render(request.scope.get("dflash.cache_scope", ""))
     return Response(text, media_type=CONTENT_TYPE)
 
 
 async def models(request):
-    from starlette.responses import JSONResponse
-
     card = service(request).model_card
     return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": card["id"],
                          "last_id": card["id"]})
 
 
 async def model(request):
-    from starlette.responses import JSONResponse
-
     card = service(request).model_card
     if request.path_params["model_id"] != card["id"]:
         raise APIError(404, f"model '{request.path_params['model_id']}' is not served here", code="model_not_found")
@@ -308,8 +302,6 @@ async def responses(request):
 
 
 async def kept_response(request):
-    from starlette.responses import Response
-
     kept_json = service(request).kept_for(request).response(request.path_params["response_id"])
     return Response(kept_json, media_type="application/json")  # kept as the JSON bytes: nothing to encode
 
@@ -325,8 +317,6 @@ async def messages(request):
 
 
 async def count_tokens(request):
-    from starlette.responses import JSONResponse
-
     svc = service(request)
     parse = partial(anthropic.parse_messages, count_only=True, system_turns=svc.system_turns)
     _, ids, _ = await svc.tokenized(request, parse, admit=False)
@@ -341,7 +331,7 @@ async def api_error(request, e: APIError):
     return error_response(e, request.url.path)
 
 
-async def http_error(request, e):
+async def http_error(request, e: HTTPException):
     path = request.url.path[:200]  # a client's path is not echoed whole
     messages = {404: f"no such endpoint: {request.method} {path}",
                 405: f"{request.method} is not allowed on {path}"}
@@ -355,10 +345,6 @@ async def internal_error(request, e: Exception):
 
 def make_app(engine: Engine, config: ServerConfig):
     """The ASGI app: routes, errors in each API's shape, the checks of security.py and the request log."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.routing import Route
-
     svc = Service(engine, config)
 
     @contextlib.asynccontextmanager
