@@ -28,7 +28,7 @@ import numpy as np
 
 from harness import pair_args, prompt_args, prompt_path, results_dir, run_record, write_results
 from mlx_dflash.tuner.data import generate_responses, iter_sequences, read_prompts, read_samples
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.utils import portable_path
 from mlx_dflash.pair import load_target

@@ -5,7 +5,7 @@ config.json plus safetensors under the published tensor names; with `quantize`, 
 stored quantized and config.json lists them, so `drafter_from_dir` rebuilds exactly those modules (z-lab
 instead quantizes at each load: `--draft-bits` in dflash/benchmark.py). For DFlash 2 that includes the convolutions'
 `kernel_projection` and the selector's `hidden_projection` (matmuls over the hidden size, run for every
-block row); the two selector codebooks stay float: they are only gathered (the previous token's row and
+block position); the two selector codebooks stay float: they are only gathered (the previous token's row and
 the k candidates' rows per draft position), so quantizing them saves memory (about 150 MB of the real
 checkpoint's 5.5 GB at 4 bits) but no time per round, while its error would land directly on the pairwise
 scores that choose among the candidates. The convolutions' `base_kernel` and the norms also stay float. Targets: a Hugging Face directory or repo goes through

@@ -245,7 +245,7 @@ class Ranks(SingleProcess):
         return got[:B], got[B : 2 * B]
 
     def whole_features(self, rows: mx.array) -> mx.array:
-        """The drafter's context rows with every captured layer filled: under pipeline sharding each rank
+        """The drafter's context vectors with every captured layer filled: under pipeline sharding each rank
         computed only its own layers' (zeros elsewhere), so the rows are summed over the group."""
         if not self.partial_features or rows is None or not rows.shape[-1]:  # (no drafter: no features)
             return rows

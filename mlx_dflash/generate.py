@@ -8,19 +8,20 @@ speculative statistics.
 """
 
 import sys
-import time
 from typing import Callable, Iterator, Optional
 
 import click
 import mlx.core as mx
 
-from .decoding.decoder import DecodeState, SingleProcess, speculative_rounds
+from .decoding.batch_decoder import Request, Scheduler
+from .decoding.decoder import SingleProcess
 from .decoding.engine_report import Report, announce, silenced
 from .decoding.prompt import check_context, encode_prompt
-from .decoding.prompt_cache import PromptCache, check_prompt_cache_file, pair_identity, read_to_rungs
-from .decoding.responses import GenerationResponse, GenerationStats, ResponseStream
+from .decoding.prompt_cache import PromptCache, check_prompt_cache_file, pair_identity
+from .decoding.responses import GenerationResponse, GenerationStats, admitted_stream
 from .decoding.sampling import SamplingParams
 from .errors import DFlashError
+from .machine import prefill_step
 from .models.base import DraftModel
 from .models.no_drafter import NoDrafter
 from .models.target import Target
@@ -87,23 +88,20 @@ def stream_generate(
     max_tokens = check_context(target, len(ids), max_tokens)
 
     policy.prepare_context(len(ids))  # a long prompt's verify costs are measured now, not on the prefill's clock
-    stats = GenerationStats(prompt_tokens=len(ids), block_size=policy.block_size, max_width=policy.max_width)
-    # The policy's notes and the fallbacks known already, on stderr (rank 0) and in the statistics.
-    report = Report(target, policy, stats, quiet=ranks.rank != 0)
+    stream = report = None
+
+    def admitted(*value):
+        nonlocal stream, report
+        stream = admitted_stream(tokenizer, policy, len(ids), max_tokens, value, prompt_cache)
+        # the policy's notes and the fallbacks known already, on stderr (rank 0) and in the statistics
+        report = Report(target, policy, stream.stats, quiet=ranks.rank != 0)
+
     mx.reset_peak_memory()
-    tic = time.perf_counter()
-    state, checkpoints = None, {}
-    if prompt_cache is not None:
-        state, checkpoints = prompt_cache.fetch(ids, cache_scope)
-    state = state or DecodeState.fresh(target, drafter)
-    stats.cached_tokens = len(state.tokens)
-    if prompt_cache is not None:
-        stats.prefill_seconds_saved = prompt_cache.seconds_saved(stats.cached_tokens)
-        if not target.trimmable:
-            read_to_rungs(target, state, ids, checkpoints, (), prefill_step_size, prompt_progress_callback)
-    rounds = speculative_rounds(target, drafter, mx.array(ids), policy, sampling, max_tokens, prefill_step_size,
-                                ranks, prompt_progress_callback, state, seed)
-    stream = ResponseStream(tokenizer, stats, max_tokens, tic, prompt_cache)
+    # one request: the scheduler's one-row case (serve and batch_generate decode through it too)
+    scheduler = Scheduler(target, drafter, policy, 1, tokenizer.eos_token_ids, prompt_cache,
+                          prefill_step_size or prefill_step(), ranks)
+    rounds = scheduler.alone(Request(0, ids, max_tokens, sampling, seed, cache_scope=cache_scope,
+                                     progress=prompt_progress_callback), admitted)
     try:
         for rnd in rounds:
             responses = stream.feed(rnd)
@@ -113,8 +111,6 @@ def stream_generate(
                 return
     finally:
         rounds.close()
-        if prompt_cache is not None:
-            prompt_cache.insert(state, checkpoints, cache_scope)
 
 
 def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens: int = 256, verbose: bool = False,

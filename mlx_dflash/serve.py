@@ -8,7 +8,8 @@ import click
 
 from .errors import DFlashError
 from .options import kv_options, pair_options, sampling_options, shard_options, width_options
-from .policies.dcut import build_policy, read_batch_costs
+from .policies.dcut import build_policy
+from .policies.verify_costs import read_cost_table
 
 
 @click.command("serve")
@@ -115,7 +116,7 @@ def main(pair, host, port, model_name, api_key, allowed_hosts, allowed_origins, 
     max_batch = max_batch or (8 if metal_available() else 4)
     widths = widths.with_default()
     if widths.cost_table:  # read before anything loads, so a bad table is the only line
-        read_batch_costs(widths.cost_table)
+        read_cost_table(widths.cost_table)
     if blas := slow_blas_warning():
         launch_notes.append(blas)
     rank = 0

@@ -32,7 +32,7 @@ DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=16, selector_top_k=16)
 @click.option("--text-chunk", default=512, show_default=True, type=click.IntRange(min=2),
               help="Tokens per chunk of plain text.")
 @click.option("--labels", type=click.Choice(LABELS), default="target", show_default=True,
-              help="target: each block row learns the target's own greedy choice at its position (one forward "
+              help="target: each block position learns the target's own greedy choice at its position (one forward "
                    "over the text gives it); text: the text's next token.")
 @click.option("--eval-prompts", "eval_prompt_file", default=None,
               help="Held-out prompts (a file or prompt set) whose target answers measure tau, instead of the "

@@ -13,8 +13,8 @@ from conftest import PROMPTS, assert_distributed_as, chat_ids
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
 from mlx_dflash.policies.width import WidthOptions, WidthPolicy
-from mlx_dflash.policies.dcut import (DCutPolicy, batch_cost_rows, build_policy, probe_batch_costs,
-                             read_batch_costs)
+from mlx_dflash.policies.dcut import DCutPolicy, batch_cost_rows, build_policy, probe_batch_costs
+from mlx_dflash.policies.verify_costs import batch_costs, read_cost_table
 from mlx_dflash.decoding.decoder import DecodeState
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.generate import generate
@@ -42,19 +42,20 @@ def pairs(tiny_chat_pair):
     llama, tokenizer, drafter = tiny_chat_pair
     vocab = llama.vocab_size
     moe, hybrid = tiny_chat_target("qwen3_moe", vocab, seed=4), tiny_chat_target("qwen3_5", vocab, seed=3)
+    dsa = tiny_chat_target("glm_moe_dsa", vocab, seed=6)  # MLA with an indexer: a CacheList a layer
     kv8 = tiny_chat_target("llama", vocab, seed=5, num_hidden_layers=4, hidden_size=128,
                            tie_word_embeddings=True)  # head dim 32: one quantization group
     kv8.quantize_kv(8, group_size=32, start=16)  # every chat prompt passes it as it is read
     return {"dense": (llama, drafter, tokenizer), "moe": (moe, bound(moe), tokenizer),
             "hybrid": (hybrid, bound(hybrid), tokenizer), "dflash2": (llama, bound(llama, dflash2=True), tokenizer),
-            "kv8": (kv8, bound(kv8), tokenizer)}
+            "kv8": (kv8, bound(kv8), tokenizer), "dsa": (dsa, bound(dsa), tokenizer)}
 
 
 def prompts(tokenizer, n):
     return [chat_ids(tokenizer, p) for p in (PROMPTS * 2)[:n]]
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "hybrid", "dflash2", "kv8"])
+@pytest.mark.parametrize("name", ["dense", "moe", "hybrid", "dflash2", "kv8", "dsa"])
 def test_batched_greedy_output_equals_single_requests(pairs, name):
     target, drafter, tokenizer = pairs[name]
     ids = prompts(tokenizer, len(LIMITS))
@@ -157,7 +158,7 @@ def test_a_quantized_kv_cache_batches_its_rows_quantized_and_they_leave_as_their
     short.join(0, state, 4, SamplingParams(), 20)
     assert type(short.cache[0]) is RaggedKVCache
     while short.rows[0].remaining > 0 and len(short.rows[0].state.tokens) <= 16:
-        short.round()
+        list(short.round())
     assert type(short.cache[0]) is RaggedQuantizedKVCache  # the row passed the start
 
 
@@ -524,17 +525,17 @@ def test_the_cost_probe_covers_every_batch_and_width_and_refusals_name_the_fix(p
     path = tmp_path / "cost_table.json"
     one_row = {"widths": [1, 2, 4], "verify_seconds": [0.1, 0.2, 0.3]}
     path.write_text(json.dumps({**one_row, **batch_cost_rows(costs)}))
-    assert read_batch_costs(path) == costs  # the same floats back (JSON keeps them exactly)
+    assert batch_costs(read_cost_table(path)) == costs  # the same floats back (JSON keeps them exactly)
     path.write_text(json.dumps(one_row))  # one row's costs: the batch of one
-    assert read_batch_costs(path) == {1: {1: 0.1, 2: 0.2, 4: 0.3}}
-    policy = build_policy(target, drafter, WidthOptions("auto"), 3, read_batch_costs(path))
+    assert batch_costs(read_cost_table(path)) == {1: {1: 0.1, 2: 0.2, 4: 0.3}}
+    policy = build_policy(target, drafter, WidthOptions("auto"), 3, batch_costs(read_cost_table(path)))
     assert sorted(policy.guessed) == [1, 2, 3] and sorted(policy.guessed[3]) == list(range(1, drafter.block_size + 1))
     assert policy.guessed[1][3] == pytest.approx(0.25)  # between the measured widths
     for bad, words in [({"widths": [1]}, "'widths' and 'verify_seconds'"),
                        ({"batch_verify_seconds": {"1": [0.1, -1]}}, "every cost positive")]:
         path.write_text(json.dumps(bad))
         with pytest.raises(DFlashError, match=words):
-            read_batch_costs(path)
+            batch_costs(read_cost_table(path))
     with pytest.raises(DFlashError, match="--max-batch must be at least 1"):
         build_policy(target, drafter, None, 0)
     with pytest.raises(DFlashError, match="verify width 9 is out of range"):

@@ -369,8 +369,8 @@ def test_bench_widths_batch_writes_one_table_that_one_request_and_a_batch_both_r
 
     from mlx_dflash.cli import main
     from mlx_dflash.pair import load
-    from mlx_dflash.policies.dcut import build_policy, read_batch_costs
-    from mlx_dflash.policies.verify_costs import load_cost_table
+    from mlx_dflash.policies.dcut import build_policy
+    from mlx_dflash.policies.verify_costs import batch_costs, load_cost_table, read_cost_table
 
     target_dir, drafter_dir = tiny_pair_dirs
     result = CliRunner().invoke(main, ["bench", "widths", "--model", str(target_dir), "--max-width", "3", "--short-cache",
@@ -380,7 +380,7 @@ def test_bench_widths_batch_writes_one_table_that_one_request_and_a_batch_both_r
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["cost_table.json", "widths.json"]
     table = json.loads(path.read_text())
     assert sorted(table["batch_verify_seconds"]) == ["1", "2"] and table["widths"] == [1, 2, 3]
-    rows = read_batch_costs(path)
+    rows = batch_costs(read_cost_table(path))
     assert sorted(rows) == [1, 2] and sorted(rows[2]) == [1, 2, 3] and sorted(load_cost_table(path)) == [1, 2, 3]
     target, drafter, _ = load(str(target_dir), str(drafter_dir))
     assert build_policy(target, drafter, WidthOptions("auto"), 2, rows).guessed[2][3] == rows[2][3]

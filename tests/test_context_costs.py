@@ -8,7 +8,7 @@ from conftest import chat_ids, mlx_lm_greedy
 from oracles import cut_one
 from mlx_dflash.decoding.batch_decoder import batch_generate
 from mlx_dflash.policies.dcut import DCutPolicy
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
@@ -162,9 +162,10 @@ def test_the_decoder_gives_each_round_its_context_and_stays_lossless_at_a_long_o
     emitted = [0]
     for r in rounds:
         emitted.append(emitted[-1] + len(r.tokens))
-    # the prompt and the emitted tokens before the round's anchor: each drafting round's, each plain run's first
-    drafting = [len(ids) + e - 1 for r, e in zip(rounds[1:], emitted[1:]) if not r.plain]
-    plain = {len(ids) + e - 1 for r, e in zip(rounds[1:], emitted[1:]) if r.plain}
+    # the prompt and the emitted tokens before the round's anchor: each verify round's (the first token's too: it
+    # reads the prompt's last token), each plain run's first
+    drafting = [len(ids) + e - 1 for r, e in zip(rounds, emitted) if not r.plain]
+    plain = {len(ids) + e - 1 for r, e in zip(rounds, emitted) if r.plain}
     assert drafting and [c for c in policy.contexts if c not in plain] == drafting
     assert set(policy.contexts) <= plain | set(drafting)
 

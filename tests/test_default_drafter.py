@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import PROMPTS, WORD_PROBLEMS, chat_ids, mlx_lm_greedy
 from mlx_dflash.cli import main
 from mlx_dflash.tuner.data import greedy_batch
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import shipped_drafter_dir
 from mlx_dflash.policies.width import make_policy

@@ -20,7 +20,7 @@ from oracles import OracleDFlash2, Recorder, expected_acceptance
 from mlx_dflash.cli import main
 from mlx_dflash.models.config import config_to_dict, parse_config
 from mlx_dflash.convert import convert_drafter
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.loader import drafter_from_dir, init_drafter

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from oracles import cut_one, observe_one
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.dcut import DCutPolicy
 from mlx_dflash.policies.width import make_policy
@@ -174,7 +174,7 @@ def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_conf
     for name, policy, sampling, per_round in cases:
         reads.clear()
         produced, seen = 0, []
-        for rnd in decoder.speculative_rounds(target, drafter, ids, policy, sampling, max_tokens=24):
+        for rnd in speculative_rounds(target, drafter, ids, policy, sampling, max_tokens=24):
             seen.append((produced, rnd.drafted, len(reads), rnd.plain))
             produced += len(rnd.tokens)
             reads.clear()

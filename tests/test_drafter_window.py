@@ -81,7 +81,7 @@ def test_the_prompts_features_reach_the_drafter_as_the_prompt_is_read(tiny_chat_
     """The decoder hands the prompt's features to the drafter's cache with the prefill (so no round pays
     for them): the first draft reads the last prompt row only, and the text is the target's own."""
     from conftest import chat_ids, mlx_lm_greedy
-    from mlx_dflash.decoding.decoder import speculative_rounds
+    from mlx_dflash.decoding.batch_decoder import speculative_rounds
     from mlx_dflash.policies.width import make_policy
     from mlx_dflash.decoding.sampling import SamplingParams
 

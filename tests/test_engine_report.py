@@ -149,8 +149,8 @@ def test_plain_steps_and_a_drafter_that_does_not_pay(tiny_chat_pair, capsys):
     class Skipping(WidthPolicy):  # as --width auto once drafting paid less than the target alone
         drafting_loses = True
 
-        def plain_steps(self, remaining):
-            return 3 if next(calls) == 0 else 0
+        def plain_steps(self, remaining):  # 3 plain steps, once, the first time 3 tokens are left
+            return 3 if remaining >= 3 and next(calls) == 0 else 0
 
     stats = run(target, drafter, tokenizer, policy=Skipping(block_size=8, max_width=8)).stats
     assert stats.plain_steps == 3 and stats.drafted_rounds >= stats.rounds - 1  # plain steps are no verify rounds

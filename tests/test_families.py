@@ -15,7 +15,7 @@ from mlx_lm.models.cache import ArraysCache
 from conftest import mlx_lm_greedy
 from oracles import OracleDrafter, expected_acceptance
 from tiny_families import DENSE, FAMILIES, HYBRIDS, PROMPT, bound_pair, tiny_model
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ from mlx_lm.utils import _get_classes
 from conftest import assert_distributed_as, mlx_lm_greedy
 from oracles import OracleDrafter, expected_acceptance
 from tiny_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import has_quantized_layers, make_policy
 from mlx_dflash.models.rollback import delta_rule_state

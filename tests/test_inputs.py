@@ -290,7 +290,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_work(tmp_path, m
         raise AssertionError("work began before the prompt was checked against the context")
 
     monkeypatch.setattr(policy, "probe_batch_costs", no_work)  # --width auto's start-up probe
-    monkeypatch.setattr(generate, "speculative_rounds", no_work)  # the prefill
+    monkeypatch.setattr(generate, "Scheduler", no_work)  # the prompt's read
     target, drafter = save_tiny_pair(tmp_path, max_position_embeddings=64)
     line = one_line_error(["generate", "--model", str(target), "--drafter", str(drafter), "--width", "auto",
                            "--prompt", "Tell me about the sea. " * 20])

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import PROMPTS, WORD_PROBLEMS, chat_ids, mlx_lm_greedy
 from oracles import observe_one
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.models.base import Draft
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import shipped_drafter_dir

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from oracles import OracleDrafter, expected_acceptance
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.generate import generate
 from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.sampling import SamplingParams

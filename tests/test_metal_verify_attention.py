@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import mlx_lm_greedy  # noqa: E402
 from mlx_dflash.kernels import attention as attn  # noqa: E402
 from mlx_dflash.kernels import verify_attention as va  # noqa: E402
-from mlx_dflash.decoding.decoder import speculative_rounds  # noqa: E402
+from mlx_dflash.decoding.batch_decoder import speculative_rounds  # noqa: E402
 from mlx_dflash.models.batch_cache import add_row, batched  # noqa: E402
 from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402

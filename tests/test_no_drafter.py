@@ -19,7 +19,7 @@ from mlx_dflash.decoding import engine_report
 from mlx_dflash.decoding.batch_decoder import batch_generate
 from mlx_dflash.decoding.lookup import PromptLookup
 from mlx_dflash.decoding.tree import copy_trees
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.decoding.prompt_cache import PromptCache, pair_identity
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.errors import DFlashError

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.models import llama
 
 from conftest import mlx_lm_greedy
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError

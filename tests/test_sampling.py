@@ -10,7 +10,7 @@ from mlx_lm.utils import _get_classes
 from scipy.stats import chi2_contingency
 
 from conftest import assert_distributed_as
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.width import make_policy

@@ -14,7 +14,7 @@ from conftest import mlx_lm_greedy, tiny_llama
 from test_train import H, QUIET, VOCAB, fake_bound_drafter, reference_loss, tiny_config, tiny_sequence
 from mlx_dflash import downloads
 from mlx_dflash.cli import main
-from mlx_dflash.decoding.decoder import speculative_rounds
+from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.config import parse_config

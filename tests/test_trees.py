@@ -102,7 +102,7 @@ def test_a_row_that_may_emit_little_gets_a_shallow_tree_whose_extra_nodes_are_de
 
 
 def tree_emitted(target, drafter, prompt, width, max_tokens, sampling=None, tree=True, lookup=True):
-    from mlx_dflash.decoding.decoder import speculative_rounds
+    from mlx_dflash.decoding.batch_decoder import speculative_rounds
     from mlx_dflash.decoding.sampling import SamplingParams
     from mlx_dflash.policies.width import make_policy
 

@@ -13,7 +13,7 @@ when it finishes or its client goes: nobody waits for the batch to drain.
 Every row verifies the same number of rows, the round's width W (a batch forward pads its rows to the
 longest, and MLX has no ragged batches: per-row RoPE offsets, not per-token positions), less where a row
 has fewer tokens left. The width comes from the policy (policies/width.py `WidthPolicy`): fixed, or chosen
-each round from every row's drafter confidence and the cost of a W-row verify of this many rows (D-cut).
+each round from every row's drafter confidence and the cost of a verify of width W for this many rows (D-cut).
 Where the policy skips the drafter (drafting off, or D-cut while drafting does not pay), the rows take a run of
 plain target steps instead, pipelined as one request's are (decoding/decoder.py `plain_rounds`).
 Greedy rows keep the longest matching prefix; sampled rows (each with its own settings and, when seeded,
@@ -25,14 +25,14 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 
 from ..errors import DFlashError
 from ..machine import prefill_step as machine_prefill_step
 from ..models.batch_cache import RaggedKVCache, add_row, batched, keep_rows, row_of
-from .decoder import DecodeState, Row, SingleProcess, plain_rounds, seeded_keys, speculative_round
+from .decoder import DecodeState, Round, Row, SingleProcess, plain_rounds, seeded_keys, speculative_round
 from .lookup import PromptLookup
 from .prompt_cache import read_chunk, rungs
 from .sampling import SamplingParams
@@ -91,9 +91,11 @@ class Batch:
             self.cache, self.draft_cache = self.empty_caches()
         return [(r.handle, r.state) for _, r in gone]
 
-    def round(self) -> list:
-        """One round for every row, or a run of plain steps where the policy skips the drafter: [(handle,
-        Round)], each row's in order. A row with nothing left to emit must have left."""
+    def round(self) -> Iterator[tuple]:
+        """One round for every row, or a run of plain steps where the policy skips the drafter: yields (handle,
+        Round), each row's in order, a plain step's as soon as it is read. A row with nothing left to emit must
+        have left. Read it through: a run of plain steps left midway leaves the rows' caches one token ahead of
+        their tokens, which only rows leaving at once may be (a prefix cache trims that token)."""
         fewest = min(1 if r.first else r.remaining for r in self.rows)  # a joining row's round picks one token
         self.policy.at_context(max(len(r.state.tokens) for r in self.rows))  # rows are padded to the longest
         # the policy counts only the steps run; ranks in lockstep take every round together (distributed.py)
@@ -102,13 +104,14 @@ class Batch:
             rounds, self.width = speculative_round(self.target, self.drafter, self.cache, self.draft_cache,
                                                    self.rows, self.policy, self.ranks)
             self.steps = 1
-            return [(r.handle, rnd) for r, rnd in zip(self.rows, rounds)]
-        tic = time.perf_counter()
-        steps = list(plain_rounds(self.target, self.cache, self.rows, plain, self.policy.max_width > 1,
-                                  self.stop_ids))
-        self.policy.observe_plain(len(steps), time.perf_counter() - tic, len(self.rows))
-        self.width, self.steps = 1, len(steps)
-        return [(r.handle, rnd) for rounds in steps for r, rnd in zip(self.rows, rounds)]
+            yield from ((r.handle, rnd) for r, rnd in zip(self.rows, rounds))
+            return
+        tic, self.width, self.steps = time.perf_counter(), 1, 0
+        for rounds in plain_rounds(self.target, self.cache, self.rows, plain, self.policy.max_width > 1,
+                                   self.stop_ids):
+            self.steps += 1
+            yield from ((r.handle, rnd) for r, rnd in zip(self.rows, rounds))
+        self.policy.observe_plain(self.steps, time.perf_counter() - tic, len(self.rows))
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Request:
     seed: Optional[int] = None
     boundaries: tuple = ()  # chat message ends, for a hybrid target's prefix-cache checkpoints
     cache_scope: str = ""  # the part of the prefix cache it uses (a server's per API key)
+    progress: Optional[Callable[[int, int], None]] = None  # called (prompt tokens read, all) after each chunk
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Prefill:
     marks: list  # prompt positions to checkpoint at (a hybrid target with a prefix cache), in order
     cached: int  # prompt tokens the prefix cache gave it
     started: Optional[float] = None  # perf_counter() at its first turn
+    seconds: float = 0.0  # spent reading it, its turns only
 
 
 class Scheduler:
@@ -186,7 +191,13 @@ class Scheduler:
         return bool(self.waiting or self.reading or self.ready or self.batch.rows)
 
     def step(self) -> list:
-        events = self._retire()
+        """One step's events (`events`, read through)."""
+        return list(self.events())
+
+    def events(self) -> Iterator[tuple]:
+        """One step: rows done leave, prompts read join, one chunk of a prompt is read, one round runs for the
+        rows; yields its events as they happen (a run of plain steps' rounds one step at a time)."""
+        yield from self._retire()
         self._join_ready()
         # each prompt being read holds its own cache and, once read, a row: as many as there are rows free,
         # and one more, which joins when a row leaves
@@ -199,21 +210,39 @@ class Scheduler:
         # choice made by the clock: under a sharded target, rank 0's)
         if self.reading and self.ranks.decide(self.read_debt <= 0 or self.reading[0].started is None):
             decoding, tic = bool(self.batch.rows), time.perf_counter()
-            events += self._read_turn()
+            yield from self._read_turn()
             self._join_ready()
             if decoding:  # the rows waited for this chunk: they get as much time before the next
                 self.read_debt += time.perf_counter() - tic
         if self.batch.rows:
             rows, tic = len(self.batch), time.perf_counter()
-            rounds = self.batch.round()
-            self.read_debt = max(0.0, self.read_debt - (time.perf_counter() - tic))
-            self.stats.count(rows, self.batch.width, self.batch.steps)
-            for handle, rnd in rounds:
-                events.append((handle, "round", rnd))
+            for handle, rnd in self.batch.round():
+                yield handle, "round", rnd
                 if any(t in self.stop_ids for t in rnd.tokens):
                     self.ending.add(handle)
-        events += self._retire()
-        return events
+            self.read_debt = max(0.0, self.read_debt - (time.perf_counter() - tic))
+            self.stats.count(rows, self.batch.width, self.batch.steps)
+        yield from self._retire()
+
+    def alone(self, request: Request, admitted: Optional[Callable[[int, float], None]] = None) -> Iterator[Round]:
+        """One request, as the one-row case of this (idle) scheduler: yield its rounds as they come, the first
+        its first token alone (nothing drafted). admitted(prompt tokens a prefix cache held, perf_counter() when
+        its read began) is called once, as its read starts. It ends at max_tokens or a stop token, or when the
+        caller stops reading: the row then leaves at once (its state to the prefix cache)."""
+        self.submit(request)
+        try:
+            while self.busy:
+                events = self.events()
+                for _, kind, value in events:
+                    if kind == "round":
+                        yield value
+                    elif kind == "admitted" and admitted is not None:
+                        admitted(*value)
+        except GeneratorExit:
+            events.close()
+            self.cancel(request.handle)
+            self.step()
+            raise
 
     def _retire(self) -> list:
         """Rows that are done leave the batch (their states to the prefix cache); cancelled waiters and
@@ -256,10 +285,18 @@ class Scheduler:
             # the time goes with it: this step reads its first chunk (maybe its first token) before returning
             p.started = time.perf_counter()
             events.append((p.request.handle, "admitted", (p.cached, p.started)))
-        ids, state = p.request.ids, p.state
+        ids, state, tic = p.request.ids, p.state, time.perf_counter()
         end = read_chunk(self.target, state, ids, len(ids) - 1, p.marks, p.checkpoints, self.prefill_step,
                          self.ranks)
-        (self.reading if end < len(ids) - 1 else self.ready).append(p)
+        p.seconds += time.perf_counter() - tic
+        if p.request.progress is not None:
+            p.request.progress(end, len(ids))
+        if end < len(ids) - 1:
+            self.reading.append(p)
+            return events
+        self.ready.append(p)
+        if self.prompt_cache is not None:  # the read rate, which tells what a prefix cache's hit saves
+            self.prompt_cache.observe_prefill(end - p.cached, p.seconds)
         return events
 
     def _join_ready(self):
@@ -270,6 +307,14 @@ class Scheduler:
             self.checkpoints[request.handle] = (request.cache_scope, p.checkpoints)
             self.batch.join(request.handle, p.state, request.ids[-1], request.sampling, request.max_tokens,
                             *seeded_keys(request.seed))
+
+
+def speculative_rounds(target, drafter, prompt, policy, sampling: SamplingParams, max_tokens: int,
+                       prefill_step: Optional[int] = None) -> Iterator[Round]:
+    """One request's rounds (`Scheduler.alone`, at its plainest): prompt token ids (a list or an array)."""
+    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    scheduler = Scheduler(target, drafter, policy, 1, prefill_step=prefill_step or machine_prefill_step())
+    return scheduler.alone(Request(0, ids, max_tokens, sampling))
 
 
 def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,
@@ -284,7 +329,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     from .prompt import check_context, encode_prompt
     from ..policies.dcut import build_policy
     from ..policies.width import WidthOptions
-    from .responses import GenerationStats, ResponseStream
+    from .responses import admitted_stream
 
     ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
@@ -304,12 +349,7 @@ def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, ve
     while scheduler.busy:
         for i, kind, value in scheduler.step():
             if kind == "admitted":
-                cached, started = value
-                stats = GenerationStats(prompt_tokens=len(ids[i]), block_size=policy.block_size,
-                                        max_width=policy.max_width, cached_tokens=cached)
-                if prompt_cache is not None:
-                    stats.prefill_seconds_saved = prompt_cache.seconds_saved(cached)
-                streams[i] = ResponseStream(tokenizer, stats, limits[i], started, prompt_cache)
+                streams[i] = admitted_stream(tokenizer, policy, len(ids[i]), limits[i], value, prompt_cache)
             elif kind == "round" and not streams[i].finished:
                 for response in streams[i].feed(value):
                     texts[i].append(response.text)

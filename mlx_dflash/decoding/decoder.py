@@ -1,7 +1,8 @@
-"""The DFlash decoding loop (DFlash paper, arXiv 2602.06036, section 3): prefill, then rounds of draft,
-verify, accept, roll back. `speculative_round` is one round, written once over rows: one request is its
-one-row case (`speculative_rounds`, which `generate.py` wraps in the tokenizer, stop handling, streaming
-text and statistics), and a batch of requests decoding together its many-row case (decoding/batch_decoder.py).
+"""The DFlash decoding loop (DFlash paper, arXiv 2602.06036, section 3): a prompt read, then rounds of draft,
+verify, accept, roll back. `speculative_round` is one round, written once over rows, and `plain_rounds` the
+target's steps alone where drafting does not pay; the scheduler (decoding/batch_decoder.py) runs them for the
+rows decoding together, one request being its one-row case (`Scheduler.alone`, which `generate.py` wraps in
+the tokenizer, stop handling, streaming text and statistics).
 
 Host round trips: the loop reads the device back through `to_host` only, once per round where it can.
 - Every round: the drafts, the number kept, the next token and prompt lookup's count come back
@@ -9,14 +10,14 @@ Host round trips: the loop reads the device back through `to_host` only, once pe
 - `--width auto` and `--p-min` (policies that read the drafter's confidence) add one before the verify:
   the width to verify depends on the confidence, and the verify's shape on the width.
 - A plain target step reads its token once, overlapped with the next step's forward (as mlx-lm's
-  generate_step), and the prefill reads its first token once.
+  generate_step); a prompt's read reads nothing back (its last token is the first round's anchor).
 Under a sharded target every rank also exchanges rank 0's choices (distributed.py), a round trip each.
 """
 
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +27,7 @@ from ..models.no_drafter import NoDrafter
 from ..models.target import Target
 from ..policies.width import RoundSeen, WidthPolicy
 from .lookup import PromptLookup, with_lookup
-from .sampling import SamplingParams, accept_rows, next_token
+from .sampling import SamplingParams, accept_rows
 from .tree import TreeVerdict, accept_trees, copy_trees, grow, tree_verdict
 
 
@@ -74,7 +75,7 @@ class Round:
 
 @dataclass
 class DecodeState:
-    """What decoding has built: the target's cache over `tokens`, the drafter's cache, and the feature rows
+    """What decoding has built: the target's cache over `tokens`, the drafter's cache, and the feature vectors
     of `tokens` the drafter has not read yet (`context`). The drafter's cache and the context together hold
     the features of every token in `tokens` (unless `dropped_features`: drafting off keeps none); the
     target's cache holds `tokens`, or during a run of plain steps one more (the next step's forward is
@@ -91,12 +92,12 @@ class DecodeState:
         return cls(target.make_cache(), drafter.make_cache())
 
     def hand_context_to(self, drafter: DraftModel):
-        """The drafter's cache takes the unread feature rows now (a prompt's, as part of reading it), so that
-        no round pays for them: at a long context the first draft would cost several target steps. The
-        last row stays for the first draft, which always reads at least one new row."""
-        if self.context is not None and self.context.shape[1] > 1:
-            drafter.read_context(self.context[:, :-1], self.draft_cache)
-            self.context = self.context[:, -1:]
+        """The drafter's cache takes the unread feature vectors now (a prompt's, as part of reading it), so that
+        no round pays for them: at a long context the first draft would cost several target steps. The first
+        draft reads one new feature vector still: the prompt's last token's, which the request's first round reads."""
+        if self.context is not None and self.context.shape[1] > 0:
+            drafter.read_context(self.context, self.draft_cache)
+            self.context = None
 
     def extend(self, tokens: list, features: Optional[mx.array]):
         """`tokens` entered the target's cache; `features` are their rows (None: not kept)."""
@@ -281,61 +282,11 @@ def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, mos
                     tree_verdict(block, paths))
 
 
-def speculative_rounds(
-    target: Target,
-    drafter: DraftModel,
-    prompt: mx.array,
-    policy: WidthPolicy,
-    sampling: SamplingParams,
-    max_tokens: int,
-    prefill_step: Optional[int] = None,
-    ranks: SingleProcess = SingleProcess(),
-    prefill_progress: Optional[Callable[[int, int], None]] = None,
-    state: Optional[DecodeState] = None,
-    seed: Optional[int] = None,
-) -> Iterator[Round]:
-    """One request: yield the tokens of each round; the first round is the prefill's token (nothing drafted).
-
-    state: where to start (a prefix cache's state holding a prefix of the prompt); it is kept up to date
-    as rounds run, for the prefix cache to keep afterwards. seed: the request's own random stream
-    (`seeded_keys`), else MLX's global one. ranks: under a sharded target every rank
-    verifies rank 0's drafts (`agree`), keeps rank 0's verdict (`settle`) and gets the drafter's context
-    features whole (`whole_features`); a single process passes everything through (distributed.py).
-    """
-    state = state or DecodeState.fresh(target, drafter)
-
-    # Prefill: the target reads the prompt (past what the state holds) and picks the first token. The
-    # features of every prompt position are context the drafter has not seen yet.
-    done = len(state.tokens)
-    logits, features = target.prefill(prompt[done:], state.cache, prefill_step, prefill_progress)
-    first_key, key = seeded_keys(seed)
-    (anchor,) = to_host(next_token(logits, sampling, first_key))
-    _, (anchor,) = ranks.settle([0], [anchor])  # every rank takes rank 0's first token
-    state.extend(prompt[done:].tolist(), ranks.whole_features(features))
-    if policy.max_width > 1:
-        state.hand_context_to(drafter)
-    yield Round([anchor], drafted=0, accepted=0, logprobs=log_softmax(logits)[None])
-    row = Row(state, anchor, sampling, max_tokens - 1, PromptLookup(prompt.tolist() + [anchor]), key=key)
-
-    while row.remaining > 0:
-        policy.at_context(len(state.tokens))  # what the next forward attends to
-        # The policy may skip the drafter for a while: plain target steps, overlapped as mlx-lm's own.
-        plain = 0 if ranks.lockstep else policy.plain_steps(row.remaining)
-        if plain:
-            tic = time.perf_counter()
-            for (rnd,) in plain_rounds(target, state.cache, [row], plain, policy.max_width > 1):
-                yield rnd
-            policy.observe_plain(plain, time.perf_counter() - tic)
-            continue
-        (rnd,), _ = speculative_round(target, drafter, state.cache, state.draft_cache, [row], policy, ranks)
-        yield rnd
-
-
 def plain_rounds(target: Target, cache: list, rows: list, n: int, keep_features: bool,
                  stop_ids: frozenset = frozenset()) -> Iterator[list]:
     """n steps of the target alone for every row, no drafter: yields each step's [Round] in row order (one
     token a row), the rows brought up to date as the speculative round does. keep_features: the rows'
-    feature rows join their contexts (the drafter drafts again later); otherwise they are dropped.
+    feature vectors join their contexts (the drafter drafts again later); otherwise they are dropped.
 
     As mlx-lm's generate_step does, each step's forward is built and started before the host reads the
     tokens before it, so building the graph overlaps the computation. The last tokens are not run here:

@@ -23,13 +23,22 @@ def encode_prompt(tokenizer, prompt, chat_template: Optional[bool] = False) -> l
     return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
 
 
+class ContextFull(DFlashError):
+    """A prompt that leaves no room in the target's context."""
+
+    def __init__(self, prompt_tokens: int, context: int):
+        super().__init__(f"the prompt is {prompt_tokens} tokens and the target's context is {context} "
+                         "(max_position_embeddings): shorten the prompt")
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
 def check_context(target: Target, prompt_tokens: int, max_tokens: int) -> int:
     """The tokens that may be generated: a prompt that fills the target's context is refused before any
-    work; max_tokens past the context is cut to what fits."""
+    work (`ContextFull`); max_tokens past the context is cut to what fits. The one context rule of every
+    entry: `generate`, `batch_generate`, the server (server/prompts.py `Prompts.fit`)."""
     limit = target.context_length
     if limit is None:
         return max_tokens
     if prompt_tokens >= limit:
-        raise DFlashError(f"the prompt is {prompt_tokens} tokens and the target's context is {limit} "
-                          "(max_position_embeddings): shorten the prompt")
+        raise ContextFull(prompt_tokens, limit)
     return min(max_tokens, limit - prompt_tokens)

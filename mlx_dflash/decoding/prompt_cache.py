@@ -5,7 +5,7 @@ KV caches, which trim to any shorter prefix; a hybrid target's recurrent (GatedD
 cannot be trimmed, so it is checkpointed at reusable positions (the end of each of the last chat messages,
 every `RUNG_EVERY` tokens of a long prompt, one token before the prompt's end so that a verbatim resend
 reads one token, and where the request ended); and the drafter's context (its own KV cache over the
-target's features, plus the feature rows it has not read), which trims like a KV cache. A state then
+target's features, plus the feature vectors it has not read), which trims like a KV cache. A state then
 serves every prefix of its tokens (a hybrid target's: every checkpoint in it). A checkpoint holds the
 recurrent layers only: one KV copy per conversation, however many checkpoints it has.
 
@@ -40,7 +40,6 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
 from ..errors import DFlashError
-from ..machine import prefill_step
 from ..models.no_drafter import NoDrafter
 from .decoder import DecodeState, SingleProcess
 
@@ -342,7 +341,7 @@ def check_prompt_cache_file(path) -> None:
 def write_entry(path: Path, entry: Entry, identity: str, prefill_rate: Optional[float] = None):
     """One kept state as a safetensors file (mlx-lm's prompt-cache format): the target's cache layers, one
     ArraysCache per drafter layer (keys, values), one per checkpoint (its recurrent arrays, layer by layer),
-    and last one holding (tokens, unread feature rows); the metadata names the pair and keeps the cache's
+    and last one holding (tokens, unread feature vectors); the metadata names the pair and keeps the cache's
     prefill rate, so a later process can say what a hit saves."""
     state, points = entry.state, sorted((entry.checkpoints or {}).items())
     holders = []
@@ -412,8 +411,8 @@ def read_chunk(target, state: DecodeState, ids: list, stop: int, marks: list, ch
                step: int, ranks: SingleProcess = SingleProcess()) -> int:
     """Read the prompt `ids` into `state` from where it holds on, to the first of: `step` tokens on, `stop`,
     the next of `marks` (rungs) past it, where the recurrent layers are checkpointed (into `checkpoints`).
-    Returns the prompt position read to. One request reads chunk after chunk (`read_to_rungs`); a batch's
-    scheduler reads one chunk of a prompt per step, in turn with the others (decoding/batch_decoder.py).
+    Returns the prompt position read to. The scheduler reads one chunk of a prompt per step, in turn with the
+    others (decoding/batch_decoder.py).
     ranks: a sharded target's, whose features a pipeline stage fills only in part (distributed.py)."""
     done = len(state.tokens)
     end = min([done + step, stop] + [m for m in marks if m > done])
@@ -423,14 +422,3 @@ def read_chunk(target, state: DecodeState, ids: list, stop: int, marks: list, ch
             checkpoints[end] = checkpoint(state.cache)
     return end
 
-
-def read_to_rungs(target, state: DecodeState, ids: list, checkpoints: dict, boundaries=(), step: Optional[int] = None,
-                  progress=None) -> DecodeState:
-    """For a target whose state cannot be trimmed: read the prompt into `state` up to its last rung,
-    checkpointing the recurrent layers at each (into `checkpoints`); the decoder reads the rest."""
-    marks, step = rungs(len(ids), boundaries), step or prefill_step()
-    while marks and len(state.tokens) < marks[-1]:
-        done = read_chunk(target, state, ids, marks[-1], marks, checkpoints, step)
-        if progress is not None:
-            progress(done, len(ids))
-    return state

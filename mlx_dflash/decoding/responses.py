@@ -82,7 +82,7 @@ class GenerationStats:
         from .engine_report import engine_lines
 
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
-        saved = f", ~{self.prefill_seconds_saved:.2f} s saved" if self.prefill_seconds_saved else ""  # once a rate is known
+        saved = f", ~{self.prefill_seconds_saved:.3f} s saved" if self.prefill_seconds_saved else ""  # once a rate is known
         cached = f" ({self.cached_tokens} cached{saved})" if self.cached_tokens else ""
         tau = f"{self.tau:.2f}" if self.rounds else "-"  # the first token is the prefill's: no round, no tau
         lines = [
@@ -121,8 +121,8 @@ class ResponseStream:
     """One request's rounds as per-token responses, up to its first stop token or max_tokens. The first
     round fed is the prefill's token; `started` is when reading the prompt began (perf_counter)."""
 
-    def __init__(self, tokenizer, stats: GenerationStats, max_tokens: int, started: float, prompt_cache=None):
-        self.stats, self.max_tokens, self.prompt_cache = stats, max_tokens, prompt_cache
+    def __init__(self, tokenizer, stats: GenerationStats, max_tokens: int, started: float):
+        self.stats, self.max_tokens = stats, max_tokens
         self.stop_ids = set(tokenizer.eos_token_ids)
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
@@ -137,8 +137,6 @@ class ResponseStream:
         stats = self.stats
         if self.rounds_fed == 0:
             stats.prefill_seconds = time.perf_counter() - self.clock
-            if self.prompt_cache is not None:
-                self.prompt_cache.observe_prefill(stats.prompt_tokens - stats.cached_tokens, stats.prefill_seconds)
             self.clock = time.perf_counter()
         else:
             stats.count(rnd)
@@ -166,3 +164,16 @@ class ResponseStream:
             if stats.finish_reason:
                 break
         return out
+
+
+def admitted_stream(tokenizer, policy, prompt_tokens: int, max_tokens: int, admitted: tuple,
+                    prompt_cache=None) -> ResponseStream:
+    """A request's response stream from the moment the scheduler admits it (its "admitted" event: the prompt
+    tokens a prefix cache held, and perf_counter() when its read began): where every request's statistics
+    start, one request's, a batch's rows and a server's alike."""
+    cached, started = admitted
+    stats = GenerationStats(prompt_tokens=prompt_tokens, block_size=policy.block_size, max_width=policy.max_width,
+                            cached_tokens=cached)
+    if prompt_cache is not None:
+        stats.prefill_seconds_saved = prompt_cache.seconds_saved(cached)
+    return ResponseStream(tokenizer, stats, max_tokens, started)

@@ -57,12 +57,12 @@ class DraftModel(Protocol):
         """A fresh cache for the drafter's own context."""
 
     def read_context(self, context: mx.array, cache: list):
-        """Take target feature rows into `cache` without drafting (the decoder hands over a prompt's as
+        """Take target feature vectors into `cache` without drafting (the decoder hands over a prompt's as
         part of reading it, so that no decoding round pays for them)."""
 
     def draft(self, anchors: list, contexts: list, cache: list, block_size: int, width: int, samplings,
               keys=None) -> Draft:
         """Drafts for block positions 1..width-1 of B rows in one pass (B = 1: one request): row b drafts after
-        anchors[b]; contexts[b] ([1, c_b, F] or None) holds its target feature rows new since its last draft,
+        anchors[b]; contexts[b] ([1, c_b, F] or None) holds its target feature vectors new since its last draft,
         which join its row of `cache` (one request's cache at B = 1, a batch's RaggedKVCache layers otherwise);
         ids and confidence [B, width-1]. keys: each row's own random stream, or None (MLX's global one)."""

@@ -68,9 +68,9 @@ class Attention(nn.Module):
         return x.transpose(0, 2, 1, 3)
 
     def __call__(self, x, h_ctx, rope, cache: KVCache, block_start=None):
-        """x: normed block [B, L, H]; h_ctx: new context rows [1 or B, S, H] at positions cache.offset..
+        """x: normed block [B, L, H]; h_ctx: new context vectors [1 or B, S, H] at positions cache.offset..
 
-        block_start: absolute position of block row 0, by default right after the context. Training
+        block_start: absolute position of block position 0, by default right after the context. Training
         passes an array [B], one anchor per batch row, and the whole context at once; each block then
         sees only the context strictly before its anchor.
         """
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         k_blk = self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm)
         v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
 
-        # Absolute positions: context rows continue the cache, the block follows the context.
+        # Absolute positions: context vectors continue the cache, the block follows the context.
         if block_start is None:
             block_start = cache.offset + S
         q = rope(q, offset=block_start)
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         return cache.update_and_fetch(k_ctx, self._heads(self.v_proj(h_ctx), self.n_kv_heads))
 
     def _mask(self, L: int, ctx_len: int, block_start, ctx_start: int = 0):
-        """Who each block row sees, from absolute positions (the masks of `_attention_mask` in z-lab's
+        """Who each block position sees, from absolute positions (the masks of `_attention_mask` in z-lab's
         dflash/model.py, dflash 0.1.0).
 
         Context (positions ctx_start..): rows before the block start, within the window if any, and
@@ -240,7 +240,7 @@ class DFlashDraftModel(nn.Module):
             mx.eval(self.parameters())
 
     def set_context_window(self, positions: Optional[int]) -> "DFlashDraftModel":
-        """Attend to the last `positions` context rows before each block only (None: to all of them): a
+        """Attend to the last `positions` context vectors before each block only (None: to all of them): a
         bound on the drafter's attention over a long context, which it was not trained with."""
         if positions is not None and positions < 1:
             raise DFlashError(f"the drafter's context window must be 1 or more positions, not {positions}")
@@ -252,7 +252,7 @@ class DFlashDraftModel(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def hidden(self, block_ids: mx.array, context: mx.array, cache: list, block_start=None) -> mx.array:
-        """Final-norm hidden rows of the block. block_ids [B, L]; context [1 or B, S, n_tgt*H], new rows
+        """Final-norm hidden states of the block. block_ids [B, L]; context [1 or B, S, n_tgt*H], new feature vectors
         only. block_start: see Attention (training gives one anchor position per batch row)."""
         if self._borrowed is None:
             raise DFlashError("the drafter is not bound to a target: call drafter.bind(target) first")
@@ -263,7 +263,7 @@ class DFlashDraftModel(nn.Module):
         return self.norm(h)
 
     def read_context(self, context: mx.array, cache: list):
-        """Take target feature rows [1, S, F] into the cache without drafting (a prompt's, as it is read)."""
+        """Take target feature vectors [1, S, F] into the cache without drafting (a prompt's, as it is read)."""
         h_ctx = self.hidden_norm(self.fc(context))
         for layer, c in zip(self.layers, cache):
             layer.self_attn.read_context(h_ctx, self._rope, c)
@@ -292,12 +292,12 @@ class DFlashDraftModel(nn.Module):
         return out
 
     def __call__(self, block_ids: mx.array, context: mx.array, cache: list) -> mx.array:
-        """Draft logits for block rows 1..L-1 (row j proposes the token at block position j)."""
+        """Draft logits for block positions 1..L-1 (row j proposes the token at block position j)."""
         return self.logits(self.hidden(block_ids, context, cache)[:, 1:])
 
     def batch_hidden(self, anchors: list, contexts: list, cache: list, block_size: int, width: int) -> mx.array:
-        """Final-norm hidden rows 1..width-1 of B blocks in one pass, one block per batch row: row b drafts
-        after anchors[b], reading its new context rows contexts[b] ([1, c_b, F] or None) into its row of the
+        """Final-norm hidden states 1..width-1 of B blocks in one pass, one block per batch row: row b drafts
+        after anchors[b], reading its new context vectors contexts[b] ([1, c_b, F] or None) into its row of the
         batch cache (RaggedKVCache layers, models/batch_cache.py); the rows are padded to the longest, and the
         padding never enters a row's length."""
         counts = [0 if c is None else c.shape[1] for c in contexts]
@@ -307,7 +307,9 @@ class DFlashDraftModel(nn.Module):
         before = list(cache[0].sizes)
         starts = [n + c for n, c in zip(before, counts)]
         block = mx.array([[a] + [self.mask_token_id] * (block_size - 1) for a in anchors])
-        hidden = self.hidden(block, mx.concatenate(rows), cache, block_start=mx.array(starts))
+        # one row is one request: its block start as one number, so no mask is built (as on its own cache)
+        start = starts[0] if len(starts) == 1 else mx.array(starts)
+        hidden = self.hidden(block, mx.concatenate(rows), cache, block_start=start)
         for c in cache:
             c.shorten(starts)  # each row's own new context, not the padding
         return hidden[:, 1:width]
@@ -324,7 +326,7 @@ class DFlashDraftModel(nn.Module):
         return self.drafts(hidden, anchors, samplings, keys)
 
     def drafts(self, hidden: mx.array, anchors: list, samplings: list, keys=None) -> Draft:
-        """The drafts of draft rows `hidden` [B, n, H]. v1 proposes its argmax whatever each row's sampling
+        """The drafts of draft positions `hidden` [B, n, H]. v1 proposes its argmax whatever each row's sampling
         (point masses: see decoding/sampling.py); with a draft vocabulary, confidence is the probability
         within it."""
         logits = self.draft_logits(hidden)

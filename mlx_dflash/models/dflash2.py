@@ -5,8 +5,8 @@ Everything of v1 stays (KV injection of the target features, the anchor + MASK b
 cache, the borrowed embedding and head). Two things are added:
 
 * per layer, two grouped dynamic causal convolutions (`attention_conv`, `mlp_conv`) around attention
-  and MLP. They run over the block rows only (the context is never convolved), causally, zero before
-  block row 0: y_t[c] = sum_o (base_kernel[s, o, c] + dynamic_t[s, o, c // G]) * x_{t-o}[c], where the
+  and MLP. They run over the block positions only (the context is never convolved), causally, zero before
+  block position 0: y_t[c] = sum_o (base_kernel[s, o, c] + dynamic_t[s, o, c // G]) * x_{t-o}[c], where the
   dynamic taps come from `kernel_projection` of the normed sub-block input; set s = 0 shapes the
   sub-block's input ("prepare"), s = 1 its output ("finish").
 * the candidate selector: the top-k tokens of each draft row's logits, rescored with a low-rank
@@ -55,7 +55,7 @@ class GroupedDynamicCausalConv(nn.Module):
         kernel = base.astype(x.dtype) + mx.repeat(dynamic, self.group_size, axis=-1)  # [B, L, K, H]
         out = kernel[:, :, 0] * x
         for o in range(1, self.kernel_size):
-            earlier = mx.pad(x[:, :-o], [(0, 0), (o, 0), (0, 0)])  # x_{t-o}, zero before block row 0
+            earlier = mx.pad(x[:, :-o], [(0, 0), (o, 0), (0, 0)])  # x_{t-o}, zero before block position 0
             out = out + kernel[:, :, o] * earlier
         return out
 
@@ -76,7 +76,7 @@ class DFlash2DecoderLayer(DecoderLayer):
 
 @dataclass
 class Walk:
-    """The selector's path over n draft rows (batch B)."""
+    """The selector's path over n draft positions (batch B)."""
 
     tokens: mx.array  # [B, n] the chosen token per row
     candidates: mx.array  # [B, n, k] the row's top-k tokens (no particular order)
@@ -94,7 +94,7 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
 
     def __call__(self, hidden: mx.array, logits: mx.array, anchors: mx.array, temperature=0.0, noise=None) -> Walk:
-        """hidden [B, n, H] (final-norm draft rows), logits [B, n, V] (after the output transforms),
+        """hidden [B, n, H] (final-norm draft positions), logits [B, n, V] (after the output transforms),
         anchors [B]. Walk left to right; each step's choice is the next step's predecessor. A batch whose
         rows sample differently passes `temperature` [B] (0: that row is greedy) and Gumbel `noise`
         [B, n, k] drawn from each row's own random stream: argmax(score / T + noise) samples softmax(score / T)."""
@@ -148,7 +148,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         super().set_draft_vocab(None, where)
 
     def walk(self, hidden: mx.array, anchors: mx.array, temperature: float = 0.0) -> Walk:
-        """The selector's walk over draft rows `hidden` [B, n, H]."""
+        """The selector's walk over draft positions `hidden` [B, n, H]."""
         return self.candidate_selector(hidden, self.logits(hidden), anchors, temperature)
 
     def drafts(self, hidden: mx.array, anchors: list, samplings: list, keys=None) -> Draft:

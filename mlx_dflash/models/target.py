@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache, is_ragged
+from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache, shorten_rows
 from .config import DFlashConfig
 from ..errors import DFlashError
 from ..machine import prefill_step
@@ -259,18 +259,12 @@ class Target:
         mx.eval([tape.rewind(rows - n) for tape in tapes])  # frees the round's tapes now
 
     def trim_rows(self, cache: list, drop: list):
-        """Forget the last drop[b] positions of row b's last forward: a batch's rows each their own
-        (models/batch_cache.py), or one request's cache as its one row."""
-        if not is_ragged(cache):
-            if len(drop) != 1:
-                raise DFlashError(f"one sequence's cache rolls back one row, not {len(drop)}")
-            return self.trim(cache, drop[0])
+        """Forget the last drop[b] positions of row b's last forward, in a batch's cache (models/batch_cache.py:
+        what every request decodes on; `trim` rolls back one sequence's own cache)."""
         pending, self._pending = self._pending, None
         if not any(drop):  # a plain step's: nothing to roll back
             return
-        for c in cache:
-            if c.is_trimmable():
-                c.shorten([n - d for n, d in zip(c.sizes, drop)])
+        shorten_rows(cache, drop)
         if self._recurrent:
             if pending is None or pending[0] is not cache:
                 raise DFlashError("a hybrid target rewinds only the rows of its last forward")

@@ -159,7 +159,7 @@ def _move(layer, lengths: list, paths: list):
                 out.append(mx.put_along_axis(x, at(target), mx.take_along_axis(x, at(source), axis=2), axis=2))
             return tuple(out)
 
-        layer.keys, layer.values = moved(layer.keys), moved(layer.values)
+        layer.stored_keys, layer.stored_values = moved(layer.stored_keys), moved(layer.stored_values)
         return
     (n,), (path,) = lengths, paths
     source, end = mx.array([n + i for i in path]), n + len(path)

@@ -36,17 +36,15 @@ out costs logits and a confidence (docs/batching.md has it measured).
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections import Counter, deque
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from ..errors import DFlashError
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
-                           probe_costs, read_cost_table, running, table_context_costs, table_costs)
+                           probe_costs, read_cost_table, batch_costs, running, table_context_costs)
 from ..models.no_drafter import NoDrafter
 from .width import Backoff, Calibration, RoundSeen, WidthOptions, WidthPolicy, fixed_policy, has_quantized_layers
 
@@ -241,8 +239,7 @@ def probe_batch_costs(target, batches: list, max_width: int, context: int = PROB
     """{rows: {width: verify seconds}} for batches of `rows` sequences of `context` tokens (the cost probe,
     verify_costs.probe_costs), every width up to max_width interpolated between the probed ones. Cells are
     not made to grow with the width (module docstring)."""
-    # one request decodes on its own cache, a batch (even at one row) on the batch's
-    probed = probe_costs(target, batches, max_width, context, repeats=repeats, batch=max(batches) > 1)
+    probed = probe_costs(target, batches, max_width, context, repeats=repeats)
     return {b: interpolate_costs(row, max_width) for b, row in probed.items()}
 
 
@@ -271,10 +268,12 @@ def build_policy(target, drafter, options: Optional[WidthOptions] = None, max_ba
         return fixed
     notes, table = list(fixed.notes), None
     if costs is None and options.cost_table:
-        costs = read_batch_costs(options.cost_table)
-        if "widths" in json.loads(Path(options.cost_table).read_text()):  # one row's costs: notes, context rows
-            table = read_cost_table(options.cost_table)
+        table = read_cost_table(options.cost_table)
+        costs = batch_costs(table)
+        if "widths" in table:  # one row's costs: notes, context vectors
             notes += [note] if (note := cost_table_note(table, options.cost_table, target)) else []
+        else:
+            table = None
     if costs is not None:  # a table's widths, and one of one row's costs only, cover every width and batch size
         costs = {b: interpolate_costs(row, fixed.max_width) for b, row in costs.items()}
         prober = context_prober(target, fixed.max_width)  # a table's clock may not be the probe's: it measures growth
@@ -313,27 +312,3 @@ def probed_costs(target, max_batch: int, max_width: int) -> tuple:
 def batch_cost_rows(costs: dict) -> dict:
     """What `mlx-dflash bench widths --batch` adds to its cost_table.json: verify seconds per (rows, width)."""
     return {"batch_verify_seconds": {str(b): [row[w] for w in sorted(row)] for b, row in sorted(costs.items())}}
-
-
-def read_batch_costs(path) -> dict:
-    """{rows: {width: seconds}} from a cost_table.json: its rows per batch size (`bench widths --batch`), or,
-    from a table of one row's costs, that row as the batch of one (D-cut scales it to the other batch sizes
-    and times their cells as rounds run). DFlashError naming the problem."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths --batch`)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
-    if not isinstance(data, dict) or "batch_verify_seconds" not in data:
-        return {1: table_costs(read_cost_table(path))}  # one row's costs (read_cost_table names what is wrong)
-    table = data["batch_verify_seconds"]
-    if not isinstance(table, dict) or not table:
-        raise DFlashError(f"cost table {path}: batch_verify_seconds must map batch sizes to lists of seconds")
-    try:
-        costs = {int(b): {w + 1: float(s) for w, s in enumerate(row)} for b, row in table.items()}
-    except (TypeError, ValueError):
-        raise DFlashError(f"cost table {path}: batch_verify_seconds must map batch sizes to lists of seconds") from None
-    if any(b < 1 or not row or any(not s > 0 for s in row.values()) for b, row in costs.items()):
-        raise DFlashError(f"cost table {path}: batch sizes must be >= 1 and every cost positive")
-    return costs

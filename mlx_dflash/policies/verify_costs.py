@@ -45,7 +45,9 @@ def interpolate_costs(table: dict, max_width: int) -> dict:
 
 
 def read_cost_table(path) -> dict:
-    """A cost_table.json, checked; DFlashError naming the problem otherwise."""
+    """A cost_table.json, checked: one row's costs ('widths', 'verify_seconds', and 'by_cache_length' from
+    `bench widths --context`), a batch's ('batch_verify_seconds', from `bench widths --batch`), or both. The
+    one reader of the file (`batch_costs` and `table_costs` view it); DFlashError naming the problem."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -53,9 +55,14 @@ def read_cost_table(path) -> dict:
         raise DFlashError(f"cost table {path}: no such file (make one with `mlx-dflash bench widths`)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DFlashError(f"cost table {path} is not a readable JSON file ({e})") from None
-    if not isinstance(data, dict) or "widths" not in data or "verify_seconds" not in data:
+    if not isinstance(data, dict) or "batch_verify_seconds" not in data and (
+            "widths" not in data or "verify_seconds" not in data):
         raise DFlashError(f"cost table {path} needs an object with 'widths' and 'verify_seconds' lists")
-    widths, seconds = data["widths"], data["verify_seconds"]
+    if "batch_verify_seconds" in data:
+        _check_batch_rows(data["batch_verify_seconds"], path)
+    if "widths" not in data and "verify_seconds" not in data:
+        return data
+    widths, seconds = data.get("widths"), data.get("verify_seconds")
     if not isinstance(widths, list) or not isinstance(seconds, list) or len(widths) != len(seconds) or not widths:
         raise DFlashError(f"cost table {path}: 'widths' and 'verify_seconds' must be non-empty lists of equal length")
     if any(type(w) is not int or w < 1 for w in widths) or len(set(widths)) != len(widths):
@@ -71,9 +78,29 @@ def read_cost_table(path) -> dict:
     return data
 
 
+def _check_batch_rows(table, path):
+    wrong = f"cost table {path}: batch_verify_seconds must map batch sizes to lists of seconds"
+    if not isinstance(table, dict) or not table or any(not isinstance(r, list) or not r for r in table.values()):
+        raise DFlashError(wrong)
+    try:
+        rows = {int(b): [float(s) for s in r] for b, r in table.items()}
+    except (TypeError, ValueError):
+        raise DFlashError(wrong) from None
+    if any(b < 1 or any(not s > 0 for s in r) for b, r in rows.items()):
+        raise DFlashError(f"cost table {path}: batch sizes must be >= 1 and every cost positive")
+
+
+def batch_costs(table: dict) -> dict:
+    """{rows: {width: seconds}} of a checked table (`read_cost_table`): its rows per batch size, or its one row's
+    costs as the batch of one (D-cut scales them to the other batch sizes and times their cells as rounds run)."""
+    if "batch_verify_seconds" not in table:
+        return {1: table_costs(table)}
+    return {int(b): {w + 1: float(s) for w, s in enumerate(row)} for b, row in table["batch_verify_seconds"].items()}
+
+
 def load_cost_table(path) -> dict[int, float]:
-    """{width: verify seconds} from a cost_table.json; DFlashError naming the problem otherwise."""
-    return table_costs(read_cost_table(path))
+    """{width: verify seconds} of one row, from a cost_table.json; DFlashError naming the problem otherwise."""
+    return batch_costs(read_cost_table(path))[1]
 
 
 def table_costs(table: dict) -> dict[int, float]:
@@ -247,16 +274,15 @@ def filled_batch(target, rows: int, length: int) -> list:
 
 
 def probe_costs(target, rows: list, max_width: int, context: int = PROBE_CONTEXTS[0], widths=PROBE_WIDTHS,
-                repeats: int = 3, batch: bool = False) -> dict:
+                repeats: int = 3) -> dict:
     """The cost probe: {rows: {width: seconds}} of a verify of `width` tokens in each of `rows` sequences of
-    `context` tokens, at the widths asked (up to max_width): on a batch cache (more than one row, or `batch`:
-    what a batch of one decodes on), else on one request's own cache.
+    `context` tokens, at the widths asked (up to max_width), on a batch cache (what every request decodes on).
 
     The cells are timed in turns (after one warm-up turn), so a slow moment of a shared machine spreads over
     all of them, and each keeps its median. Timed back to back instead, a slow moment falls on one width,
     which can then look dearer than a wider one, and auto would shun a width it never tries."""
     chosen = sorted({min(w, max_width) for w in widths})
-    caches = {b: filled_batch(target, b, context) if batch or b > 1 else filled_cache(target, context) for b in rows}
+    caches = {b: filled_batch(target, b, context) for b in rows}
     times = {(b, w): [] for b in rows for w in chosen}
     for turn in range(repeats + 1):
         for b in rows:

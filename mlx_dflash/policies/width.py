@@ -1,7 +1,7 @@
-"""The width policy: how many block rows the target verifies each round.
+"""The width policy: how many block positions the target verifies each round.
 
 The drafter always drafts its whole block in one pass (drafting cost is nearly flat in length); the
-policy only decides how long a prefix of it the target checks. Width counts rows, anchor included:
+policy only decides how long a prefix of it the target checks. Width counts the tokens verified, anchor included:
 width w verifies w - 1 drafted tokens.
 
 The base rule is z-lab's advice for MLX (z-lab/dflash README: "For quantized targets or drafts, use

@@ -22,10 +22,8 @@ import mlx.core as mx
 from ..decoding.batch_decoder import Request, Scheduler
 from ..decoding.engine_report import Report, verify_paths
 from ..decoding.decoder import SingleProcess
-from ..decoding.prompt import check_context
 from ..decoding.prompt_cache import PromptCache, pair_identity
-from ..decoding.responses import GenerationStats, ResponseStream
-from ..errors import DFlashError
+from ..decoding.responses import GenerationStats, ResponseStream, admitted_stream
 from .jobs import Job
 from .prompts import Prompts
 from .protocol import APIError, Outcome, StopMatcher
@@ -254,14 +252,8 @@ class Engine:
                 self.cancelled += 1
                 job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
                 continue
-            req = job.request
-            try:
-                max_tokens = check_context(self.target, len(job.prompt_ids), req.max_tokens)
-            except DFlashError as e:
-                del progress[job]
-                job.emit("error", APIError(400, str(e)))
-                continue
-            self.scheduler.submit(Request(job, job.prompt_ids, max_tokens, req.sampling, req.seed,
+            req = job.request  # its max_tokens fit to the context already (prompts.py `Prompts.fit`)
+            self.scheduler.submit(Request(job, job.prompt_ids, req.max_tokens, req.sampling, req.seed,
                                           tuple(job.boundaries), job.cache_scope))
         return True
 
@@ -270,16 +262,11 @@ class Engine:
         if p is None:
             return
         if kind == "admitted":
-            cached, started = value
-            stats = GenerationStats(prompt_tokens=len(job.prompt_ids), block_size=self.policy.block_size,
-                                    max_width=self.policy.max_width, cached_tokens=cached)
-            if self.prompt_cache is not None:
-                stats.prefill_seconds_saved = self.prompt_cache.seconds_saved(cached)
+            stream = admitted_stream(self.tokenizer, self.policy, len(job.prompt_ids), job.request.max_tokens, value,
+                                     self.prompt_cache)
             # the engine report: the verify's paths, and the routed calls since it began (a batch's: one forward
             # verifies every row)
-            report = Report(self.target, self.policy, stats, paths=self.verify_paths)
-            p.admitted(ResponseStream(self.tokenizer, stats, job.request.max_tokens, started, self.prompt_cache),
-                       report, started)
+            p.admitted(stream, Report(self.target, self.policy, stream.stats, paths=self.verify_paths), value[1])
         elif kind == "round" and p.finish is None:
             if p.take(value):
                 self.scheduler.cancel(job)  # it is over: its row leaves at the next step

@@ -4,7 +4,7 @@ and after it is tokenized."""
 
 from functools import cached_property
 
-from ..decoding.prompt import encode_prompt
+from ..decoding.prompt import ContextFull, check_context, encode_prompt
 from .protocol import APIError, GenerationRequest, PromptTooLong
 from .tools import forced_prefix, generic_tools_messages
 
@@ -114,11 +114,12 @@ class Prompts:
             raise PromptSurelyTooLong(at_least, characters, context, "messages" if req.kind == "chat" else "prompt")
 
     def fit(self, req: GenerationRequest, prompt_tokens: int, limit: int):
-        """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits."""
-        context = self.target.context_length
-        if context is not None and prompt_tokens >= context:
-            raise PromptTooLong(prompt_tokens, context, "messages" if req.kind == "chat" else "prompt")
-        req.max_tokens = min(req.max_tokens, limit, (context - prompt_tokens) if context else limit)
+        """Refuse a prompt that leaves no room in the context; cut max_tokens to `limit` and to what fits (the
+        context rule of decoding/prompt.py, once a request: the engine takes max_tokens as it is)."""
+        try:
+            req.max_tokens = check_context(self.target, prompt_tokens, min(req.max_tokens, limit))
+        except ContextFull as e:
+            raise PromptTooLong(e.prompt_tokens, e.context, "messages" if req.kind == "chat" else "prompt") from None
 
 
 def longest_token(tokenizer) -> int:

@@ -35,7 +35,7 @@ VERIFIED_FLOOR = 0.05
 
 
 def position_weights(block_size: int, gamma: Optional[float] = None) -> mx.array:
-    """w_k = exp(-(k-1)/gamma) for block rows k = 1..B-1."""
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
     gamma = gamma or PUBLISHED_GAMMA.get(block_size, max(1.0, block_size / 2.3))
     return mx.exp(-mx.arange(block_size - 1) / gamma)
 

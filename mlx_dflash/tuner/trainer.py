@@ -31,7 +31,7 @@ from .objectives import Objective
 from .replay import TargetFeatures, decoding_acceptance
 
 
-# What a block row learns: the target's own greedy choice at its position given the text before it, or
+# What a block position learns: the target's own greedy choice at its position given the text before it, or
 # the text's next token. On the target's greedy answers the two agree.
 LABELS = ("target", "text")
 
@@ -47,7 +47,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: Optional[float] = None  # default: published value for the block size
     objective: str = "decay"  # objectives.OBJECTIVES
-    labels: str = "target"  # LABELS: what each block row learns
+    labels: str = "target"  # LABELS: what each block position learns
     selector_weight: float = 1.0  # DFlash 2: the candidate selector's loss, added to the drafts' loss
     eval_every: int = 200
     checkpoint_every: int = 200
@@ -76,7 +76,7 @@ def make_blocks(ids: np.ndarray, response_start: int, n_anchors: int, block_size
 
 
 def sample_rows(row_weight: np.ndarray, rng) -> np.ndarray:
-    """The block rows whose loss is computed this step: each row with probability its weight (<= 1).
+    """The block positions whose loss is computed this step: each row with probability its weight (<= 1).
 
     The sum of their plain cross-entropies is, in expectation, the weighted sum over all rows, and the
     output head (most of a step's work) runs on a fraction of the rows: 0.44 of them for the published
@@ -101,7 +101,7 @@ def cross_entropy_and_grad(logits: np.ndarray, labels: np.ndarray, weight: np.nd
 
 
 def chosen_hidden(drafter, pieces) -> mx.array:
-    """Hidden states [N, H] of the block rows that enter the loss, over all of a step's sequences."""
+    """Hidden states [N, H] of the block positions that enter the loss, over all of a step's sequences."""
     out = []
     for features, block_ids, anchors, _, row_weight in pieces:
         hidden = drafter.hidden(block_ids, features, drafter.make_cache(), block_start=anchors)[:, 1:]
@@ -110,7 +110,7 @@ def chosen_hidden(drafter, pieces) -> mx.array:
 
 
 def previous_tokens(block_ids, labels) -> np.ndarray:
-    """The true token before each block row [A, B-1]: the anchor for row 1, the label of row k-1 after."""
+    """The true token before each block position [A, B-1]: the anchor for row 1, the label of row k-1 after."""
     return np.concatenate([np.array(block_ids)[:, :1], np.array(labels)[:, :-1]], axis=1)
 
 
