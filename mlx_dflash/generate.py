@@ -1,6 +1,7 @@
 """Generation in one call or as a stream, as mlx-lm's `generate` and `stream_generate` offer it.
 
-Tokenization, stop tokens, streaming text and statistics around the decoding loop (`decoding/decoder.py`). The
+Tokenization, stop tokens, streaming text and statistics around one request's decoding (the scheduler's one-row
+case, `decoding/batch_decoder.py` `Scheduler.alone`). The
 signatures are mlx-lm's: a string prompt is used as given (apply the chat template first, or use
 `encode_prompt`), the sampling keywords are `mlx_lm.sample_utils.make_sampler`'s, and `stream_generate`
 yields one response per token with mlx-lm's fields, plus the round that produced it and the running

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import PROMPTS, assert_distributed_as, chat_ids
+from conftest import PROMPTS, assert_distributed_as, chat_ids, mlx_lm_greedy
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
 from mlx_dflash.policies.width import WidthOptions, WidthPolicy
@@ -92,6 +92,25 @@ def test_a_batch_takes_pipelined_plain_steps_where_its_policy_skips_the_drafter(
     mixed = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3,
                            policy=Alternating(drafter.block_size, 4, prompt_lookup=False))
     assert mixed.token_ids == want and {1, 4} <= set(mixed.batch.widths) and max(mixed.batch.rows) == 3
+
+
+def test_a_run_of_plain_steps_comes_one_step_at_a_time(pairs):
+    """One request streams a plain step's token as soon as it is read, not after the run: the run's rounds are
+    yielded step by step (stream_generate's text is never held back for up to PLAIN_RUN tokens)."""
+    target, drafter, tokenizer = pairs["dense"]
+    (ids,) = prompts(tokenizer, 1)
+
+    class Plain(WidthPolicy):  # drafting off: runs of plain steps, as long as the scheduler allows
+        def plain_steps(self, remaining: int) -> int:
+            return remaining
+
+    scheduler = Scheduler(target, drafter, Plain(drafter.block_size, 4), 1)
+    rounds = scheduler.alone(Request(0, ids, 12, SamplingParams()))
+    first, second = next(rounds), next(rounds)  # the first token's step, then the first step of a run of 11
+    assert first.plain and second.plain and scheduler.batch.steps == 1
+    rest = list(rounds)
+    assert scheduler.batch.steps == 11 and len(rest) == 10
+    assert [t for r in [first, second] + rest for t in r.tokens] == mlx_lm_greedy(target.model, ids, 12)
 
 
 def test_a_row_that_picks_its_stop_token_ends_the_plain_run_and_the_others_go_on_as_alone(pairs):

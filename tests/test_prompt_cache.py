@@ -100,6 +100,27 @@ def test_every_kind_of_hit_gives_the_cold_answer(pairs, name):
     assert warm.tokens == answer(pair, first).tokens and len(small) == 1
 
 
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_a_stream_broken_off_keeps_what_it_decoded_for_the_next_request(pairs, name):
+    """A caller that stops reading stream_generate ends its request there: the row leaves at once and the prefix
+    cache keeps the prompt and the tokens decoded so far, so a prompt that goes on from them reads only what is
+    new (a hybrid target: from its checkpoints), and answers as a cold start."""
+    from mlx_dflash.generate import stream_generate
+
+    target, drafter, tokenizer = pair = pairs[name]
+    cache = new_cache(target)
+    ids = conversation(tokenizer, TURNS[:1], [None])
+    taken = []
+    for response in stream_generate(target, drafter, tokenizer, ids, max_tokens=40, prompt_cache=cache, width=4):
+        taken.append(response.token)
+        if len(taken) == 5:
+            break
+    assert len(cache) == 1
+    warm, cold = answer(pair, ids + taken, cache), answer(pair, ids + taken)
+    assert warm.tokens == cold.tokens
+    assert warm.stats.cached_tokens >= (len(ids) + len(taken) - 1 if target.trimmable else len(ids) - 1)
+
+
 def test_a_dflash2_drafter_is_restored_with_its_context(tiny_chat_pair):
     import dflash2_tiny
 
