@@ -82,7 +82,8 @@ class GenerationStats:
         from .engine_report import engine_lines
 
         hist = " ".join(f"{n}:{self.accepted_lengths[n]}" for n in sorted(self.accepted_lengths))
-        saved = f", ~{self.prefill_seconds_saved:.3f} s saved" if self.prefill_seconds_saved else ""  # once a rate is known
+        # once a read rate is known; a tiny model reads in milliseconds: three decimals
+        saved = f", ~{self.prefill_seconds_saved:.3f} s saved" if self.prefill_seconds_saved else ""
         cached = f" ({self.cached_tokens} cached{saved})" if self.cached_tokens else ""
         tau = f"{self.tau:.2f}" if self.rounds else "-"  # the first token is the prefill's: no round, no tau
         lines = [

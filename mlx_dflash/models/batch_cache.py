@@ -23,7 +23,8 @@ class RaggedKVCache(_BaseCache):
     step = 256
 
     def __init__(self):
-        self.stored_keys = self.stored_values = None  # tuples of [B, H, capacity, d] arrays: the stored parts (one, unquantized)
+        # tuples of [B, H, capacity, d] arrays: the stored parts (one, unquantized)
+        self.stored_keys = self.stored_values = None
         self.sizes: list = []  # valid positions per row, on the host (no read-back to place a write)
         self.lengths = mx.zeros((0,), mx.int32)  # the same on the device
 
@@ -162,8 +163,9 @@ class RaggedKVCache(_BaseCache):
         if self.stored_keys is None and self.sizes:  # rows so far are all empty: start their arrays now
             if row.keys is not None:
                 keys, values = self._row_parts(row)
-                self.stored_keys = tuple(mx.zeros((len(self.sizes), *k.shape[1:2], 0, k.shape[3]), k.dtype) for k in keys)
-                self.stored_values = tuple(mx.zeros((len(self.sizes), *v.shape[1:2], 0, v.shape[3]), v.dtype) for v in values)
+                B = len(self.sizes)
+                self.stored_keys = tuple(mx.zeros((B, k.shape[1], 0, k.shape[3]), k.dtype) for k in keys)
+                self.stored_values = tuple(mx.zeros((B, v.shape[1], 0, v.shape[3]), v.dtype) for v in values)
         if self.stored_keys is None:
             if row.keys is not None:
                 self.stored_keys, self.stored_values = self._row_parts(row)
