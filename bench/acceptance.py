@@ -34,7 +34,7 @@ from mlx_dflash.utils import portable_path
 from mlx_dflash.pair import load_target
 from mlx_dflash.downloads import PROMPT_SETS, cache_dir, shipped_drafter_dir, default_target
 from mlx_dflash.plot import bar_chart_png
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.tuner.replay import (TargetFeatures, decoding_acceptance, looked_up_acceptance, prompt_lookup_drafts,
                                replay_greedy)
@@ -74,7 +74,7 @@ def main():
     for ids, start in sequences[: args.check]:
         for w in args.widths:
             for with_lookup in (False, True):
-                policy = make_policy(drafter.block_size, w, prompt_lookup=with_lookup)
+                policy = make_policy(drafter.block_size, w, controls=DraftControls(prompt_lookup=with_lookup))
                 rounds = list(speculative_rounds(target, drafter, mx.array(ids[:start]), policy, SamplingParams(),
                                                  len(ids) - start))
                 decoded = [t for r in rounds for t in r.tokens]

@@ -17,18 +17,16 @@ import mlx.core as mx
 from .decoding.batch_decoder import Request, Scheduler
 from .decoding.decoder import SingleProcess
 from .decoding.engine_report import Report, announce, silenced
+from .decoding.generation_options import GenerationOptions, check_seed
 from .decoding.prompt import check_context, encode_prompt
 from .decoding.prompt_cache import PromptCache, check_prompt_cache_file, pair_identity
 from .decoding.responses import GenerationResponse, GenerationStats, admitted_stream
-from .decoding.sampling import SamplingParams
 from .errors import DFlashError
 from .machine import prefill_step
 from .models.base import DraftModel
-from .models.no_drafter import NoDrafter
 from .models.target import Target
-from .options import check_seed, kv_options, pair_options, sampling_options, shard_options, width_options
+from .options import kv_options, pair_options, sampling_options, shard_options, width_options
 from .policies.dcut import build_policy
-from .policies.width import WidthOptions, WidthPolicy
 
 
 class GeneratedText(str):
@@ -38,51 +36,20 @@ class GeneratedText(str):
     stats: GenerationStats
 
 
-def stream_generate(
-    target: Target,
-    drafter: Optional[DraftModel],
-    tokenizer,
-    prompt,
-    max_tokens: int = 256,
-    *,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: Optional[int] = None,
-    width=None,
-    tree: Optional[bool] = None,
-    policy: Optional[WidthPolicy] = None,
-    prefill_step_size: Optional[int] = None,
-    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    prompt_cache: Optional[PromptCache] = None,
-    cache_scope: str = "",
-    ranks: SingleProcess = SingleProcess(),
-    sampler=None,
-) -> Iterator[GenerationResponse]:
+def stream_generate(target: Target, drafter: Optional[DraftModel], tokenizer, prompt, max_tokens: int = 256, *,
+                    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+                    ranks: SingleProcess = SingleProcess(), **options) -> Iterator[GenerationResponse]:
     """Stream the generation token by token. `prompt` is a string (used as given) or token ids. drafter: a
     DFlash drafter, or None for drafts copied from the context alone (models/no_drafter.py).
 
-    temp, top_p, top_k, min_p: as `mlx_lm.sample_utils.make_sampler` takes them (temp 0 is greedy); every
-    token is distributed as mlx-lm draws it with the same settings. width: the verify width or "auto"
-    (the default), unless a `policy` is given (`policies.dcut.build_policy`); tree: verify trees of the
-    drafter's likeliest paths (True), one path (False), or as the width policy chooses (None).
-    prompt_progress_callback(processed, total) is called as the prompt is read. prompt_cache: start from
-    the longest kept prefix of the prompt and keep this generation's state (decoding/prompt_cache.py); cache_scope:
-    the part of the cache to use (a server keeps one per API key)."""
-    if sampler is not None:
-        raise DFlashError("sampler= takes a function that draws a token, but speculative sampling needs the "
-                          "distribution itself: pass temp=, top_p=, top_k=, min_p= (make_sampler's arguments)")
+    options: temp, top_p, top_k, min_p (as `mlx_lm.sample_utils.make_sampler` takes them), seed, width, tree,
+    policy, prefill_step_size, prompt_cache (decoding/generation_options.py `GenerationOptions`).
+    prompt_progress_callback(processed, total) is called as the prompt is read; ranks: a sharded target's
+    (distributed.py `Ranks`)."""
+    options = GenerationOptions.of(options)
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
-    sampling = SamplingParams(temp, top_p, top_k, min_p)
-    check_seed(seed, "seed")
-    drafter = NoDrafter().bind(target) if drafter is None else drafter
-    if not drafter.is_bound:
-        drafter.bind(target)
-    if policy is None:
-        widths = WidthOptions(width, tree=tree).with_default(seeded_sample=seed is not None and temp > 0)
-        policy = build_policy(target, drafter, widths)
+    drafter, policy = options.drafter_and_policy(target, drafter)
     ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty")
@@ -93,15 +60,15 @@ def stream_generate(
 
     def admitted(*value):
         nonlocal stream, report
-        stream = admitted_stream(tokenizer, policy, len(ids), max_tokens, value, prompt_cache)
+        stream = admitted_stream(tokenizer, policy, len(ids), max_tokens, value, options.prompt_cache)
         # the policy's notes and the fallbacks known already, on stderr (rank 0) and in the statistics
         report = Report(target, policy, stream.stats, quiet=ranks.rank != 0)
 
     mx.reset_peak_memory()
     # one request: the scheduler's one-row case (serve and batch_generate decode through it too)
-    scheduler = Scheduler(target, drafter, policy, 1, tokenizer.eos_token_ids, prompt_cache,
-                          prefill_step_size or prefill_step(), ranks)
-    rounds = scheduler.alone(Request(0, ids, max_tokens, sampling, seed, cache_scope=cache_scope,
+    scheduler = Scheduler(target, drafter, policy, 1, tokenizer.eos_token_ids, options.prompt_cache,
+                          options.prefill_step_size or prefill_step(), ranks)
+    rounds = scheduler.alone(Request(0, ids, max_tokens, options.sampling, options.seed,
                                      progress=prompt_progress_callback), admitted)
     try:
         for rnd in rounds:
@@ -118,7 +85,7 @@ def generate(target: Target, drafter: DraftModel, tokenizer, prompt, max_tokens:
              **kwargs) -> GeneratedText:
     """Generate in one call, as `mlx_lm.generate`: returns the text (its `.tokens` and `.stats` hold the
     token ids and the statistics). verbose: print the text as it comes, then the statistics. The other
-    keywords are stream_generate's."""
+    keywords are stream_generate's (`GenerationOptions`)."""
     text, tokens, stats = [], [], None
     if verbose:
         print("=" * 10)

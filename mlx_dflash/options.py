@@ -176,8 +176,3 @@ kv_options = grouped(
                  help="Quantize a cache once it holds more than this many tokens (with --kv-bits)."),
 )
 
-
-def check_seed(seed, name: str = "--seed") -> None:
-    """MLX seeds its random state with an unsigned 64-bit integer."""
-    if seed is not None and not 0 <= seed < 2**64:
-        raise DFlashError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")

@@ -12,7 +12,7 @@ import pytest
 from conftest import PROMPTS, assert_distributed_as, chat_ids, mlx_lm_greedy
 from tiny_families import tiny_chat_target
 from mlx_dflash.decoding.batch_decoder import Batch, Request, Scheduler, batch_generate
-from mlx_dflash.policies.width import WidthOptions, WidthPolicy
+from mlx_dflash.policies.width import DraftControls, WidthOptions, WidthPolicy
 from mlx_dflash.policies.dcut import DCutPolicy, batch_cost_rows, build_policy, probe_batch_costs
 from mlx_dflash.policies.verify_costs import batch_costs, read_cost_table
 from mlx_dflash.decoding.decoder import DecodeState
@@ -69,6 +69,16 @@ def test_batched_greedy_output_equals_single_requests(pairs, name):
         assert got.token_ids == want and max(got.batch.rows) >= 4 and len(got.batch.widths) > 1
 
 
+def test_a_seeded_batch_draws_each_prompt_as_it_would_alone(pairs):
+    """batch_generate's seed seeds every prompt's sample: each draws the tokens generate draws alone with it."""
+    target, drafter, tokenizer = pairs["dense"]
+    ids = prompts(tokenizer, 4)
+    sampled = dict(temp=0.8, top_p=0.95, seed=11)
+    want = [generate(target, drafter, tokenizer, p, max_tokens=n, **sampled).tokens for p, n in zip(ids, LIMITS)]
+    got = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS[:4], max_batch=3, **sampled)
+    assert got.token_ids == want and len({tuple(t[:3]) for t in want}) > 1
+
+
 class Alternating(WidthPolicy):
     """Width 4, with runs of up to 3 plain steps between rounds, in turn (as an auto policy that skips the
     drafter while it does not pay)."""
@@ -90,7 +100,7 @@ def test_a_batch_takes_pipelined_plain_steps_where_its_policy_skips_the_drafter(
     off = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3, width=1)
     assert off.token_ids == want and set(off.batch.widths) == {1} and max(off.batch.rows) == 3
     mixed = batch_generate(target, drafter, tokenizer, ids, max_tokens=LIMITS, max_batch=3,
-                           policy=Alternating(drafter.block_size, 4, prompt_lookup=False))
+                           policy=Alternating(drafter.block_size, 4, controls=DraftControls(prompt_lookup=False)))
     assert mixed.token_ids == want and {1, 4} <= set(mixed.batch.widths) and max(mixed.batch.rows) == 3
 
 
@@ -434,7 +444,7 @@ def test_sampled_rows_beside_greedy_rows_keep_the_target_distribution(pairs):
         states.append(state)
     firsts, nexts = [], []
     for trial in range(300):
-        batch = Batch(target, drafter, WidthPolicy(drafter.block_size, 4, prompt_lookup=False))
+        batch = Batch(target, drafter, WidthPolicy(drafter.block_size, 4, controls=DraftControls(prompt_lookup=False)))
         batch.join("s", copy.deepcopy(states[0]), ids[0][-1], params, 8, mx.random.key(0), mx.random.key(trial))
         batch.join("g", copy.deepcopy(states[1]), ids[1][-1], SamplingParams(), 8)
         firsts.append({h: rnd.tokens for h, rnd in batch.round()})

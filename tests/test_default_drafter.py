@@ -14,7 +14,7 @@ from mlx_dflash.tuner.data import greedy_batch
 from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.models.loader import drafter_from_dir
 from mlx_dflash.downloads import shipped_drafter_dir
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
 from mlx_dflash.tuner.replay import decoding_acceptance
@@ -41,7 +41,7 @@ def test_default_drafter_ships_small_in_bf16():
 def test_default_pair_is_lossless_and_accepts(pair, block_size):
     target, drafter, tokenizer = pair
     # Prompt lookup off: every draft kept is then the drafter's own.
-    policy = make_policy(drafter.block_size, block_size, prompt_lookup=False)
+    policy = make_policy(drafter.block_size, block_size, controls=DraftControls(prompt_lookup=False))
     accepted = 0
     for prompt in PROMPTS[:4]:
         ids = chat_ids(tokenizer, prompt)

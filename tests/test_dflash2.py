@@ -26,7 +26,7 @@ from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.dcut import DCutPolicy
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams, accept_rows, target_probs
 from mlx_dflash.models.target import Target
 
@@ -159,7 +159,8 @@ def test_oracle_through_the_selector_accepts_exactly(glimmer, drafter, width):
     oracle = OracleDFlash2(drafter.config)
     oracle.update(drafter.parameters())
     oracle.bind(target).plant(len(PROMPT), want, errors={3, 4, 11, 19, 20})
-    got, rounds = run(target, oracle, make_policy(oracle.block_size, width, prompt_lookup=False))
+    no_lookup = DraftControls(prompt_lookup=False)
+    got, rounds = run(target, oracle, make_policy(oracle.block_size, width, controls=no_lookup))
     assert got == want
     assert [r.accepted for r in rounds[1:]] == expected_acceptance(MAX_TOKENS, width, {3, 4, 11, 19, 20})
     if width > 5:
@@ -173,7 +174,8 @@ def test_p_min_cuts_on_the_selector_confidence(glimmer, drafter):
     p_min = float(np.median([c for d in probe.drafts for c in d.confidence.tolist()]))
     recorder = Recorder(drafter)
     # (without prompt lookup, which would replace unsure drafts: this checks the cut on the selector's own)
-    got, rounds = run(target, recorder, make_policy(drafter.block_size, 16, p_min=p_min, prompt_lookup=False))
+    controls = DraftControls(p_min=p_min, prompt_lookup=False)
+    got, rounds = run(target, recorder, make_policy(drafter.block_size, 16, controls=controls))
     assert got == want
     drafted = [r.drafted for r in rounds[1:]]
     for n, draft in zip(drafted, recorder.drafts):

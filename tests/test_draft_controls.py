@@ -11,13 +11,13 @@ from oracles import cut_one, observe_one
 from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policies.dcut import DCutPolicy
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.policies.verify_costs import interpolate_costs
 from mlx_dflash.decoding.sampling import SamplingParams, next_token
 
 
 def test_p_min_cuts_before_the_first_low_confidence_position():
-    policy = make_policy(16, 8, p_min=0.5)
+    policy = make_policy(16, 8, controls=DraftControls(p_min=0.5))
     confidence = [0.9, 0.8, 0.45, 0.99, 0.99, 0.99, 0.99]
     assert cut_one(policy, 8, confidence) == 3  # drafts 1-2 survive; 3 is below 0.5
     assert cut_one(policy, 8, [0.9] * 7) == 8
@@ -26,16 +26,16 @@ def test_p_min_cuts_before_the_first_low_confidence_position():
 
 
 def test_n_min_verifies_nothing_when_too_few_drafts_survive():
-    policy = make_policy(16, 8, p_min=0.5, n_min=3)
+    policy = make_policy(16, 8, controls=DraftControls(p_min=0.5, n_min=3))
     assert cut_one(policy, 8, [0.9, 0.8, 0.45, 0.9, 0.9, 0.9, 0.9]) == 1  # 2 survive < 3
     assert cut_one(policy, 8, [0.9, 0.8, 0.7, 0.45, 0.9, 0.9, 0.9]) == 4  # 3 survive
-    assert cut_one(make_policy(16, 8, n_min=8), 8, [1.0] * 7) == 1  # 7 possible drafts < 8
+    assert cut_one(make_policy(16, 8, controls=DraftControls(n_min=8)), 8, [1.0] * 7) == 1  # 7 possible drafts < 8
 
 
 @pytest.mark.parametrize("kwargs", [dict(p_min=1.0), dict(p_min=-0.1), dict(n_min=16), dict(n_min=-1)])
 def test_bad_controls_are_refused(kwargs):
-    with pytest.raises(DFlashError):
-        make_policy(16, **kwargs)
+    with pytest.raises(DFlashError, match="p_min must be in|n_min must be"):
+        make_policy(16, controls=DraftControls(**kwargs))
 
 
 def brute_force_best(confidence, cost, draft_seconds, max_width):
@@ -91,8 +91,8 @@ def test_cost_tables_interpolate_and_extend():
 
 CONTROLS = {
     "n_max_3": lambda d: make_policy(d.block_size, 4),
-    "p_min_0.3": lambda d: make_policy(d.block_size, p_min=0.3),
-    "p_min_0.9_n_min_2": lambda d: make_policy(d.block_size, p_min=0.9, n_min=2),
+    "p_min_0.3": lambda d: make_policy(d.block_size, controls=DraftControls(p_min=0.3)),
+    "p_min_0.9_n_min_2": lambda d: make_policy(d.block_size, controls=DraftControls(p_min=0.9, n_min=2)),
     "auto": lambda d: DCutPolicy(d.block_size, d.block_size, {1: interpolate_costs({1: 0.1, 16: 0.25}, d.block_size)}),
 }
 
@@ -169,7 +169,7 @@ def test_a_round_reads_the_device_back_once_and_twice_when_the_policy_reads_conf
     auto = DCutPolicy(drafter.block_size, drafter.block_size, {1: {w: 0.01 for w in range(1, 9)}})  # wider is free
     cases = [("fixed, greedy", make_policy(drafter.block_size, 4), SamplingParams(), 1),
              ("fixed, sampled", make_policy(drafter.block_size, 4), SamplingParams(0.8), 1),
-             ("p-min", make_policy(drafter.block_size, p_min=0.01), SamplingParams(), 2),
+             ("p-min", make_policy(drafter.block_size, controls=DraftControls(p_min=0.01)), SamplingParams(), 2),
              ("auto", auto, SamplingParams(), 2)]
     for name, policy, sampling, per_round in cases:
         reads.clear()

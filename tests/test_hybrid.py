@@ -17,7 +17,7 @@ from oracles import OracleDrafter, expected_acceptance
 from tiny_families import COMMON, FAMILIES, PROMPT, bound_pair, tiny_model
 from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policies.width import has_quantized_layers, make_policy
+from mlx_dflash.policies.width import DraftControls, has_quantized_layers, make_policy
 from mlx_dflash.models.rollback import delta_rule_state
 from mlx_dflash.decoding.sampling import SamplingParams, target_probs
 from mlx_dflash.models.target import Target
@@ -98,7 +98,8 @@ def test_quantized_hybrid_is_lossless_under_the_width_clamp(asked):
     want = mlx_lm_greedy(model, PROMPT, 30)
     errors = {2, 3, 9, 15, 16}
     oracle = OracleDrafter(real.config, len(PROMPT), want, errors).bind(target)
-    policy = make_policy(real.block_size, asked, quantized=has_quantized_layers(target.model), prompt_lookup=False)
+    policy = make_policy(real.block_size, asked, quantized=has_quantized_layers(target.model),
+                         controls=DraftControls(prompt_lookup=False))
     assert policy.max_width == 5 and (asked == 5 or "clamped from 16 to 5" in policy.notes[0])
     rounds = list(speculative_rounds(target, oracle, mx.array(PROMPT), policy, SamplingParams(), 30))
     assert [t for r in rounds for t in r.tokens] == want

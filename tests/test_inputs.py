@@ -219,6 +219,28 @@ def test_the_python_api_refuses_a_bad_seed_naming_the_keyword(tiny_chat_pair):
         generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=2, seed=-1)
 
 
+@pytest.mark.parametrize("keywords, said", [
+    (dict(temp=-1), "temp must be >= 0, got -1"),
+    (dict(top_k=-2), "top_k must be >= 0 (0 disables it), got -2"),
+    (dict(temperature=0.5), "no generation keyword 'temperature': the keywords are temp, top_p, top_k"),
+    (dict(sampler=lambda logits: logits), "sampler= takes a function that draws a token"),
+    (dict(width=4, policy=object()), "policy= is a width policy built already"),
+    (dict(prefill_step_size=0), "prefill_step_size must be at least 1, got 0"),
+])
+@pytest.mark.parametrize("call", ["generate", "batch_generate"])
+def test_the_python_api_refuses_bad_keywords_in_one_line(tiny_chat_pair, keywords, said, call):
+    from mlx_dflash.decoding.batch_decoder import batch_generate
+    from mlx_dflash.generate import generate
+
+    target, tokenizer, drafter = tiny_chat_pair
+    with pytest.raises(DFlashError) as refused:
+        if call == "generate":
+            generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=2, **keywords)
+        else:
+            batch_generate(target, drafter, tokenizer, [[1, 2, 3]], max_tokens=2, **keywords)
+    assert str(refused.value).startswith(said), refused.value
+
+
 @pytest.mark.parametrize("port", ["99999", "65536", "-1"])
 def test_a_port_out_of_range_is_refused_naming_the_flag(tmp_path, port):
     line = one_line_error(["serve", "--model", str(tmp_path / "not-loaded"), "--port", port])
@@ -231,9 +253,11 @@ def test_a_port_out_of_range_is_refused_naming_the_flag(tmp_path, port):
     (["--top-k", "-2"], "error: --top-k must be >= 0 (0 disables it), got -2"),
     (["--min-p", "1"], "error: --min-p must be in [0, 1) (0 disables it), got 1.0"),
     (["--max-tokens", "0"], "error: --max-tokens must be at least 1, got 0"),
+    (["--p-min", "1"], "error: --p-min must be in [0, 1), got 1.0"),
+    (["--n-min", "-1"], "error: --n-min must be at least 0 (drafted tokens), got -1"),
 ])
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_bad_sampling_flags_are_named_as_typed(tmp_path, flags, said, command):
+def test_bad_sampling_and_draft_flags_are_named_as_typed(tmp_path, flags, said, command):
     if command == "serve" and flags[0] == "--max-tokens":
         said = "error: --max-tokens, --max-tokens-limit, --max-body"  # serve's own line for its limits
     args = ["--prompt", "hi"] if command == "generate" else []

@@ -15,7 +15,7 @@ from mlx_dflash.downloads import shipped_drafter_dir
 from mlx_dflash.decoding.lookup import PromptLookup, with_lookup
 from mlx_dflash.policies.dcut import DCutPolicy
 from mlx_dflash.policies.verify_costs import interpolate_costs
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.tuner.replay import decoding_acceptance, looked_up_acceptance
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.models.target import Target
@@ -103,7 +103,7 @@ POLICIES = {
     "width 4": lambda d: make_policy(d.block_size, 4),
     "width 8": lambda d: make_policy(d.block_size, 8),
     "width 16": lambda d: make_policy(d.block_size, 16),
-    "p-min 0.6": lambda d: make_policy(d.block_size, 16, p_min=0.6),
+    "p-min 0.6": lambda d: make_policy(d.block_size, 16, controls=DraftControls(p_min=0.6)),
     "auto": lambda d: DCutPolicy(d.block_size, d.block_size,
                                  {1: interpolate_costs({1: 0.08, 4: 0.11, 16: 0.16}, d.block_size)}),
 }
@@ -138,7 +138,7 @@ def test_sampling_with_lookup_keeps_the_target_distribution(pair, greedy):
 def test_lookup_off_drafts_only_from_the_drafter(pair, greedy):
     target, drafter, tokenizer = pair
     ids, want = greedy(WORD_PROBLEMS[0], 40)
-    policy = make_policy(drafter.block_size, 8, prompt_lookup=False)
+    policy = make_policy(drafter.block_size, 8, controls=DraftControls(prompt_lookup=False))
     rounds = list(speculative_rounds(target, drafter, mx.array(ids), policy, SamplingParams(), 40))
     assert [t for r in rounds for t in r.tokens] == want
     assert not any(r.looked_up for r in rounds)

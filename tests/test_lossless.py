@@ -12,7 +12,7 @@ from conftest import PROMPTS, chat_ids, mlx_lm_greedy
 from oracles import OracleDrafter, expected_acceptance
 from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.generate import generate
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 
 BLOCK_SIZES = [1, 2, 4, 5, 8, 16]
@@ -30,7 +30,7 @@ def references(smollm2):
 
 
 def run_rounds(target, drafter, ids, block_size, max_tokens, prompt_lookup=True):
-    policy = make_policy(drafter.block_size, block_size, prompt_lookup=prompt_lookup)
+    policy = make_policy(drafter.block_size, block_size, controls=DraftControls(prompt_lookup=prompt_lookup))
     rounds = list(speculative_rounds(target, drafter, mx.array(ids), policy, SamplingParams(), max_tokens))
     return [t for r in rounds for t in r.tokens], rounds
 

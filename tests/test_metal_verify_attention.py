@@ -27,7 +27,7 @@ from mlx_dflash.decoding.batch_decoder import speculative_rounds  # noqa: E402
 from mlx_dflash.models.batch_cache import add_row, batched  # noqa: E402
 from mlx_dflash.models.loader import drafter_config_for, init_drafter  # noqa: E402
 from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.policies.width import make_policy  # noqa: E402
+from mlx_dflash.policies.width import DraftControls, make_policy  # noqa: E402
 from mlx_dflash.kernels.race_gate import RACE_REPEATS, RaceGate  # noqa: E402
 from mlx_dflash.decoding.sampling import SamplingParams  # noqa: E402
 from mlx_dflash.models.target import Target  # noqa: E402
@@ -220,7 +220,7 @@ def test_ragged_batched_decoding_through_the_kernel_is_lossless(forced):
                            seed=1).bind(target)
     target.install_attention_kernel("dflash")
     prompts = [PROMPT, PROMPT[:5] + [77, 78]]
-    batch = Batch(target, drafter, make_policy(drafter.block_size, 6, prompt_lookup=False))
+    batch = Batch(target, drafter, make_policy(drafter.block_size, 6, controls=DraftControls(prompt_lookup=False)))
     for i, p in enumerate(prompts):
         state = DecodeState.fresh(target, drafter)
         state.extend(p[:-1], target.read(mx.array(p[:-1]), state.cache))

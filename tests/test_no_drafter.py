@@ -28,7 +28,7 @@ from mlx_dflash.models.no_drafter import LOOKUP_BLOCK, NoDrafter
 from mlx_dflash.models.target import Target
 from mlx_dflash.pair import load
 from mlx_dflash.policies.dcut import build_policy
-from mlx_dflash.policies.width import WidthOptions, make_policy
+from mlx_dflash.policies.width import DraftControls, WidthOptions, make_policy
 
 N_TOKENS = 40
 COPY = ("Repeat this sentence exactly, word for word: The quick brown fox jumps over the lazy dog while the "
@@ -49,7 +49,7 @@ def copies_run(family: str, width: int, tree: bool = False):
     model = tiny_model(family)
     prompt = PROMPT * 2 + PROMPT[::-1]  # a context that repeats: lookup has copies from the first round, branching
     want = mlx_lm_greedy(model, prompt, N_TOKENS)
-    policy = make_policy(LOOKUP_BLOCK, width, tree=tree)
+    policy = make_policy(LOOKUP_BLOCK, width, controls=DraftControls(tree=tree))
     rounds = list(speculative_rounds(Target(model), NoDrafter(), mx.array(prompt), policy, SamplingParams(),
                                      N_TOKENS))
     assert [t for r in rounds for t in r.tokens] == want, f"{family} at width {width}"
@@ -243,7 +243,7 @@ def test_copies_sample_like_mlx_lm(setting, tree):
     model, target, _ = tiny_pair()
     prompt = list(range(16)) + list(range(15, -1, -1)) + [3]
     params = SamplingParams(*setting[:3], min_p=setting[3])
-    policy = make_policy(LOOKUP_BLOCK, 4 if tree else 2, tree=tree)
+    policy = make_policy(LOOKUP_BLOCK, 4 if tree else 2, controls=DraftControls(tree=tree))
     mx.random.seed(6)
     ours = []
     for _ in range(runs):

@@ -7,9 +7,11 @@ import pytest
 
 from conftest import chat_ids
 from tiny_families import tiny_chat_target
+from mlx_dflash.decoding.batch_decoder import Request, Scheduler
 from mlx_dflash.generate import generate
 from mlx_dflash.models.loader import drafter_config_for, init_drafter
 from mlx_dflash.models.target import Target
+from mlx_dflash.policies.width import make_policy
 from mlx_dflash.decoding.prompt_cache import PromptCache, rungs
 
 SYSTEM = "You are a patient tutor. " * 6
@@ -176,14 +178,22 @@ def test_states_persist_across_restarts_only_for_their_own_pair(tiny_chat_pair, 
 
 
 def test_a_scope_serves_only_its_own_entries_across_restarts(tiny_chat_pair, tmp_path):
+    """A server keeps the prefix cache apart per API key: a request (the scheduler's, as the engine makes it)
+    names its scope."""
     target, tokenizer, drafter = tiny_chat_pair
-    pair = (target, drafter, tokenizer)
     ids = conversation(tokenizer, TURNS[:1], [None])
-    answer(pair, ids, PromptCache("pair-a", True, directory=tmp_path), cache_scope="key-a")
+
+    def cached(cache, scope=""):  # prompt tokens the cache gave the request
+        scheduler = Scheduler(target, drafter, make_policy(drafter.block_size, 4), 1, prompt_cache=cache)
+        admitted = []
+        list(scheduler.alone(Request(0, ids, 12, cache_scope=scope), lambda *value: admitted.append(value)))
+        return admitted[0][0]
+
+    cached(PromptCache("pair-a", True, directory=tmp_path), "key-a")
     restarted = PromptCache("pair-a", True, directory=tmp_path)
-    assert answer(pair, ids, restarted, cache_scope="key-b").stats.cached_tokens == 0
-    assert answer(pair, ids, restarted).stats.cached_tokens == 0
-    assert answer(pair, ids, restarted, cache_scope="key-a").stats.cached_tokens == len(ids) - 1
+    assert cached(restarted, "key-b") == 0
+    assert cached(restarted) == 0
+    assert cached(restarted, "key-a") == len(ids) - 1
     assert len(restarted) == 3  # one state per scope
 
 def test_a_kv_group_size_that_does_not_divide_the_head_dim_is_refused(tiny_chat_pair):

@@ -20,7 +20,7 @@ from mlx_dflash.models.dflash2 import DFlash2DraftModel
 from mlx_dflash.models.config import parse_config
 from mlx_dflash.models.loader import drafter_config_for, drafter_from_dir, init_drafter
 from mlx_dflash.models.target import Target
-from mlx_dflash.policies.width import make_policy
+from mlx_dflash.policies.width import DraftControls, make_policy
 from mlx_dflash.decoding.sampling import SamplingParams
 from mlx_dflash.tuner.data import read_prompts
 from mlx_dflash.models.mask_token import mask_token_in_data, mask_token_problem, pick_mask_token
@@ -287,8 +287,8 @@ def test_dflash2_training_lowers_the_loss_and_its_export_decodes_losslessly(live
     tau = decoding_acceptance(loaded, target, [(ids, len(prompt))], widths=(8,))[8]["tau"]
     assert tau > tau_before + 0.5, (tau_before, tau)  # replayed through the selector's walk
     for width in (3, 8):
-        rounds = list(speculative_rounds(target, loaded, mx.array(prompt), make_policy(8, width, prompt_lookup=False),
-                                         SamplingParams(), 32))
+        policy = make_policy(8, width, controls=DraftControls(prompt_lookup=False))
+        rounds = list(speculative_rounds(target, loaded, mx.array(prompt), policy, SamplingParams(), 32))
         assert [t for r in rounds for t in r.tokens] == ids[len(prompt):]
         assert max(r.accepted for r in rounds) >= 2
 

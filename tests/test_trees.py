@@ -104,9 +104,9 @@ def test_a_row_that_may_emit_little_gets_a_shallow_tree_whose_extra_nodes_are_de
 def tree_emitted(target, drafter, prompt, width, max_tokens, sampling=None, tree=True, lookup=True):
     from mlx_dflash.decoding.batch_decoder import speculative_rounds
     from mlx_dflash.decoding.sampling import SamplingParams
-    from mlx_dflash.policies.width import make_policy
+    from mlx_dflash.policies.width import DraftControls, make_policy
 
-    policy = make_policy(drafter.block_size, width, tree=tree, prompt_lookup=lookup)
+    policy = make_policy(drafter.block_size, width, controls=DraftControls(tree=tree, prompt_lookup=lookup))
     rounds = list(speculative_rounds(target, drafter, mx.array(prompt), policy, sampling or SamplingParams(),
                                      max_tokens))
     return [t for r in rounds for t in r.tokens], rounds

@@ -318,34 +318,31 @@ def speculative_rounds(target, drafter, prompt, policy, sampling: SamplingParams
 
 
 def batch_generate(target, drafter, tokenizer, prompts: list, max_tokens=128, verbose: bool = False, *,
-                   max_batch: Optional[int] = None, width=None, tree=None, policy=None, temp: float = 0.0, top_p: float = 1.0,
-                   top_k: int = 0, min_p: float = 0.0, prompt_cache=None,
-                   prefill_step_size: Optional[int] = None):
+                   max_batch: Optional[int] = None, **options):
     """Answer several prompts decoding together, as `mlx_lm.batch_generate` does: prompts are token-id lists
-    (or strings, used as given); max_tokens one for all or one per prompt. Returns a `BatchResponse`: the
-    texts, each prompt's token ids and statistics, and the batch's (rows per round, widths chosen). drafter: a
-    DFlash drafter, or None for drafts copied from the context alone (models/no_drafter.py)."""
-    from ..models.no_drafter import NoDrafter
+    (or strings, used as given); max_tokens one for all or one per prompt; max_batch: rows decoded together (default:
+    every prompt). options: as `stream_generate` takes them (decoding/generation_options.py `GenerationOptions`;
+    a seed seeds each prompt's sample as it would alone). Returns a `BatchResponse`: the texts, each prompt's token
+    ids and statistics, and the batch's (rows per round, widths chosen). drafter: a DFlash drafter, or None for
+    drafts copied from the context alone (models/no_drafter.py)."""
+    from .generation_options import GenerationOptions
     from .prompt import check_context, encode_prompt
-    from ..policies.dcut import build_policy
-    from ..policies.width import WidthOptions
     from .responses import admitted_stream
 
+    options = GenerationOptions.of(options)
     ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     limits = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
     if len(limits) != len(ids) or any(n < 1 for n in limits) or any(not i for i in ids):
         raise DFlashError("batch_generate needs non-empty prompts and, per prompt, max_tokens >= 1")
     limits = [check_context(target, len(i), n) for i, n in zip(ids, limits)]
     max_batch = max_batch or len(ids)
-    drafter = NoDrafter().bind(target) if drafter is None else drafter
-    if not drafter.is_bound:
-        drafter.bind(target)
-    policy = policy or build_policy(target, drafter, WidthOptions(width, tree=tree).with_default(), max_batch)
-    sampling = SamplingParams(temp, top_p, top_k, min_p)
-    scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache, prefill_step_size)
+    drafter, policy = options.drafter_and_policy(target, drafter, max_batch)
+    prompt_cache = options.prompt_cache
+    scheduler = Scheduler(target, drafter, policy, max_batch, tokenizer.eos_token_ids, prompt_cache,
+                          options.prefill_step_size)
     streams, texts, tokens = {}, [[] for _ in ids], [[] for _ in ids]
     for i, (prompt, limit) in enumerate(zip(ids, limits)):
-        scheduler.submit(Request(i, prompt, limit, sampling))
+        scheduler.submit(Request(i, prompt, limit, options.sampling, options.seed))
     while scheduler.busy:
         for i, kind, value in scheduler.step():
             if kind == "admitted":

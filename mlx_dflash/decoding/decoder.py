@@ -160,12 +160,12 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     chooses. A row with nothing left to emit must not be here. The caller has told the policy the rows'
     context (`at_context`)."""
     most = [1 if r.first else r.remaining for r in rows]  # tokens each row may emit this round
-    width = policy.width(len(rows), max(most))
-    proposals = [r.history.propose(min(width, n) - 1) if policy.prompt_lookup else [] for r, n in zip(rows, most)]
+    width, lookup = policy.width(len(rows), max(most)), policy.controls.prompt_lookup
+    proposals = [r.history.propose(min(width, n) - 1) if lookup else [] for r, n in zip(rows, most)]
     runs = [r.history.run for r in rows]  # how long each row's copy has run: lookup's acceptance is kept by it
     depths = [min(width - 1, n - 1) for n in most]
     # (ranks in lockstep, a sharded target's, verify chains: they agree on drafts, not on trees)
-    may_tree, trees = bool(policy.tree) and not ranks.lockstep and target.trees, None
+    may_tree, trees = bool(policy.controls.tree) and not ranks.lockstep and target.trees, None
     if isinstance(drafter, NoDrafter):  # no drafter: lookup's copies are the only drafts, and no more is verified
         if may_tree and width > 1:  # the copies of every earlier occurrence, as one tree
             trees = copy_trees([r.history.copies(d) for r, d in zip(rows, depths)], width, depths)
@@ -187,7 +187,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
             if any(r.key is not None for r in rows) else None
         draft = drafter.draft([r.anchor for r in rows], [r.state.context for r in rows], draft_cache,
                               policy.block_size, width, [r.sampling for r in rows], keys)
-        if policy.prompt_lookup:
+        if lookup:
             draft = with_lookup(draft, proposals)
         for r in rows:
             r.state.context = None  # the drafter's cache holds it now
@@ -200,7 +200,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
             candidates = draft.candidates if ranked else ()
             confidence, looked_up_host, *top = to_host(draft.confidence, looked_up, *candidates)
             if ranked:  # prompt lookup's copies, where there are some, are branches beside the drafter's candidates
-                copies = [r.history.copies(d) if policy.prompt_lookup else [] for r, d in zip(rows, depths)]
+                copies = [r.history.copies(d) if lookup else [] for r, d in zip(rows, depths)]
                 trees = grow(*map(np.array, top), width, depths, copies)
             if tree:
                 width, tree = policy.cut_tree(width, trees, confidence, looked_up_host, most, runs)

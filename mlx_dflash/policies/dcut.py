@@ -46,7 +46,8 @@ from ..errors import DFlashError
 from .verify_costs import (PROBE_CONTEXTS, ContextCosts, context_prober, cost_table_note, interpolate_costs,
                            probe_costs, read_cost_table, batch_costs, running, table_context_costs)
 from ..models.no_drafter import NoDrafter
-from .width import Backoff, Calibration, RoundSeen, WidthOptions, WidthPolicy, fixed_policy, has_quantized_layers
+from .width import (Backoff, Calibration, DraftControls, RoundSeen, WidthOptions, WidthPolicy, fixed_policy,
+                    has_quantized_layers)
 
 
 class DCutPolicy(WidthPolicy):
@@ -54,10 +55,10 @@ class DCutPolicy(WidthPolicy):
     REACH_ROUNDS, REACH_MARGIN = 32, 2  # the drafter reads out the widest width of the last 32 rounds, + 2
     EXPLORE_EVERY, EXPLORE_LOSS = 10, 0.2  # one drafting round in 10 verifies the least-timed width within 20%
 
-    def __init__(self, block_size: int, max_width: int, costs: dict, notes=None, p_min=0.0, n_min=0,
-                 prompt_lookup=True, context_costs: Optional[ContextCosts] = None, max_batch: int = 1, tree=None,
-                 reads_out=True):
-        super().__init__(block_size, max_width, list(notes or []), p_min, n_min, prompt_lookup, tree)
+    def __init__(self, block_size: int, max_width: int, costs: dict, notes=None,
+                 controls: DraftControls = DraftControls(), context_costs: Optional[ContextCosts] = None,
+                 max_batch: int = 1, reads_out=True):
+        super().__init__(block_size, max_width, list(notes or []), controls)
         self.reads_out = reads_out  # the drafter reads out each position it drafts (no drafter: nothing to read)
         # what the probe or table says for every batch size up to the largest measured or served; each learns
         # on its own
@@ -288,8 +289,8 @@ def build_policy(target, drafter, options: Optional[WidthOptions] = None, max_ba
     if max_batch > 1 and (has_quantized_layers(target.model) or has_quantized_layers(drafter)):
         notes.append(f"quantized model: D-cut verifies up to {fixed.max_width} rows a request, each round's width "
                      "chosen from the measured cost of its rows x width (what the quantized kernels route on)")
-    return DCutPolicy(fixed.block_size, fixed.max_width, costs, notes, options.p_min, options.n_min,
-                      options.prompt_lookup, context_costs, max_batch, options.tree, not isinstance(drafter, NoDrafter))
+    return DCutPolicy(fixed.block_size, fixed.max_width, costs, notes, options.controls, context_costs, max_batch,
+                      not isinstance(drafter, NoDrafter))
 
 
 _PROBED = weakref.WeakKeyDictionary()  # target -> {(max_batch, max_width): (costs, context costs)}

@@ -67,26 +67,40 @@ class RoundSeen:
         return len(self.limits)
 
 
-@dataclass
-class WidthPolicy:
-    """Fixed widths, with llama.cpp's draft controls on top; the protocol every width policy keeps, for one
-    request (one row) or a batch of them (decoding/decoder.py `speculative_round`).
+@dataclass(frozen=True)
+class DraftControls:
+    """What a width policy does with each round's drafts besides choosing the width: llama.cpp's draft controls,
+    prompt lookup and trees; checked as they are made.
 
     p_min: cut each row's draft before its first position whose top-1 draft probability is below p_min (each
         position's own probability, not a running product); the round verifies the longest surviving prefix.
     n_min: if fewer than n_min drafted tokens survive the cut in every row, verify none (a plain round).
     prompt_lookup: where the drafter's first draft is unsure, draft from the context (decoding/lookup.py).
+    tree: verify draft trees (decoding/tree.py): a fixed width every round, `--width auto` where it expects one to
+        pay; None or False: one path (by default: with trees, auto measured below chains only, docs/benchmarks.md).
     """
+
+    p_min: float = 0.0
+    n_min: int = 0
+    prompt_lookup: bool = True
+    tree: Optional[bool] = None
+
+    def __post_init__(self):
+        if not 0 <= self.p_min < 1:
+            raise DFlashError(f"p_min must be in [0, 1), got {self.p_min}")
+        if self.n_min < 0:
+            raise DFlashError(f"n_min must be at least 0 (drafted tokens), got {self.n_min}")
+
+
+@dataclass
+class WidthPolicy:
+    """Fixed widths, with the draft controls on top (`DraftControls`); the protocol every width policy keeps, for
+    one request (one row) or a batch of them (decoding/decoder.py `speculative_round`)."""
 
     block_size: int  # rows the drafter drafts (anchor included)
     max_width: int  # rows the target verifies at most
     notes: list = field(default_factory=list)  # said once at start, kept in the stats
-    p_min: float = 0.0
-    n_min: int = 0
-    prompt_lookup: bool = True
-    # verify draft trees (decoding/tree.py): a fixed width every round, `--width auto` where it expects one to pay;
-    # None or False: one path (by default: with trees, auto measured below chains only, docs/benchmarks.md)
-    tree: Optional[bool] = None
+    controls: DraftControls = DraftControls()
 
     def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list, runs=None) -> tuple:
         """(rows to verify, anchor included; whether they are the ranked `trees`' best nodes (tree.py `Trees`) or a
@@ -96,7 +110,7 @@ class WidthPolicy:
     @property
     def uses_confidence(self) -> bool:
         """Whether `cut` reads the drafter's confidence (which costs a round trip before the verify)."""
-        return self.p_min > 0
+        return self.controls.p_min > 0
 
     def width(self, rows: int, most_remaining: int) -> int:
         """Positions to draft for (and rows to verify at most) this round of `rows` requests, the one with the
@@ -136,39 +150,29 @@ class WidthPolicy:
         drafts = 0
         for conf, lookup in zip(confidence, looked_up):
             cut = width - 1
-            if self.p_min > 0:
-                cut = next((k for k, c in enumerate(conf[: width - 1]) if k >= lookup and c < self.p_min), cut)
+            if self.controls.p_min > 0:
+                cut = next((k for k, c in enumerate(conf[: width - 1]) if k >= lookup and c < self.controls.p_min),
+                           cut)
             drafts = max(drafts, cut)
-        return 1 if drafts < self.n_min else drafts + 1
+        return 1 if drafts < self.controls.n_min else drafts + 1
 
     def observe(self, seen: RoundSeen):
         """What a round showed (`RoundSeen`). Fixed widths ignore it."""
 
 
-def make_policy(
-    trained_block_size: int,
-    width: Optional[int] = None,
-    *,
-    quantized: bool = False,
-    wide_kernels: bool = False,
-    force_width: bool = False,
-    p_min: float = 0.0,
-    n_min: int = 0,
-    prompt_lookup: bool = True,
-    tree: Optional[bool] = None,
-) -> WidthPolicy:
+def make_policy(trained_block_size: int, width: Optional[int] = None, *, quantized: bool = False,
+                wide_kernels: bool = False, force_width: bool = False,
+                controls: DraftControls = DraftControls()) -> WidthPolicy:
     """The fixed-width policy for a drafter and target, with the quantized-verification rule applied.
 
     width: the verify width asked for (1..trained_block_size); default: the drafter's trained size.
     quantized: the target or drafter has quantized linear layers.
     wide_kernels: our 6..16-row kernels are installed (Metal only), which lifts the rule.
     force_width: verify past 5 rows on a quantized model anyway.
-    p_min, n_min, prompt_lookup: the draft controls of WidthPolicy.
+    controls: the policy's draft controls, prompt lookup and trees.
     """
-    if not 0 <= p_min < 1:
-        raise DFlashError(f"p_min must be in [0, 1), got {p_min}")
-    if not 0 <= n_min < trained_block_size:
-        raise DFlashError(f"n_min must be in 0..{trained_block_size - 1} (drafted tokens), got {n_min}")
+    if controls.n_min >= trained_block_size:
+        raise DFlashError(f"n_min must be in 0..{trained_block_size - 1} (drafted tokens), got {controls.n_min}")
     if width is None:
         width = trained_block_size
     if not 1 <= width <= trained_block_size:
@@ -176,8 +180,7 @@ def make_policy(
             f"verify width {width} is out of range: this drafter was trained with blocks of "
             f"{trained_block_size}, so use 1..{trained_block_size}"
         )
-    policy = WidthPolicy(block_size=trained_block_size, max_width=width, p_min=p_min, n_min=n_min,
-                         prompt_lookup=prompt_lookup, tree=tree)
+    policy = WidthPolicy(trained_block_size, width, controls=controls)
     if quantized and width > QUANTIZED_MAX_WIDTH and not wide_kernels:
         if force_width:
             policy.notes.append(
@@ -316,6 +319,10 @@ class WidthOptions:
 
     def __post_init__(self):
         width, n_max = self.width, self.n_max
+        if not 0 <= self.p_min < 1:
+            raise DFlashError(f"--p-min must be in [0, 1), got {self.p_min}")
+        if self.n_min < 0:
+            raise DFlashError(f"--n-min must be at least 0 (drafted tokens), got {self.n_min}")
         if n_max is not None and width not in (None, "auto") and width != n_max + 1:
             raise DFlashError(f"--n-max {n_max} and --width {width} disagree (width = n_max + 1); give one of them")
         if self.cost_table and width not in (None, "auto"):
@@ -327,6 +334,10 @@ class WidthOptions:
     @property
     def auto(self) -> bool:
         return self.width == "auto"
+
+    @property
+    def controls(self) -> DraftControls:
+        return DraftControls(self.p_min, self.n_min, self.prompt_lookup, self.tree)
 
     def with_default(self, seeded_sample: bool = False) -> "WidthOptions":
         """These options with DEFAULT_WIDTH where no width and no n_max is given, as `generate`, `serve`,
@@ -356,10 +367,7 @@ def fixed_policy(target, drafter, options: WidthOptions = WidthOptions(), quanti
         quantized=quantized_rule and (has_quantized_layers(target.model) or has_quantized_layers(drafter)),
         wide_kernels=target.wide_kernels,
         force_width=options.force_width,
-        p_min=options.p_min,
-        n_min=options.n_min,
-        prompt_lookup=options.prompt_lookup,
-        tree=options.tree,
+        controls=options.controls,
     )
     if isinstance(drafter, NoDrafter):  # said once at start: no DFlash drafter runs
         policy.notes.insert(0, NO_DRAFTER_NOTE)
