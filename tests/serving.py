@@ -3,6 +3,7 @@ a thread, as `serve` runs it (ServerConfig's settings, the connection limits), a
 it: the official `openai` client and plain HTTP."""
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -13,7 +14,9 @@ import urllib.request
 import openai
 
 from mlx_dflash.policies.dcut import build_policy
+from mlx_dflash.server.limits import Limits
 from mlx_dflash.server.routes import ServerConfig
+from mlx_dflash.server.security import Access
 from mlx_dflash.server.engine import Engine
 from mlx_dflash.server.routes import uvicorn_server
 
@@ -29,7 +32,7 @@ def running(pair, max_queue=16, engine_class=Engine, policy=None, engine_options
     target, drafter, tokenizer = pair
     engine = engine_class(lambda: (target, drafter, tokenizer, policy or build_policy(target, drafter)),
                           max_queue=max_queue, **(engine_options or {}))
-    server = uvicorn_server(engine, ServerConfig(MODEL, **config))
+    server = uvicorn_server(engine, server_config(**config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -46,6 +49,15 @@ def running(pair, max_queue=16, engine_class=Engine, policy=None, engine_options
         engine.close()
         sock.close()
         assert not thread.is_alive()
+
+
+def server_config(**settings) -> ServerConfig:
+    """ServerConfig from its settings by name, those of its groups (Limits, Access) among them."""
+    groups = {}
+    for group in (Limits, Access):
+        names = {f.name for f in dataclasses.fields(group)}
+        groups[group] = group(**{k: settings.pop(k) for k in list(settings) if k in names})
+    return ServerConfig(MODEL, limits=groups[Limits], access=groups[Access], **settings)
 
 
 def free_port() -> int:

@@ -258,8 +258,6 @@ def test_a_port_out_of_range_is_refused_naming_the_flag(tmp_path, port):
 ])
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_bad_sampling_and_draft_flags_are_named_as_typed(tmp_path, flags, said, command):
-    if command == "serve" and flags[0] == "--max-tokens":
-        said = "error: --max-tokens, --max-tokens-limit, --max-body"  # serve's own line for its limits
     args = ["--prompt", "hi"] if command == "generate" else []
     line = one_line_error([command, "--model", str(tmp_path / "not-loaded"), *args, *flags])
     assert line.startswith(said), line

@@ -525,7 +525,12 @@ def test_api_key_scheme_any_case_www_authenticate_and_refused_keys(pair):
                         (["--api-key", "ключ"], "printable ASCII"),
                         (["--api-key", "two words"], "printable ASCII"), (["--temp", "nan"], "finite numbers"),
                         (["--body-timeout", "0"], "--body-timeout"), (["--max-connections", "0"], "--max-connections"),
-                        (["--prefill-step-size", "0"], "--prefill-step-size")]:
+                        (["--prefill-step-size", "0"], "--prefill-step-size"), (["--max-queue", "-1"], "--max-queue"),
+                        (["--max-kept-bytes", "-1"], "--max-kept-bytes"),
+                        (["--shutdown-grace", "-1"], "--shutdown-grace"),
+                        (["--max-batch", "0"], "--max-batch"), (["--prompt-cache-size", "-1"], "--prompt-cache-size"),
+                        (["--max-uploads-per-client", "0"], "--max-uploads-per-client"),
+                        (["--max-tokens-limit", "0"], "--max-tokens-limit"), (["--port", "70000"], "--port")]:
         r = runner.invoke(main, ["serve", *args])  # refused in one line, before anything loads
         assert r.exit_code == 1 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
 

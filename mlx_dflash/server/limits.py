@@ -25,11 +25,13 @@ import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import anyio
 import anyio.to_thread
 
+from ..errors import DFlashError
 from .protocol import APIError
 
 log = logging.getLogger("mlx_dflash.server")
@@ -38,6 +40,39 @@ FILES_BESIDES_CONNECTIONS = 128  # model files, logs, pipes, the event loop's ow
 DRAIN_FACTOR = 4  # a body up to this many times --max-body is read (and dropped) before its 413
 LINGER_SECONDS = 0.5  # a refused connection waits this long for its client to read the 503
 UPLOAD_GRACE_SECONDS = 1.0  # a body in flight this long gives way to a new one from its address (one arrives in ms)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server takes at most (serve's flags of the same names), checked as they are made."""
+
+    max_body_bytes: int = 4 << 20  # --max-body
+    max_kept_bytes: int = 64 << 20  # kept Responses per API key (4x that across keys), as JSON bytes
+    max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
+    max_connections: int = 128
+    max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    shutdown_grace: float = 10.0  # seconds the running requests may go on after Ctrl-C or SIGTERM
+
+    def __post_init__(self):
+        at_least_one = {"--max-body": self.max_body_bytes, "--max-tokens-limit": self.max_tokens_limit,
+                        "--max-connections": self.max_connections,
+                        "--max-uploads-per-client": self.max_uploads_per_client}
+        for flag, value in at_least_one.items():
+            if value is not None and value < 1:
+                raise DFlashError(f"{flag} must be at least 1, got {value}")
+        if self.max_kept_bytes < 0:
+            raise DFlashError(f"--max-kept-bytes must be at least 0, got {self.max_kept_bytes}")
+        for flag, value in {"--header-timeout": self.header_timeout, "--body-timeout": self.body_timeout}.items():
+            if not value > 0:
+                raise DFlashError(f"{flag} must be positive seconds, got {value}")
+        if not self.shutdown_grace >= 0:
+            raise DFlashError(f"--shutdown-grace must be at least 0 seconds, got {self.shutdown_grace}")
+
+    @property
+    def uploads_per_client(self) -> int:
+        return self.max_uploads_per_client or max(1, self.max_connections // 4)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's way into JSON (raw, it is not UTF-8)
 SURROGATE = re.compile("[\ud800-\udfff]")  # left after parsing only without its pair
 

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
-from typing import Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,11 +31,11 @@ from ..models.no_drafter import NoDrafter
 from . import anthropic, openai_responses
 from .jobs import Job, replies
 from .engine import Engine
-from .limits import Uploads, limited_protocol, open_files_for, read_json
+from .limits import Limits, Uploads, limited_protocol, open_files_for, read_json
 from .logs import RequestLog, configure
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import APIError, Defaults, completion_body, openai_stream, parse_chat, parse_completion
-from .security import Guard, allowed_hosts, error_response, with_cors
+from .security import Access, Guard, error_response, with_cors
 from .thinking import reasoning_splitter
 from .tools import ReplyParser, forced_prefix
 
@@ -49,22 +48,14 @@ BIG_PROMPTS_BODIES = 2  # big prompts tokenizing or waiting for a thread hold at
 
 @dataclass
 class ServerConfig:
-    """The server's settings (serve's flags): limits.py and security.py say what each limit does."""
+    """The server's settings (serve's flags): what it takes at most (limits.py `Limits`) and who may call it
+    (security.py `Access`)."""
 
     model_name: str  # the id clients send as "model"
     defaults: Defaults = field(default_factory=Defaults)
-    api_keys: tuple = ()  # any of them is accepted; several: the prefix cache is kept apart per key
-    max_body_bytes: int = 4 << 20
-    max_kept_bytes: int = 64 << 20  # kept Responses per API key (4x that across keys), as JSON bytes
-    max_tokens_limit: int = 8192  # a request's max_tokens is cut to this (and to what the context leaves)
-    max_connections: int = 128
-    max_uploads_per_client: Optional[int] = None  # bodies in flight per client address (None: max_connections // 4)
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    shutdown_grace: float = 10.0
+    limits: Limits = Limits()
+    access: Access = Access()
     ping_seconds: float = 10.0  # a quiet stream (queued, prefilling) gets a keep-alive this often
-    allowed_hosts: Optional[set] = field(default_factory=lambda: allowed_hosts("127.0.0.1", ()))
-    allowed_origins: set = field(default_factory=set)
     generic_tools: bool = True  # tools for a template that renders none go in the generic form (else a 400)
     drafter_name: str = ""  # what / and the live page call the drafter (its directory's name)
 
@@ -112,16 +103,15 @@ class Service:
         if not self.tools.renders_tools and config.generic_tools:
             log.info("this model's chat template does not render tools: requests with tools get them in the system "
                      "prompt in the generic <tool_call> JSON form (--no-generic-tools refuses them)")
-        self.uploads = Uploads(config.max_uploads_per_client or max(1, config.max_connections // 4),
-                               total=max(1, config.max_connections // 2))
+        self.uploads = Uploads(config.limits.uploads_per_client, total=max(1, config.limits.max_connections // 2))
         self.tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="mlx-dflash-tokenizer")
         self.big_prompts = collections.Counter()  # big prompts tokenizing or waiting for a thread, their characters
         self.big_prompt_threads = ThreadPoolExecutor(BIG_PROMPT_THREADS, thread_name_prefix="mlx-dflash-tokenizer-big")
         # For previous_response_id and GET /v1/responses/{id}: one store per API key's scope (security.py), so
         # that with several keys a client reads only the responses made with its own key.
-        shared = openai_responses.KeptBytes(4 * config.max_kept_bytes)
-        self.kept = collections.defaultdict(lambda: openai_responses.ResponseStore(max_bytes=config.max_kept_bytes,
-                                                                                   shared=shared))
+        shared = openai_responses.KeptBytes(4 * config.limits.max_kept_bytes)
+        kept_bytes = config.limits.max_kept_bytes
+        self.kept = collections.defaultdict(lambda: openai_responses.ResponseStore(max_bytes=kept_bytes, shared=shared))
 
     def close(self):
         self.tokenizer_threads.shutdown(wait=False)
@@ -138,7 +128,7 @@ class Service:
         """(request, prompt ids, the threads that tokenized it): the body read and parsed, then (admitted to the
         queue) tokenized off the loop."""
         engine, config = self.engine, self.config
-        body, size = await read_json(request, config.max_body_bytes, config.body_timeout, self.uploads)
+        body, size = await read_json(request, config.limits.max_body_bytes, config.limits.body_timeout, self.uploads)
         req = parse(body, config.defaults, config.model_name)
         request.scope.setdefault("dflash.log", {})["id"] = req.id
         if req.tools and not self.tools.renders_tools and not config.generic_tools:
@@ -149,7 +139,7 @@ class Service:
             engine.prompts.refuse_surely_too_long(req)
         characters = prompt_characters(req, size)
         big, held = characters > BIG_PROMPT_CHARACTERS, self.big_prompts
-        budget = BIG_PROMPTS_BODIES * config.max_body_bytes
+        budget = BIG_PROMPTS_BODIES * config.limits.max_body_bytes
         if big and held["prompts"] and held["characters"] + characters > budget:
             raise APIError(503, f"the server is tokenizing {held['prompts']} big prompts already "
                            f"({held['characters']} characters; at most {budget} together, twice --max-body); "
@@ -162,7 +152,7 @@ class Service:
         try:
             ids = await self.tokenize(request, req, threads)
             if admit:
-                engine.prompts.fit(req, len(ids), config.max_tokens_limit)
+                engine.prompts.fit(req, len(ids), config.limits.max_tokens_limit)
         except BaseException:
             if admit:
                 engine.leave()
@@ -368,16 +358,17 @@ def make_app(engine: Engine, config: ServerConfig):
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
     app.state.service = svc
-    guarded = Guard(app, config.allowed_hosts, config.allowed_origins, config.api_keys)
-    return RequestLog(with_cors(guarded, config.allowed_origins), svc.metrics)
+    guarded = Guard(app, config.access)
+    return RequestLog(with_cors(guarded, config.access.allowed_origins), svc.metrics)
 
 
 def uvicorn_server(engine: Engine, config: ServerConfig):
     """The uvicorn server for the app, with the connection limits, and a shutdown that answers the waiting
-    requests 503 at once and gives the running one `config.shutdown_grace` seconds before it ends with an error."""
+    requests 503 at once and gives the running one `config.limits.shutdown_grace` seconds before it ends with an
+    error."""
     import uvicorn
 
-    grace = config.shutdown_grace
+    grace = config.limits.shutdown_grace
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
@@ -386,7 +377,7 @@ def uvicorn_server(engine: Engine, config: ServerConfig):
                                                   f"the server is shutting down (--shutdown-grace {grace:g} s)")
             await super().shutdown(sockets)
 
-    protocol = limited_protocol(config.max_connections, config.header_timeout)
+    protocol = limited_protocol(config.limits.max_connections, config.limits.header_timeout)
     return Server(uvicorn.Config(make_app(engine, config), http=protocol, log_config=None, log_level="warning",
                                  access_log=False, timeout_graceful_shutdown=grace + 30))
 
@@ -396,14 +387,14 @@ def run_server(engine: Engine, config: ServerConfig, sock):
     import signal
 
     configure()
-    open_files_for(config.max_connections)
+    open_files_for(config.limits.max_connections)
     # The engine thread waits for the GIL after every evaluation while the event loop holds it; Python's
     # default 5 ms switch interval would let it wait that long, each time, under load.
     sys.setswitchinterval(0.001)
     server = uvicorn_server(engine, config)
     host, port = sock.getsockname()[:2]
     log.info(f"serving {config.model_name} at http://{host}:{port}/v1"
-             + (" (API key required)" if config.api_keys else ""))
+             + (" (API key required)" if config.access.api_keys else ""))
     engine.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the handler it found:
     # this one ignores it, so that the engine still closes (a sharded one tells the other ranks to stop).

@@ -23,6 +23,7 @@ Errors are in the shape of the API the path belongs to (OpenAI's, or Anthropic's
 import hashlib
 import hmac
 import ipaddress
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .anthropic import PATHS as ANTHROPIC_PATHS, error_body as anthropic_error_body
@@ -71,6 +72,27 @@ def api_keys(given: tuple) -> tuple:
     return tuple(dict.fromkeys(keys))
 
 
+@dataclass(frozen=True)
+class Access:
+    """Who may call the server: its API keys (any of them is accepted; several: the prefix cache is kept apart
+    per key), the Host names it answers (None: any) and the web origins whose pages may call it."""
+
+    api_keys: tuple = ()
+    allowed_hosts: Optional[frozenset] = frozenset(LOOPBACK_NAMES)
+    allowed_origins: frozenset = field(default_factory=frozenset)
+
+    @classmethod
+    def from_flags(cls, host: str, api_key: tuple, hosts: str, origins: str) -> "Access":
+        """--api-key (checked: `api_keys`), and --allowed-hosts and --allowed-origins (comma-separated) for a
+        server bound to `host`."""
+        names = allowed_hosts(host, _names(hosts))
+        return cls(api_keys(api_key), None if names is None else frozenset(names), frozenset(_names(origins)))
+
+
+def _names(flag: str) -> tuple:
+    return tuple(n.strip() for n in flag.split(",") if n.strip())
+
+
 def cache_scope(key: bytes) -> str:
     """The prefix cache's name for one key's entries (a hash: the key itself is not kept, nor written)."""
     return hashlib.sha256(b"mlx-dflash prompt cache " + key).hexdigest()[:16]
@@ -86,9 +108,9 @@ def _host_name(header: str) -> str:
 class Guard:
     """ASGI middleware: the head, Host, Origin, API-key and content-type checks above, in that order."""
 
-    def __init__(self, app, hosts: Optional[set], origins: set, keys: tuple = ()):
-        self.app, self.hosts, self.origins = app, hosts, origins
-        self.keys = [k.encode() for k in keys]
+    def __init__(self, app, access: Access):
+        self.app, self.hosts, self.origins = app, access.allowed_hosts, access.allowed_origins
+        self.keys = [k.encode() for k in access.api_keys]
 
     def refusal(self, scope) -> Optional[APIError]:
         target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope["query_string"])
