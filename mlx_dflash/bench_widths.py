@@ -34,6 +34,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .errors import DFlashError
+from .options import Numbers, grouped
 from .kernels import routes
 from .kernels.race_gate import OURS
 from .kernels.traffic import format_widths_model, widths_model
@@ -194,6 +195,10 @@ class WidthsSettings:
     note: str = ""
 
     def __post_init__(self):
+        if self.contexts:
+            if self.long_cache is not None:
+                raise DFlashError("--context replaces --long-cache (give one of them)")
+            self.short_cache = min(self.contexts)  # the batch table's context
         self.repeats = self.repeats or (5 if self.full else 3)
         self.warmup = self.warmup if self.warmup is not None else (2 if self.full else 1)
         if self.long_cache is None and self.full:
@@ -215,14 +220,15 @@ class WidthsSettings:
 
 
 def run_widths_bench(model_path: str | nn.Module | None, out_dir, shapes=None, *, log=print,
-                     progress: bool | None = None, **settings) -> dict:
+                     progress: bool | None = None, settings: WidthsSettings | None = None, **fields) -> dict:
     """Run the sweep, write widths.json, cost_table.json and widths.png into out_dir, return the results.
 
     model_path: mlx-lm directory or repo id, or a model instance (None: synthetic `shapes` only, no
     verify forward). shapes: [(K, N) or "KxN"] to time instead of the model's own layer shapes.
-    settings: the fields of `WidthsSettings`. progress: tqdm bars on stderr (default: when `log` is given).
+    settings: a `WidthsSettings`, or its fields as keywords. progress: tqdm bars on stderr (default: when `log` is
+    given).
     """
-    s = WidthsSettings(**settings)
+    s = settings or WidthsSettings(**fields)
     if model_path is None and not shapes:
         raise DFlashError("give a model or a list of shapes (KxN) to measure")
     progress = log is not None if progress is None else progress
@@ -403,66 +409,58 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+settings_options = grouped(
+    "settings", WidthsSettings,
+    click.option("--full", is_flag=True,
+                 help="The exhaustive sweep: 5 repeats, 2 warm-up rounds, and a long cache (--long-cache) besides the "
+                      "short one. Default: 3 repeats, 1 warm-up, short cache (minutes on a CPU)."),
+    click.option("--repeats", default=None, type=int),
+    click.option("--warmup", default=None, type=int),
+    click.option("--max-width", "widths", default=16, show_default=True, type=click.IntRange(min=1),
+                 callback=lambda ctx, param, most: range(1, most + 1), help="Time widths 1..N."),
+    click.option("--short-cache", default=128, show_default=True, type=int),
+    click.option("--long-cache", default=None, type=int,
+                 help="Also measure on a cache this long (default with --full: 4096)."),
+    click.option("--context", "contexts", default=(), type=Numbers("context lengths", "256,1024,4096"),
+                 help="Measure the verify at these context lengths instead, e.g. 256,1024,4096: the cost table then "
+                      "gives --width auto and D-cut a context axis (no probe at start-up or on long prompts)."),
+    click.option("--bits", "quantize_bits", default=None, type=int, help="Quantize a float model in memory to this "
+                 "many bits first (default: measure the model as stored; --shape matmuls: 4)."),
+    click.option("--group-size", default="64", show_default=True, type=click.Choice(["32", "64", "128"]),
+                 callback=lambda ctx, param, size: int(size)),
+    click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+                 help="Activations of the timed matmuls (default: the model's; --shape alone: float16 on Metal, "
+                      "float32 on the CPU)."),
+    click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
+                 help="auto: wall time on Metal, process CPU time on a (shared) CPU."),
+)
+
+
 @click.command("widths")
 @click.option("--model", "model_path", help="Model whose layer shapes and verify forward are timed "
               "(default: SmolLM2-135M-Instruct, unless --shape is given).")
 @click.option("--shape", "shapes", multiple=True, help="A KxN quantized matmul to time instead (repeatable).")
 @click.option("--out", "out_dir", default="bench-widths", show_default=True, type=click.Path(file_okay=False))
-@click.option("--full", is_flag=True, help="The exhaustive sweep: 5 repeats, 2 warm-up rounds, and a long cache "
-              "(--long-cache) besides the short one. Default: 3 repeats, 1 warm-up, short cache (minutes on a CPU).")
-@click.option("--repeats", default=None, type=int)
-@click.option("--warmup", default=None, type=int)
-@click.option("--max-width", default=16, show_default=True, type=int)
-@click.option("--short-cache", default=128, show_default=True, type=int)
-@click.option("--long-cache", default=None, type=int, help="Also measure on a cache this long (default with --full: 4096).")
-@click.option("--context", "contexts", default=None,
-              help="Measure the verify at these context lengths instead, e.g. 256,1024,4096: the cost table then "
-                   "gives --width auto and D-cut a context axis (no probe at start-up or on long prompts).")
-@click.option("--bits", default=None, type=int, help="Quantize a float model in memory to this many bits first "
-              "(default: measure the model as stored; --shape matmuls: 4).")
-@click.option("--group-size", default=64, show_default=True, type=click.Choice(["32", "64", "128"]))
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-              help="Activations of the timed matmuls (default: the model's; --shape alone: float16 on Metal, float32 "
-                   "on the CPU).")
-@click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
-              help="auto: wall time on Metal, process CPU time on a (shared) CPU.")
-@click.option("--batch", "batches", default=None,
+@settings_options
+@click.option("--batch", "batches", default=None, type=Numbers("batch sizes", "1,2,4,8"),
               help="Also time verifies of several rows at once, e.g. 1,2,4,8 (rows x width, for a batching `serve "
                    "--cost-table`): added to cost_table.json as its rows per batch size.")
-def main(model_path, shapes, out_dir, full, repeats, warmup, max_width, short_cache, long_cache, contexts, bits,
-         group_size, dtype, clock, batches):
+def main(model_path, shapes, out_dir, settings, batches):
     """Verify cost per width 1..16 (the quantized "verify-width cliff"): JSON, a table, a PNG, a cost table."""
     from .downloads import default_target
 
     if not model_path and not shapes:
         model_path = default_target()
-    lengths = ()
-    if contexts:
-        try:
-            lengths = sorted({int(c) for c in contexts.split(",")})
-        except ValueError:
-            raise DFlashError(f"--context {contexts!r}: give context lengths as numbers, e.g. 256,1024,4096") from None
-        if lengths[0] < 1 or long_cache:
-            raise DFlashError("--context takes lengths >= 1, and replaces --long-cache (give one of them)")
-        short_cache = lengths[0]  # the batch table's context
-    sizes = None
+    if batches and (not model_path or settings.quantize_bits):
+        raise DFlashError("--batch times the model as stored: give a model (not --shape) and no --bits")
+    run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, settings=settings, log=click.echo)
     if batches:
-        try:
-            sizes = sorted({int(b) for b in batches.split(",")})
-        except ValueError:
-            raise DFlashError(f"--batch {batches!r}: give batch sizes as numbers, e.g. 1,2,4,8") from None
-        if not model_path or sizes[0] < 1 or bits:
-            raise DFlashError("--batch times the model as stored: give a model (not --shape), no --bits, and batch "
-                              "sizes >= 1")
-    run_widths_bench(model_path, out_dir, shapes=list(shapes) or None, full=full, widths=range(1, max_width + 1),
-                     short_cache=short_cache, long_cache=long_cache, contexts=lengths, repeats=repeats, warmup=warmup,
-                     quantize_bits=bits, group_size=int(group_size), dtype=dtype, clock=clock, log=click.echo)
-    if sizes:
         from .pair import load_target
         from .policies.dcut import batch_cost_rows, probe_batch_costs
         from .utils import write_json
 
         target, _ = load_target(model_path)
-        costs = probe_batch_costs(target, sizes, max_width, context=short_cache, repeats=repeats or 3)
+        costs = probe_batch_costs(target, batches, settings.widths[-1], context=settings.short_cache,
+                                  repeats=settings.repeats)
         table = Path(out_dir) / "cost_table.json"  # one table: its rows per batch size beside the one-row costs
         click.echo(f"wrote {write_json(table, {**json.loads(table.read_text()), **batch_cost_rows(costs)})}")

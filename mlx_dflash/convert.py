@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,7 @@ from mlx_lm.utils import MAX_FILE_SIZE_GB, make_shards
 
 from . import __version__
 from .errors import DFlashError
+from .options import grouped
 from .machine import fast_float_dtype, half_precision_warning, metal_available
 from .models.config import config_to_dict, load_config
 from .models.dflash import BORROWED_KEYS
@@ -48,13 +50,24 @@ _OWN_ARGS = {"hf_path", "mlx_path", "quantize", "q_group_size", "q_bits", "dtype
 # ------------------------------------------------------------------------------------------------
 # Shared pieces: argument checks, atomic output, deterministic safetensors.
 
-def _check_args(quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[str]) -> None:
+@dataclass(frozen=True)
+class Quantization:
+    """Linear layers stored affine-quantized to `bits` in groups of `group_size` (--q-bits, --q-group-size),
+    checked as it is made."""
+
+    bits: int = 4
+    group_size: int = 64
+
+    def __post_init__(self):
+        if self.bits not in Q_BITS:
+            raise DFlashError(f"unsupported quantization bits {self.bits}; choose 4 or 8")
+        if self.group_size not in Q_GROUP_SIZES:
+            raise DFlashError(f"unsupported quantization group size {self.group_size}; choose 32, 64 or 128")
+
+
+def _check_dtype(dtype: Optional[str]) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if quantize and q_bits not in Q_BITS:
-        raise DFlashError(f"unsupported quantization bits {q_bits}; choose 4 or 8")
-    if quantize and q_group_size not in Q_GROUP_SIZES:
-        raise DFlashError(f"unsupported quantization group size {q_group_size}; choose 32, 64 or 128")
 
 
 def save_weights(out: Path, weights: dict, max_shard_gb: int = MAX_FILE_SIZE_GB) -> list:
@@ -129,19 +142,18 @@ def _quantized_modules(model: nn.Module) -> list:
     return sorted(name for name, m in model.named_modules() if isinstance(m, nn.QuantizedLinear))
 
 
-def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
-                    dtype: Optional[str] = None, overwrite: bool = False,
-                    max_shard_gb: int = MAX_FILE_SIZE_GB, draft_vocab: Optional[int] = None,
+def convert_drafter(src, out_dir, *, quantize: Optional[Quantization] = None, dtype: Optional[str] = None,
+                    overwrite: bool = False, max_shard_gb: int = MAX_FILE_SIZE_GB, draft_vocab: Optional[int] = None,
                     vocab_data=None) -> Path:
     """Convert a DFlash drafter (local directory or hub repo id) into an MLX drafter directory.
 
-    dtype: float16 | bfloat16 | float32 (default: each tensor keeps its source dtype). With
-    `quantize`, every linear layer is stored `q_bits`-bit affine-quantized (groups of
-    `q_group_size`); norms, DFlash 2 convolution base taps and selector codebooks stay float (see the
-    module docstring). draft_vocab: store a draft vocabulary of this many tokens, the most frequent in
-    the target's responses in `vocab_data` (tuner/draft_vocab.py); 0 drops the source's. Returns the output path.
+    dtype: float16 | bfloat16 | float32 (default: each tensor keeps its source dtype). With `quantize` (a
+    `Quantization`), every linear layer is stored quantized as it says; norms, DFlash 2 convolution base taps and
+    selector codebooks stay float (see the module docstring). draft_vocab: store a draft vocabulary of this many
+    tokens, the most frequent in the target's responses in `vocab_data` (tuner/draft_vocab.py); 0 drops the
+    source's. Returns the output path.
     """
-    _check_args(quantize, q_bits, q_group_size, dtype)
+    _check_dtype(dtype)
     if (draft_vocab is None) != (vocab_data is None) and draft_vocab != 0:
         raise DFlashError("--draft-vocab N and --vocab-data FILE go together (the target's responses rank the tokens)")
     path = resolve(str(src), "drafter")
@@ -171,8 +183,8 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
     elif draft_vocab is None:
         model.set_draft_vocab(source_vocab, where=str(path))
     if quantize:
-        _check_group_size(model, q_group_size)
-        nn.quantize(model, group_size=q_group_size, bits=q_bits, mode="affine",
+        _check_group_size(model, quantize.group_size)
+        nn.quantize(model, group_size=quantize.group_size, bits=quantize.bits, mode="affine",
                     class_predicate=lambda _, m: isinstance(m, nn.Linear))
     out_weights = model.checkpoint_weights()  # the published names (DFlash 2 codebooks without .weight)
     mx.eval(out_weights)
@@ -184,7 +196,7 @@ def convert_drafter(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_
         cfg["draft_vocab"] = model.draft_vocab.size
     modules = _quantized_modules(model)
     if modules:
-        q = source_quant or {"bits": q_bits, "group_size": q_group_size, "mode": "affine"}
+        q = source_quant or {"bits": quantize.bits, "group_size": quantize.group_size, "mode": "affine"}
         cfg["quantization"] = {"bits": int(q["bits"]), "group_size": int(q["group_size"]),
                                "mode": q.get("mode", "affine"), "modules": modules}
     float_dtypes = {v.dtype for k, v in out_weights.items() if mx.issubdtype(v.dtype, mx.floating)}
@@ -232,8 +244,8 @@ def _stamp(out: Path, source: str, revision: Optional[str]) -> None:
     write_json(file, cfg, indent=4, sort_keys=True)
 
 
-def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
-                   dtype: Optional[str] = None, overwrite: bool = False, **mlx_lm_options) -> Path:
+def convert_target(src, out_dir, *, quantize: Optional[Quantization] = None, dtype: Optional[str] = None,
+                   overwrite: bool = False, **mlx_lm_options) -> Path:
     """Convert a target (HF directory, hub repo id or .gguf file) into an mlx-lm model directory.
 
     HF sources go through `mlx_lm.convert` (dtype default: the checkpoint's torch_dtype); extra
@@ -244,15 +256,15 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
     """
     from mlx_lm.convert import convert as mlx_lm_convert
 
-    _check_args(quantize, q_bits, q_group_size, dtype)
+    _check_dtype(dtype)
     allowed = set(inspect.signature(mlx_lm_convert).parameters) - _OWN_ARGS
     unknown = sorted(set(mlx_lm_options) - allowed)
     if unknown:
         raise DFlashError(f"unsupported mlx-lm conversion option(s) {', '.join(unknown)}; "
                           f"supported: {', '.join(sorted(allowed))}")
     revision = mlx_lm_options.pop("revision", None)
-    q_args = dict(quantize=quantize, q_bits=q_bits if quantize else None,
-                  q_group_size=q_group_size if quantize else None)
+    q_args = dict(quantize=quantize is not None, q_bits=quantize and quantize.bits,
+                  q_group_size=quantize and quantize.group_size)
     src_str = str(src)
 
     if src_str.lower().endswith(".gguf"):
@@ -280,39 +292,45 @@ def convert_target(src, out_dir, *, quantize: bool = False, q_bits: int = 4, q_g
     return Path(out_dir).expanduser()
 
 
+quantize_options = grouped(
+    "quantize", lambda quantize, q_bits, q_group_size: Quantization(q_bits, q_group_size) if quantize else None,
+    click.option("--quantize", is_flag=True, help="Store the linear layers quantized (affine)."),
+    click.option("--q-bits", default=4, show_default=True, type=int, help="4 or 8."),
+    click.option("--q-group-size", default=64, show_default=True, type=int, help="32, 64 or 128."),
+)
+mlx_lm_options = grouped(  # passed to mlx_lm.convert for targets, only those given
+    "mlx_lm", lambda **given: {k: v for k, v in given.items() if v not in (None, False)},
+    click.option("--q-mode", default=None, help="Targets: mlx_lm.convert's quantization mode (e.g. affine, mxfp4)."),
+    click.option("--quant-predicate", default=None, help="Targets: mlx_lm.convert's mixed-precision recipe."),
+    click.option("--revision", default=None, help="Targets: hub revision to convert."),
+    click.option("--trust-remote-code", is_flag=True, help="Targets: passed to mlx_lm.convert."),
+)
+
+
 @click.command("convert")
 @click.option("--drafter", "drafter_src", help="DFlash drafter to convert: directory or Hugging Face repo id.")
 @click.option("--model", "model_src", help="Target to convert: Hugging Face directory, repo id, or .gguf file.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--quantize", is_flag=True, help="Store the linear layers quantized (affine).")
-@click.option("--q-bits", default=4, show_default=True, type=int, help="4 or 8.")
-@click.option("--q-group-size", default=64, show_default=True, type=int, help="32, 64 or 128.")
+@quantize_options
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Default: the source's dtype (GGUF: float16 on Metal, float32 on MLX's CPU backend).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
-@click.option("--q-mode", default=None, help="Targets: mlx_lm.convert's quantization mode (e.g. affine, mxfp4).")
-@click.option("--quant-predicate", default=None, help="Targets: mlx_lm.convert's mixed-precision recipe.")
-@click.option("--revision", default=None, help="Targets: hub revision to convert.")
-@click.option("--trust-remote-code", is_flag=True, help="Targets: passed to mlx_lm.convert.")
+@mlx_lm_options
 @click.option("--draft-vocab", default=None, type=int,
               help="Drafters: draft only over the N most frequent tokens of --vocab-data (0 drops a stored one).")
 @click.option("--vocab-data", default=None, type=click.Path(dir_okay=False),
               help="Drafters: the target's responses (a `train --data` JSONL) that rank the tokens.")
-def main(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype, overwrite, q_mode,
-            quant_predicate, revision, trust_remote_code, draft_vocab, vocab_data):
+def main(drafter_src, model_src, out_dir, quantize, dtype, overwrite, mlx_lm, draft_vocab, vocab_data):
     """Convert a drafter or a target into an MLX directory, optionally pre-quantized."""
     if bool(drafter_src) == bool(model_src):
         raise DFlashError("give exactly one of --drafter or --model")
-    # mlx_lm.convert options pass through for targets, only when given.
-    passthrough = {k: v for k, v in dict(q_mode=q_mode, quant_predicate=quant_predicate, revision=revision,
-                                         trust_remote_code=trust_remote_code or None).items() if v is not None}
-    if drafter_src and passthrough:
-        raise DFlashError(f"--{next(iter(passthrough)).replace('_', '-')} applies to --model conversions only")
+    if drafter_src and mlx_lm:
+        raise DFlashError(f"--{next(iter(mlx_lm)).replace('_', '-')} applies to --model conversions only")
     if model_src and (draft_vocab is not None or vocab_data):
         raise DFlashError("--draft-vocab and --vocab-data apply to --drafter conversions only")
     if drafter_src:
-        out = convert_drafter(drafter_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
-                              dtype=dtype, overwrite=overwrite, draft_vocab=draft_vocab, vocab_data=vocab_data)
+        out = convert_drafter(drafter_src, out_dir, quantize=quantize, dtype=dtype, overwrite=overwrite,
+                              draft_vocab=draft_vocab, vocab_data=vocab_data)
     else:
         if dtype is None and model_src.lower().endswith(".gguf"):
             dtype = fast_float_dtype()
@@ -321,8 +339,7 @@ def main(drafter_src, model_src, out_dir, quantize, q_bits, q_group_size, dtype,
                        "(--dtype chooses another)", err=True)
         if warning := half_precision_warning(dtype):
             click.echo(warning, err=True)
-        out = convert_target(model_src, out_dir, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
-                             dtype=dtype, overwrite=overwrite, **passthrough)
+        out = convert_target(model_src, out_dir, quantize=quantize, dtype=dtype, overwrite=overwrite, **mlx_lm)
         if dtype is None and (warning := half_precision_warning(json.loads((out / "config.json").read_text())
                                                                   .get("torch_dtype"))):
             click.echo(warning, err=True)  # the checkpoint's own dtype, kept

@@ -117,6 +117,28 @@ class Width(click.ParamType):
             self.fail(f"{value!r} is neither a number of rows nor 'auto'", param, ctx)
 
 
+class Numbers(click.ParamType):
+    """Comma-separated whole numbers >= 1, e.g. 1,2,4,8: a sorted tuple, each once; a bad list is refused in one
+    line naming the flag (a DFlashError)."""
+
+    name = "N,N,..."
+
+    def __init__(self, what: str, example: str):
+        self.what, self.example = what, example
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, tuple):
+            return value
+        flag = param.opts[0] if param is not None else "the list"
+        try:
+            numbers = tuple(sorted({int(v) for v in value.split(",")}))
+        except ValueError:
+            raise DFlashError(f"{flag} {value!r}: give {self.what} as numbers, e.g. {self.example}") from None
+        if numbers[0] < 1:
+            raise DFlashError(f"{flag} takes {self.what} >= 1, got {value}")
+        return numbers
+
+
 pair_options = grouped(
     "pair", PairOptions,
     click.option("--model", "model_path", help="Target: mlx-lm model directory or Hugging Face repo id "

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_dflash import __version__
 from mlx_dflash import convert as conv
 from mlx_dflash.models.config import load_config, parse_config
-from mlx_dflash.convert import convert_drafter, convert_target
+from mlx_dflash.convert import Quantization, convert_drafter, convert_target
 from mlx_dflash.models.dflash import Borrowed
 from mlx_dflash.models.loader import drafter_from_dir, init_drafter
 from mlx_dflash.errors import DFlashError
@@ -132,7 +132,7 @@ def test_drafter_float_conversion_loads_and_matches(tmp_path, layout):
 
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32)])
 def test_quantized_conversion_equals_in_memory_quantization(src, tmp_path, bits, group_size):
-    out = convert_drafter(src, tmp_path / "q", quantize=True, q_bits=bits, q_group_size=group_size)
+    out = convert_drafter(src, tmp_path / "q", quantize=Quantization(bits, group_size))
     quant = json.loads((out / "config.json").read_text())["quantization"]
     assert quant == {"bits": bits, "group_size": group_size, "mode": "affine", "modules": EXPECTED_QUANTIZED}
 
@@ -156,12 +156,12 @@ def test_quantized_conversion_equals_in_memory_quantization(src, tmp_path, bits,
 
 
 def test_reconverting_a_quantized_drafter(src, tmp_path):
-    q = convert_drafter(src, tmp_path / "q", quantize=True)
+    q = convert_drafter(src, tmp_path / "q", quantize=Quantization())
     again = convert_drafter(q, tmp_path / "again")
     assert (again / "model.safetensors").read_bytes() == (q / "model.safetensors").read_bytes()
     assert json.loads((again / "config.json").read_text())["quantization"]["modules"] == EXPECTED_QUANTIZED
     with pytest.raises(DFlashError, match="already quantized"):
-        convert_drafter(q, tmp_path / "twice", quantize=True)
+        convert_drafter(q, tmp_path / "twice", quantize=Quantization())
 
 
 def test_hub_snapshot_revision_and_model_prefix(tmp_path, monkeypatch):
@@ -206,7 +206,7 @@ def test_float_dtype_conversions(tmp_path):
 
 
 def test_conversion_is_deterministic(src, tmp_path):
-    for kw in (dict(quantize=True), dict(quantize=True, max_shard_gb=0)):
+    for kw in (dict(quantize=Quantization()), dict(quantize=Quantization(), max_shard_gb=0)):
         a = file_hashes(convert_drafter(src, tmp_path / "a", **kw))
         b = file_hashes(convert_drafter(src, tmp_path / "b", **kw))
         assert a == b and (len(a) > 3 if "max_shard_gb" in kw else sorted(a) == ["config.json", "model.safetensors"])
@@ -217,7 +217,7 @@ def test_conversion_is_deterministic(src, tmp_path):
 
 
 def test_forced_sharding_writes_index_and_loads(src, tmp_path):
-    out = convert_drafter(src, tmp_path / "sharded", quantize=True, max_shard_gb=0)  # a shard per tensor
+    out = convert_drafter(src, tmp_path / "sharded", quantize=Quantization(), max_shard_gb=0)  # a shard per tensor
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     n = len(shards)
     assert n >= 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -230,7 +230,7 @@ def test_forced_sharding_writes_index_and_loads(src, tmp_path):
     assert index["weight_map"] == {k: name for k, (name, _) in sorted(tensors.items())}
     assert index["metadata"]["total_size"] == sum(v.nbytes for _, v in tensors.values())
 
-    single = convert_drafter(src, tmp_path / "single", quantize=True)
+    single = convert_drafter(src, tmp_path / "single", quantize=Quantization())
     assert np.array_equal(draft_logits(drafter_from_dir(out)), draft_logits(drafter_from_dir(single)))
 
 
@@ -264,7 +264,7 @@ def test_failure_midway_leaves_nothing(src, tmp_path, monkeypatch, existing):
 
     monkeypatch.setattr(mx, "save_safetensors", fail_on_second_shard)
     with pytest.raises(RuntimeError, match="disk full"):
-        convert_drafter(src, out, quantize=True, overwrite=True, max_shard_gb=0)
+        convert_drafter(src, out, quantize=Quantization(), overwrite=True, max_shard_gb=0)
     assert written and not written[0].exists()  # a shard was written, then removed
     assert [p.name for p in parent.iterdir()] == (["drafter"] if existing else [])
     if existing:
@@ -305,9 +305,9 @@ BAD_DRAFTERS = {
     "missing_shard": (_index_missing_shard, {}, ["model-00002-of-00002.safetensors", "missing"]),
     "missing_tensor": (lambda p: _drop_tensor(p, "layers.1.mlp.up_proj.weight"), {},
                        ["missing layers.1.mlp.up_proj.weight"]),
-    "bits": (None, dict(quantize=True, q_bits=3), ["quantization bits 3", "4 or 8"]),
-    "group": (None, dict(quantize=True, q_group_size=16), ["group size 16", "32, 64 or 128"]),
-    "group_divides": (None, dict(quantize=True, q_group_size=128),
+    "bits": (None, lambda: dict(quantize=Quantization(bits=3)), ["quantization bits 3", "4 or 8"]),
+    "group": (None, lambda: dict(quantize=Quantization(group_size=16)), ["group size 16", "32, 64 or 128"]),
+    "group_divides": (None, lambda: dict(quantize=Quantization(group_size=128)),
                       ["group size 128", "input size 192", "layer fc (and 12 more layers)"]),
     "dtype": (None, dict(dtype="float8"), ["unsupported dtype 'float8'"]),
 }
@@ -318,8 +318,8 @@ def test_bad_drafter_input(src, tmp_path, case):
     damage, kwargs, phrases = BAD_DRAFTERS[case]
     if damage:
         damage(src)
-    with pytest.raises(DFlashError) as e:
-        convert_drafter(src, tmp_path / "out", **kwargs)
+    with pytest.raises(DFlashError) as e:  # a bad Quantization is refused as it is made
+        convert_drafter(src, tmp_path / "out", **(kwargs() if callable(kwargs) else kwargs))
     message = str(e.value)
     assert "\n" not in message
     for phrase in phrases:
@@ -447,8 +447,8 @@ def hf_llama(tmp_path_factory):
 def test_hf_target_quantized_through_mlx_lm(hf_llama, tmp_path):
     from mlx_lm import load
 
-    out = convert_target(hf_llama, tmp_path / "q", quantize=True, q_bits=4, q_group_size=32)
-    again = convert_target(hf_llama, tmp_path / "q2", quantize=True, q_bits=4, q_group_size=32)
+    out = convert_target(hf_llama, tmp_path / "q", quantize=Quantization(4, 32))
+    again = convert_target(hf_llama, tmp_path / "q2", quantize=Quantization(4, 32))
     assert file_hashes(out) == file_hashes(again)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
@@ -467,7 +467,7 @@ def test_hf_target_quantized_through_mlx_lm(hf_llama, tmp_path):
 
 def test_hf_target_bad_input_and_failure(hf_llama, tmp_path, monkeypatch):
     with pytest.raises(DFlashError, match="quantization bits 3"):
-        convert_target(hf_llama, tmp_path / "out", quantize=True, q_bits=3)
+        convert_target(hf_llama, tmp_path / "out", quantize=Quantization(bits=3))
     with pytest.raises(DFlashError, match="unsupported mlx-lm conversion option.*no_such_option"):
         convert_target(hf_llama, tmp_path / "out", no_such_option=1)
     with pytest.raises(DFlashError, match="option.*upload_repo"):
@@ -498,7 +498,7 @@ def test_gguf_target_quantized(tmp_path):
     src = tmp_path / "tiny.gguf"
     write_gguf(src, "llama", pre="smollm", tied=True)
     plain = convert_target(src, tmp_path / "plain", dtype="float32")
-    out = convert_target(src, tmp_path / "q8", quantize=True, q_bits=8, q_group_size=32, dtype="float32")
+    out = convert_target(src, tmp_path / "q8", quantize=Quantization(8, 32), dtype="float32")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "q8", "tiny.gguf"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}

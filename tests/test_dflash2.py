@@ -19,7 +19,7 @@ from conftest import assert_distributed_as, mlx_lm_greedy
 from oracles import OracleDFlash2, Recorder, expected_acceptance
 from mlx_dflash.cli import main
 from mlx_dflash.models.config import config_to_dict, parse_config
-from mlx_dflash.convert import convert_drafter
+from mlx_dflash.convert import Quantization, convert_drafter
 from mlx_dflash.decoding.batch_decoder import speculative_rounds
 from mlx_dflash.policies.dcut import build_policy
 from mlx_dflash.models.dflash2 import DFlash2DraftModel
@@ -213,7 +213,7 @@ def test_width_auto_stays_lossless(glimmer, drafter):
 def test_quantized_drafter_keeps_the_quantized_rule(glimmer, drafter, tmp_path):
     target, want = glimmer
     src = write_checkpoint(tmp_path / "src", tiny_config(), drafter.checkpoint_weights())
-    out = convert_drafter(src, tmp_path / "q4", quantize=True, q_bits=4, q_group_size=32)
+    out = convert_drafter(src, tmp_path / "q4", quantize=Quantization(4, 32))
     quantized = drafter_from_dir(out).bind(target)
     policy = build_policy(target, quantized)
     assert policy.max_width == 5 and "clamped" in policy.notes[0]
