@@ -114,7 +114,7 @@ class Batch:
         self.policy.observe_plain(self.steps, time.perf_counter() - tic, len(self.rows))
 
 
-@dataclass
+@dataclass(eq=False)  # each request is itself, whatever it asks (a handle, a key of the server's tables)
 class Request:
     """A request for the scheduler: its prompt's token ids and how to answer."""
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..decoding.batch_decoder import Request, Scheduler
+from ..decoding.batch_decoder import Scheduler
 from ..decoding.engine_report import Report, verify_paths
 from ..decoding.decoder import SingleProcess
 from ..decoding.prompt_cache import PromptCache, pair_identity
@@ -36,7 +36,7 @@ class JobProgress:
     """One request's rounds on their way to its client: stop strings, text per round, how it ended."""
 
     def __init__(self, job: Job):
-        self.job, self.stops = job, StopMatcher(job.request.stop)
+        self.job, self.stops = job, StopMatcher(job.req.stop)
         job.started = True
         self.stream, self.tokens, self.finish = None, 0, None
         self.started = time.perf_counter()  # until its prompt's first chunk is read
@@ -64,9 +64,9 @@ class JobProgress:
         return self.finish is not None
 
     def outcome(self) -> Outcome:
-        stats = self.stream.stats if self.stream is not None else GenerationStats(len(self.job.prompt_ids))
+        stats = self.stream.stats if self.stream is not None else GenerationStats(len(self.job.ids))
         queued = self.started - self.job.submitted
-        return Outcome(self.finish or "cancelled", len(self.job.prompt_ids), self.tokens, stats, queued,
+        return Outcome(self.finish or "cancelled", len(self.job.ids), self.tokens, stats, queued,
                        time.perf_counter() - self.started, self.stops.matched)
 
 
@@ -250,11 +250,9 @@ class Engine:
                     progress[job] = JobProgress(job)
             if skip:
                 self.cancelled += 1
-                job.emit("done", Outcome("cancelled", len(job.prompt_ids), 0))
+                job.emit("done", Outcome("cancelled", len(job.ids), 0))
                 continue
-            req = job.request  # its max_tokens fit to the context already (prompts.py `Prompts.fit`)
-            self.scheduler.submit(Request(job, job.prompt_ids, req.max_tokens, req.sampling, req.seed,
-                                          tuple(job.boundaries), job.cache_scope))
+            self.scheduler.submit(job)
         return True
 
     def _dispatch(self, job: Job, kind: str, value, progress: dict):
@@ -262,7 +260,7 @@ class Engine:
         if p is None:
             return
         if kind == "admitted":
-            stream = admitted_stream(self.tokenizer, self.policy, len(job.prompt_ids), job.request.max_tokens, value,
+            stream = admitted_stream(self.tokenizer, self.policy, len(job.ids), job.max_tokens, value,
                                      self.prompt_cache)
             # the engine report: the verify's paths, and the routed calls since it began (a batch's: one forward
             # verifies every row)

@@ -5,19 +5,24 @@ import threading
 import time
 from typing import Optional
 
+from ..decoding.batch_decoder import Request
 from .protocol import APIError, GenerationRequest, Outcome
 from .tools import ReplyParser
 
 
-class Job:
-    """One request on its way through the engine. The engine thread talks to it through emit()."""
+class Job(Request):
+    """A served request once it is tokenized: what the scheduler decodes (a decoding/batch_decoder.py `Request`,
+    whose handle is the job itself: the engine knows it by this one name) and the way back to its client, which
+    the engine thread talks to through emit(). req: the API request it answers (protocol.py); ids: its prompt's
+    token ids, max_tokens fit to the context already (prompts.py `Prompts.fit`); boundaries: prompt positions
+    where chat messages end (for the prefix cache); cache_scope: the prefix cache's part for its API key
+    (security.py)."""
 
-    def __init__(self, request: GenerationRequest, prompt_ids: list, parser: Optional[ReplyParser] = None,
-                 boundaries=(), thinking=None, cache_scope: str = ""):
-        self.request, self.prompt_ids, self.parser = request, prompt_ids, parser
+    def __init__(self, req: GenerationRequest, ids: list, parser: Optional[ReplyParser] = None, boundaries=(),
+                 thinking=None, cache_scope: str = ""):
+        super().__init__(self, ids, req.max_tokens, req.sampling, req.seed, tuple(boundaries), cache_scope)
+        self.req, self.parser = req, parser
         self.thinking = thinking  # a thinking.ReasoningSplitter, for a thinking model's chat reply
-        self.boundaries = boundaries  # prompt positions where chat messages end (for the prefix cache)
-        self.cache_scope = cache_scope  # the prefix cache's part for the request's API key (security.py)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
@@ -52,7 +57,7 @@ class Job:
             self.cancelled.set()
             running = self.started
         if not running:
-            self._put("done", Outcome("cancelled", len(self.prompt_ids), 0))
+            self._put("done", Outcome("cancelled", len(self.ids), 0))
         elif not self.finished.is_set():
             import anyio
 

@@ -165,15 +165,15 @@ class Service:
         """The prompt's ids, from a tokenizer thread. A client that leaves first is answered 499 at once (its
         places given back) and its prompt is never tokenized if no thread has taken it yet, nor kept."""
         waiting = [req]
-        job = asyncio.get_running_loop().run_in_executor(threads, _prompt_ids, self.engine, waiting)
-        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # a left client's error is no one's
+        tokenizing = asyncio.get_running_loop().run_in_executor(threads, _prompt_ids, self.engine, waiting)
+        tokenizing.add_done_callback(lambda f: f.cancelled() or f.exception())  # a left client's error is no one's
         watch = asyncio.ensure_future(_disconnected(request.receive))
         try:
-            await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({tokenizing, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
-        if job.done():
-            return job.result()
+        if tokenizing.done():
+            return tokenizing.result()
         waiting.clear()
         raise APIError(499, "the client disconnected before its prompt was tokenized")
 
