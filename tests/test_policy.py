@@ -104,8 +104,8 @@ def test_a_batch_on_a_quantized_model_lets_dcut_cells_decide_and_keeps_the_clamp
 def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_width(tiny_chat_pair, monkeypatch):
     """One default for every entry point (policies/width.py DEFAULT_WIDTH); a seeded sample keeps the fixed
     trained block, since which tokens a seed draws depends on the widths verified."""
+    from mlx_dflash.decoding import generation_options
     from mlx_dflash.decoding.batch_decoder import batch_generate
-    from mlx_dflash.policies import dcut
 
     target, tokenizer, drafter = tiny_chat_pair
     auto = generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4)
@@ -115,7 +115,7 @@ def test_the_python_api_defaults_to_width_auto_and_a_seeded_sample_to_a_fixed_wi
     assert seeded[0].tokens == seeded[1].tokens
     assert generate(target, drafter, tokenizer, [1, 2, 3], max_tokens=4, width=3).stats.max_width == 3
     asked = []
-    build = dcut.build_policy
-    monkeypatch.setattr(dcut, "build_policy", lambda *a: asked.append(a[2].width) or build(*a))
+    build = generation_options.build_policy
+    monkeypatch.setattr(generation_options, "build_policy", lambda *a: asked.append(a[2].width) or build(*a))
     batched = batch_generate(target, drafter, tokenizer, [[1, 2, 3], [4, 5]], max_tokens=4)
     assert asked == ["auto"] and batched.token_ids[0] == auto.tokens
