@@ -238,6 +238,7 @@ def test_blas_preload_decides_when_to_rerun_with_openblas():
     assert machine.blas_preload(SLOW, {"LD_PRELOAD": "/x/y.so:/b/libopenblas.so.0"}, paths, present) is None
 
 
+@pytest.mark.slow  # a real generate in a fresh process (seconds)
 @pytest.mark.skipif(not LINUX or not any(map(os.path.exists, machine.OPENBLAS_PATHS)),
                     reason="needs Linux and a system OpenBLAS")
 def test_generate_reruns_itself_with_openblas_preloaded(tiny_pair_dirs):

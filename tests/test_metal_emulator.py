@@ -177,7 +177,8 @@ def test_missing_barrier_reads_poison():
     assert np.isnan(out).any()
 
 
-@pytest.mark.parametrize("name", [k for k, (_, err) in PLANTED.items() if err is not None])
+@pytest.mark.parametrize("name", [pytest.param(k, marks=pytest.mark.slow) if k == "spin_wait_deadlock" else k
+                                  for k, (_, err) in PLANTED.items() if err is not None])  # a deadlock: seconds
 def test_planted_bug_is_reported(name):
     body, err = PLANTED[name]
     x, call = _small_call()

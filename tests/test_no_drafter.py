@@ -199,6 +199,7 @@ def test_generate_without_a_drafter_says_so_in_one_line_and_gives_mlx_lms_text(t
     assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # a real serve in a fresh process (seconds)
 def test_serve_starts_on_a_model_without_a_drafter(tiny_pair_dirs):
     """`mlx-dflash serve --model DIR` with no --drafter: one line says what runs, and a chat answers as generate."""
     target_dir, _ = tiny_pair_dirs

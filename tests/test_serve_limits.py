@@ -315,6 +315,7 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
 
 
+@pytest.mark.slow  # seconds of half-sent requests; those from many addresses stay in the default tier
 def test_a_flood_of_half_sent_requests_is_capped_and_drained(served):
     url, _ = served
     before = open_fds()

@@ -76,6 +76,7 @@ def test_a_burst_gets_queue_full_beyond_the_running_and_max_queue(pair, batch, m
 
 # Prompts of megabytes.
 
+@pytest.mark.slow  # megabytes of prompts (seconds); test_serve_limits.py's big prompts keep the threads' rule
 def test_a_small_request_is_answered_while_more_big_prompts_than_tokenizer_threads_tokenize(pair):
     big = {"model": MODEL, "max_tokens": 4, "messages": [  # an assistant turn's text: tokenized, then refused
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "sea " * (1 << 19)},
@@ -193,6 +194,7 @@ def statuses_of(socks) -> list:
     return answers
 
 
+@pytest.mark.slow  # seconds of half-sent bodies; those from many addresses stay in the default tier
 def test_half_sent_bodies_from_one_address_leave_room_for_health_and_valid_requests(pair):
     with running(pair, max_connections=16, body_timeout=20) as (url, _):  # 4 bodies per address in flight
         socks = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) for _ in range(16)]
@@ -207,6 +209,7 @@ def test_half_sent_bodies_from_one_address_leave_room_for_health_and_valid_reque
     assert sorted(answers) == [b"408"] + [b"429"] * 12 + [b"held"] * 3, answers
 
 
+@pytest.mark.slow  # seconds of trickling bodies; half-sent ones from one address stay in the default tier
 def test_bodies_trickling_from_one_address_give_way_to_valid_requests(pair):
     with running(pair, max_connections=16, body_timeout=20) as (url, _):  # 4 bodies per address in flight
         socks = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=10) for _ in range(4)]

@@ -31,6 +31,7 @@ def test_root_answers_a_browser_the_page_and_a_client_the_json(pair):
         assert isinstance(about["mode"], list) and about["max_batch"] >= 1 and about["drafter"] == "a DFlash drafter"
 
 
+@pytest.mark.slow  # a real headless Chromium (seconds)
 @needs_browser
 def test_the_page_draws_the_servers_figures_in_chromium(pair):
     with running(pair) as (url, _):

@@ -182,7 +182,7 @@ def chat_pairs(tiny_chat_pair):
 LIMITS = [20, 7, 15, 3, 12]
 
 
-@pytest.mark.parametrize("name", ["dense", "kv8"])
+@pytest.mark.parametrize("name", ["dense", pytest.param("kv8", marks=pytest.mark.slow)])
 def test_batched_trees_give_each_request_its_single_output(chat_pairs, name):
     """Each row its own tree in one padded forward, rows of their own lengths, rows leaving: every request's
     greedy tokens are those of a chain alone (the target's own), trees forced at widths 3 and 8, and D-cut's."""
