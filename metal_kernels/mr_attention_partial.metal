@@ -2,8 +2,9 @@
 // threadgroup per (batch x kv head, key chunk of SPLIT keys) computes, for every query row of that kv
 // head (GQA: the G query heads that share it, x L rows), the chunk's softmax statistics (max m, sum l)
 // and its unnormalised output o = sum_j exp(s_j - m) v_j. Pass 2 (mr_attention_combine.metal) merges
-// the chunks. Causal within the block: query row i sees keys 0 .. S - L + i (the block's own keys are
-// the last L of the S keys).
+// the chunks. Within the block (its keys are the last L of the S keys), query row i sees block key j where
+// bit j of its `sees` word is set: the rows before it and itself for a chain (causal), its ancestors and
+// itself for a draft tree's node; every row sees all S - L keys before the block.
 //
 // Why this shape (metal_kernels/README.md, "Multi-row attention"): MLX's vector SDPA takes q_len <= 8
 // only while q_len * GQA <= 32 and q_len 9..16 goes to a 32-row tile without a split over the keys; here
@@ -12,8 +13,9 @@
 //
 // Inputs: q (B, HQ, L, D), k / v (B, HKV, >= max S, D), any strides (a KV cache buffer or a slice of it is
 // read in place), scale (float), lengths (B int32: S, the keys batch row b attends, its block the last L of
-// them; rows of a batch cache each have their own, the rest of the buffer being padding), SPLIT (int32: keys
-// per threadgroup, a multiple of CH; runtime, so a growing cache does not make new template instantiations).
+// them; rows of a batch cache each have their own, the rest of the buffer being padding), sees (B * L uint32:
+// the block keys each query row of batch row b sees, one bit each), SPLIT (int32: keys per threadgroup, a
+// multiple of CH; runtime, so a growing cache does not make new template instantiations).
 // A chunk past a row's S computes nothing (m = -inf, l = 0) and weighs 0 in pass 2. Outputs: o_part
 // (B * HQ * L, NC, D) float32, ml (B * HQ * L, NC, 2) float32 (m, l). Template: T, L, G (= HQ / HKV), D
 // (64 or 128), HKV, CH (keys per staged tile), NS (simdgroups).
@@ -75,9 +77,14 @@
 #pragma unroll
     for (int t = 0; t < RPS; t++) {
       const int qr = min(sg + t * NS, QR - 1);
-      const int last = S - L + qr % L;  // the last key this row may see (uniform in the simdgroup)
-      const int n = min(k_hi, last + 1) - j0;
+      const int before = S - L;  // keys before the block, seen by every row
+      const uint seen = sees[b * L + qr % L];  // the block keys this row sees (uniform in the simdgroup)
+      const int n = k_hi - j0;
       for (int j = 0; j < min(CH, n); j++) {
+        const int key = j0 + j;
+        if (key >= before && ((seen >> uint(key - before)) & 1u) == 0u) {
+          continue;  // a block key it does not see: a later row's, or another branch's in a tree
+        }
         float part = 0.0f;
 #pragma unroll
         for (int dl = 0; dl < DL; dl++) {

@@ -89,9 +89,10 @@ def _wide(inputs, t, output_shapes):
 
 def _partial(inputs, t, output_shapes):
     """Pass 1 as one chunk holding the whole (normalised) result: m = 0, l = 1; the other chunks empty."""
-    q, k, v, scale, lengths = inputs[:5]
+    q, k, v, scale, lengths, sees = inputs[:6]
     lengths = [int(n) for n in lengths.tolist()]
-    out = attn.reference_attention(q, k, v, scale, max(lengths), lengths).astype(mx.float32)
+    out = attn.reference_attention(q, k, v, scale, max(lengths), lengths, sees.reshape(q.shape[0], q.shape[2]))
+    out = out.astype(mx.float32)
     (rows, chunks, d), _ = output_shapes
     o_part = mx.concatenate([out.reshape(rows, 1, d), mx.zeros((rows, chunks - 1, d))], axis=1)
     m = mx.array([0.0] + [-float("inf")] * (chunks - 1))

@@ -25,7 +25,8 @@ from mlx_dflash.kernels.race_gate import RaceGate
 SCHEMA = json.loads((Path(__file__).parent / "doctor.schema.json").read_text())
 LINUX = sys.platform.startswith("linux")
 QMM = [(6, 128, 96, 64, 4, "float32"), (16, 256, 64, 32, 8, "float32")]
-ATTENTION = [(2, 1, 4, 64, 40, "float32"), (16, 2, 2, 128, 300, "float32"), (4, 1, 2, 64, 90, "float32", (90, 50, 7))]
+ATTENTION = [(2, 1, 4, 64, 40, "float32"), (16, 2, 2, 128, 300, "float32"), (4, 1, 2, 64, 90, "float32", (90, 50, 7)),
+             (8, 1, 2, 64, 60, "float32", (60, 30), "tree")]
 BUNDLED = "mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 
 
@@ -121,8 +122,8 @@ def mlx_qmm(x, w, s, b, gs, bits, threads=None):
     return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
 
 
-def mlx_attention(q, k, v, scale, keys=None, lengths=None, threads=None):
-    return attn.reference_attention(q, k, v, scale, keys, lengths)
+def mlx_attention(q, k, v, scale, keys=None, lengths=None, threads=None, sees=None):
+    return attn.reference_attention(q, k, v, scale, keys, lengths, sees)
 
 
 def test_the_mac_checks_with_kernels_that_agree(quick, monkeypatch):
@@ -164,13 +165,23 @@ def test_a_kernel_that_disagrees_fails_the_doctor(quick, monkeypatch):
 
 
 def test_an_attention_kernel_that_ignores_a_batchs_row_lengths_fails_on_the_ragged_shape(quick, monkeypatch):
-    def unragged(q, k, v, scale, keys=None, lengths=None, threads=None):  # every row over all the keys
-        return attn.reference_attention(q, k, v, scale, keys)
+    def unragged(q, k, v, scale, keys=None, lengths=None, threads=None, sees=None):  # every row over all the keys
+        return attn.reference_attention(q, k, v, scale, keys, None, sees)
 
     fake_metal(monkeypatch, mlx_qmm, unragged)
     check = doctor.check_kernel("mr_attention", checks.check_attention, "MLX's SDPA")
+    assert check.status == "fail" and f"2 of {len(ATTENTION)} shapes wrong" in check.line
+    assert [d["ok"] for d in check.details] == [True, True, False, False] and "batch of 3" in check.details[2]["shape"]
+
+
+def test_an_attention_kernel_that_ignores_a_trees_ancestors_fails_on_the_tree_shape(quick, monkeypatch):
+    def causal(q, k, v, scale, keys=None, lengths=None, threads=None, sees=None):  # a chain's mask for every call
+        return attn.reference_attention(q, k, v, scale, keys, lengths)
+
+    fake_metal(monkeypatch, mlx_qmm, causal)
+    check = doctor.check_kernel("mr_attention", checks.check_attention, "MLX's SDPA")
     assert check.status == "fail" and f"1 of {len(ATTENTION)} shapes wrong" in check.line
-    assert [d["ok"] for d in check.details] == [True, True, False] and "batch of 3" in check.details[2]["shape"]
+    assert [d["ok"] for d in check.details] == [True, True, True, False] and "trees" in check.details[3]["shape"]
 
 
 def test_a_kernel_that_does_not_compile_is_a_warning_and_mlx_serves(quick, monkeypatch):

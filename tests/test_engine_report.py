@@ -46,8 +46,8 @@ def fake_metal(monkeypatch, tmp_path, ours_s=1e-3, mlx_s=2e-3, qmm=None):
     monkeypatch.setattr(attn, "shared_gate", lambda: gate)
     monkeypatch.setattr(wide_qmm, "wide_quantized_matmul", qmm or (
         lambda x, w, s, b, gs, bits, threads=None: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)))
-    monkeypatch.setattr(attn, "multi_row_attention", lambda q, k, v, scale, keys, lengths, threads: (
-        attn.reference_attention(q, k, v, scale, keys, lengths)))
+    monkeypatch.setattr(attn, "multi_row_attention", lambda q, k, v, scale, keys, lengths, threads, sees: (
+        attn.reference_attention(q, k, v, scale, keys, lengths, sees)))
 
 
 def run(target, drafter, tokenizer, **kwargs):

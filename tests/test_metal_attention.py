@@ -31,8 +31,8 @@ def make(rows, hkv, groups, d, keys, alloc, dt, seed=0):
     return q, k, v
 
 
-def emulate(q, k, v, keys, kernels=None, traffic_=False, lengths=None, threads=None):
-    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys, lengths, threads)
+def emulate(q, k, v, keys, kernels=None, traffic_=False, lengths=None, threads=None, sees=None):
+    (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, q.shape[-1] ** -0.5, keys, lengths, threads, sees)
     k1, k2 = kernels or (k1, k2)
     first = run_kernel(k1, **c1, traffic=traffic_)
     second = run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}, traffic=traffic_)
@@ -111,7 +111,7 @@ def test_each_batch_row_attends_its_own_length(lengths, rows, hkv, groups, d, dt
     err = np.abs(np.array(y.astype(mx.float32)) - np.array(want))
     assert np.isfinite(err).all() and err.max() <= ATOL[dt], err.max()
     if dt == "f32":  # the case with several key chunks, one of which the short row cannot see
-        assert min(lengths) <= c1["inputs"][5] * (c1["grid"][2] - 1)  # its last chunk starts past the short row
+        assert min(lengths) <= c1["inputs"][-1] * (c1["grid"][2] - 1)  # its last chunk starts past the short row
     as_if_all_long = oracle(q, k, v, keys)
     assert not np.allclose(np.array(y.astype(mx.float32)), np.array(as_if_all_long), atol=1e-3)
 
@@ -186,7 +186,7 @@ def _planted(file, old, new):
     assert body.count(old) == 1, old
     if "partial" in file:
         return mx.fast.metal_kernel(
-            name="planted_partial", input_names=["q", "k", "v", "scale", "lengths", "SPLIT"],
+            name="planted_partial", input_names=["q", "k", "v", "scale", "lengths", "sees", "SPLIT"],
             output_names=["o_part", "ml"],
             source=body.replace(old, new), header=header, ensure_row_contiguous=False)
     return mx.fast.metal_kernel(name="planted_combine", input_names=["o_part", "ml", "NC"], output_names=["out"],
@@ -194,8 +194,9 @@ def _planted(file, old, new):
 
 
 PLANTED = {
-    "no causal mask in the block": ("mr_attention_partial.metal", "const int last = S - L + qr % L;",
-                                    "const int last = S - 1;"),
+    "no causal mask in the block": ("mr_attention_partial.metal",
+                                    "if (key >= before && ((seen >> uint(key - before)) & 1u) == 0u) {",
+                                    "if (false) {"),
     "wrong GQA head": ("mr_attention_partial.metal", "(hkv * G + qr / L) * q_strides[1]", "(hkv + qr / L) * q_strides[1]"),
     "missing barrier after staging": ("mr_attention_partial.metal", "    threadgroup_barrier(mem_flags::mem_threadgroup);\n#pragma unroll",
                                       "#pragma unroll"),
@@ -219,6 +220,81 @@ def test_planted_bugs_are_caught(name):
     planted = _planted(file, old, new)
     y = emulate(q, k, v, keys, kernels=(planted, k2) if "partial" in file else (k1, planted))[0]
     assert not np.allclose(np.array(y), np.array(oracle(q, k, v, keys)), atol=1e-3)
+
+
+def random_trees(batch: int, rows: int, seed: int) -> np.ndarray:
+    """[B, rows, rows] ancestor-or-self of a random draft tree per batch row: node 0 the anchor, node i's parent one
+    of the nodes before it (so a node's siblings may come before it), each row's tree its own."""
+    rng = np.random.default_rng(seed)
+    ancestors = np.zeros((batch, rows, rows), bool)
+    for b in range(batch):
+        for i in range(rows):
+            ancestors[b, i, i] = True
+            if i:
+                parent = int(rng.integers(0, i)) if i > 2 else i - 1
+                ancestors[b, i] |= ancestors[b, parent]
+    return ancestors
+
+
+def tree_oracle(q, k, v, lengths, ancestors):
+    """MLX's SDPA in float32 with an explicit mask, built here from the trees: row b's node i sees the keys before
+    its block and the block keys of its ancestors and itself (the block: the last `rows` of its lengths[b] keys)."""
+    batch, _, rows, _ = q.shape
+    keys = max(lengths)
+    mask = np.zeros((batch, 1, rows, keys), bool)
+    for b, n in enumerate(lengths):
+        mask[b, 0, :, : n - rows] = True
+        mask[b, 0, :, n - rows: n] = ancestors[b]
+    f = mx.float32
+    return mx.fast.scaled_dot_product_attention(q.astype(f), k[:, :, :keys].astype(f), v[:, :, :keys].astype(f),
+                                                scale=q.shape[-1] ** -0.5, mask=mx.array(mask))
+
+
+def sees_of(ancestors) -> mx.array:
+    from mlx_dflash.models.tree_verify import ancestor_bits
+
+    return ancestor_bits(mx.array(ancestors))
+
+
+# (row lengths, nodes, kv heads, GQA, head dim, dtype): several key chunks, a short row, 16 nodes
+TREES = [([600, 250, 520], 8, 1, 4, 64, "f32"), ([37, 20, 40], 16, 2, 2, 128, "bf16")]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("lengths,rows,hkv,groups,d,dt", TREES, ids=str)
+def test_each_tree_node_sees_its_context_and_ancestors_only(lengths, rows, hkv, groups, d, dt):
+    """A batch of draft trees: the kernel's source, given each node's ancestor bits, equals SDPA with the explicit
+    mask; a chain's (causal) answer differs, so the bits are what decides."""
+    q, k, v = batch_of(lengths, rows, hkv, groups, d, dt)
+    ancestors = random_trees(len(lengths), rows, seed=rows)
+    y = emulate(q, k, v, max(lengths), lengths=lengths, sees=sees_of(ancestors))[0]
+    want = tree_oracle(q, k, v, lengths, ancestors)
+    err = np.abs(np.array(y.astype(mx.float32)) - np.array(want))
+    assert np.isfinite(err).all() and err.max() <= ATOL[dt], err.max()
+    assert not np.allclose(np.array(y.astype(mx.float32)), np.array(oracle(q, k, v, max(lengths), lengths)), atol=1e-3)
+    reference = attn.reference_attention(*(a.astype(mx.float32) for a in (q, k, v)), d ** -0.5, max(lengths), lengths,
+                                         sees_of(ancestors))  # MLX's path for a tree: the same mask from the bits
+    assert np.abs(np.array(reference) - np.array(want)).max() <= 1e-5
+
+
+PLANTED_TREES = {
+    "a sibling visible": ("if (key >= before && ((seen >> uint(key - before)) & 1u) == 0u) {",
+                          "if (key >= before && key - before > qr % L) {"),  # causal: the nodes before it, siblings too
+    "an ancestor hidden": ("const uint seen = sees[b * L + qr % L];", "const uint seen = sees[b * L + qr % L] & ~1u;"),
+    "the wrong row's mask": ("const uint seen = sees[b * L + qr % L];", "const uint seen = sees[qr % L];"),
+}
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("name", PLANTED_TREES)
+def test_planted_tree_mask_bugs_are_caught(name):
+    lengths, rows, hkv, groups, d, dt = TREES[0]
+    q, k, v = batch_of(lengths, rows, hkv, groups, d, dt)
+    ancestors = random_trees(len(lengths), rows, seed=rows)
+    planted = _planted("mr_attention_partial.metal", *PLANTED_TREES[name])
+    y = emulate(q, k, v, max(lengths), kernels=(planted, attn.combine_kernel()), lengths=lengths,
+                sees=sees_of(ancestors))[0]
+    assert not np.allclose(np.array(y), np.array(tree_oracle(q, k, v, lengths, ancestors)), atol=1e-3)
 
 
 @pytest.mark.slow
@@ -271,9 +347,9 @@ def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
 
     ran = []
 
-    def stand_in(q, k, v, scale, keys, lengths=None, threads=None):
+    def stand_in(q, k, v, scale, keys, lengths=None, threads=None, sees=None):
         ran.append(q.shape[2])
-        return attn.reference_attention(q, k, v, scale, keys, lengths)
+        return attn.reference_attention(q, k, v, scale, keys, lengths, sees)
 
     gate = RaceGate(tmp_path / "v.json", timer=timer)
     monkeypatch.setattr(attn, "metal_available", lambda: True)
@@ -291,3 +367,7 @@ def test_block_attention_routes_through_the_gate(tmp_path, monkeypatch):
     assert timer.races == 1
     attn.block_attention(q, k, v, 0.125, 100, route="mlx")
     assert ran == [8, 8, 8]
+    sees = sees_of(random_trees(1, 8, seed=3))  # a tree's verify races apart from a chain's
+    assert mx.allclose(attn.block_attention(q, k, v, 0.125, 100, sees=sees),
+                       attn.reference_attention(q, k, v, 0.125, 100, sees=sees))
+    assert timer.races == 2 and ran == [8, 8, 8, 8, 8] and any(key.endswith("|tree8") for key in gate.verdicts)

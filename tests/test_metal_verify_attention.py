@@ -69,16 +69,23 @@ def tiny_model(family):
     return _models[family]
 
 
-def numpy_block_attention(q, k, v, scale, keys, lengths=None):
+def numpy_block_attention(q, k, v, scale, keys, lengths=None, sees=None):
     """An independent float64 reference of the kernel's contract (not MLX's SDPA): batch row b attends its
-    first lengths[b] keys (default: `keys`), its queries the last of them."""
+    first lengths[b] keys (default: `keys`), its queries the last of them, each seeing the block keys its `sees`
+    bits name (default: the ones up to itself)."""
     q64, k64, v64 = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (q, k[:, :, :keys], v[:, :, :keys]))
     b, hq, rows, d = q64.shape
     g = hq // k64.shape[1]
     k64, v64 = np.repeat(k64, g, axis=1), np.repeat(v64, g, axis=1)
     s = np.einsum("bhld,bhsd->bhls", q64, k64) * scale
-    last = np.array(lengths or [keys] * b)[:, None, None, None] - rows + np.arange(rows)[:, None]  # [B, 1, L, 1]
-    s = np.where(np.arange(keys)[None, None, None, :] <= last, s, -np.inf)
+    before = np.array(lengths or [keys] * b)[:, None, None, None] - rows  # [B, 1, 1, 1]: keys before the block
+    j = np.arange(keys)[None, None, None, :] - before  # the block key a column holds, where 0 <= j < rows
+    if sees is None:
+        visible = j <= np.arange(rows)[:, None]
+    else:
+        bits = np.array(sees, dtype=np.int64)[:, None, :, None]  # [B, 1, L, 1]
+        visible = (j < 0) | ((j < rows) & ((bits >> np.clip(j, 0, rows - 1)) & 1).astype(bool))
+    s = np.where(visible, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     return mx.array(np.einsum("bhls,bhsd->bhld", p / p.sum(-1, keepdims=True), v64)).astype(q.dtype)
 
@@ -111,10 +118,10 @@ def forced(monkeypatch, tmp_path):
     monkeypatch.setattr(attn, "metal_available", lambda: True)
     state = dict(calls=[], kernel=numpy_block_attention, gate=Gate(tmp_path / "verdicts.json", ours_faster=True))
 
-    def stand_in(q, k, v, scale, keys=None, lengths=None, threads=None):
+    def stand_in(q, k, v, scale, keys=None, lengths=None, threads=None, sees=None):
         if not state["gate"].probing:  # the calls inside forwards
-            state["calls"].append(q.shape[2])
-        return state["kernel"](q, k, v, scale, k.shape[2] if keys is None else keys, lengths)
+            state["calls"].append(q.shape[2] if sees is None else f"tree {q.shape[2]}")
+        return state["kernel"](q, k, v, scale, k.shape[2] if keys is None else keys, lengths, sees)
 
     monkeypatch.setattr(attn, "multi_row_attention", stand_in)
     monkeypatch.setattr(attn, "shared_gate", lambda: state["gate"])
@@ -320,8 +327,8 @@ def test_the_kernel_source_in_the_verify_forward(forced):
     """The stand-in is the Metal source itself, run by the CPU emulator, inside a real verify forward."""
     from metal_emulator import run_kernel
 
-    def emulated(q, k, v, scale, keys, lengths=None):
-        (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, scale, keys, lengths)
+    def emulated(q, k, v, scale, keys, lengths=None, sees=None):
+        (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, scale, keys, lengths, sees=sees)
         first = run_kernel(k1, **c1)
         return run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}).outputs[0].reshape(q.shape)
 
@@ -331,6 +338,94 @@ def test_the_kernel_source_in_the_verify_forward(forced):
     ids = mx.array([[8, 6, 7, 5, 3, 0, 9]])
     assert mx.allclose(target.forward(ids, cache)[0], plain.forward(ids, plain_cache)[0], atol=1e-4, rtol=1e-4)
     assert forced["calls"] == [7, 7]
+
+
+# parents of a 9-node draft tree, every parent before its children; batch row 1 a different tree
+TREE_PARENTS = [[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 0, 3, 2, 2, 4, 0]]
+
+
+def tree_of(parents: list) -> tuple:
+    """(depth [B, N], ancestors [B, N, N] ancestor-or-self) of the trees given by each row's parents."""
+    n = len(parents[0])
+    depth, ancestors = np.zeros((len(parents), n), np.int32), np.zeros((len(parents), n, n), bool)
+    for b, row in enumerate(parents):
+        for i, p in enumerate(row):
+            depth[b, i] = 0 if p < 0 else depth[b, p] + 1
+            ancestors[b, i] = ancestors[b, p] if p >= 0 else False
+            ancestors[b, i, i] = True
+    return mx.array(depth), mx.array(ancestors)
+
+
+def tree_logits(target, rows: int, kernel_route=None) -> mx.array:
+    """The logits of a tree forward of `rows` batch rows (TREE_PARENTS) after the prompt, a different prompt
+    length a row: one sequence's cache at one row, a batch cache of rows of their own lengths at two."""
+    caches = []
+    for b in range(rows):
+        cache = target.make_cache()
+        target.prefill(mx.array(PROMPT[: len(PROMPT) - 3 * b]), cache)
+        caches.append(cache)
+    if rows == 1:
+        cache = caches[0]
+    else:
+        cache = batched(target.make_cache())
+        for c in caches:
+            add_row(cache, c)
+    tokens = mx.array([[(29 * b + 7 * i) % 211 for i in range(9)] for b in range(rows)])
+    return target.forward(tokens, cache, tree_of(TREE_PARENTS[:rows]))[0]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_tree_verify_is_routed_with_each_node_seeing_its_ancestors(forced, rows):
+    """A draft tree's forward goes through our kernel (the tree's mask given as each node's ancestor bits), alone
+    and as a batch of rows of their own lengths, with the logits of the unrouted tree forward; a windowed layer's
+    tree mask stays with MLX."""
+    plain = Target(tiny_model("llama"), layer_ids=(0, 1))
+    target = Target(tiny_model("llama"), layer_ids=(0, 1))
+    assert target.install_attention_kernel("dflash") == 2
+    want, got = tree_logits(plain, rows), tree_logits(target, rows)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert forced["calls"] == ["tree 9", "tree 9"]  # both layers, through the stand-in, as a tree
+
+
+def test_decoding_with_trees_through_the_kernel_is_lossless(forced):
+    """Greedy decoding with trees forced, every tree verify through the stand-in kernel: mlx-lm's greedy output.
+    The drafter ranks the target's token second (test_trees.py `SecondChoice`), so each round keeps a node off the
+    tree's first path, whose position is its depth, not its place in the block."""
+    from oracles import OracleDrafter
+    from test_trees import SecondChoice
+
+    model = tiny_model("llama")
+    target = Target(model)
+    real = init_drafter(drafter_config_for(target, num_layers=1, block_size=16, num_target_features=1), seed=1)
+    target.install_attention_kernel("dflash")
+    want = mlx_lm_greedy(model, PROMPT, 20)
+    for width in (4, 9):
+        oracle = OracleDrafter(real.config, len(PROMPT), want, set(range(40))).bind(target)  # its first choice wrong
+        policy = make_policy(real.block_size, width, controls=DraftControls(tree=True, prompt_lookup=False))
+        rounds = list(speculative_rounds(target, SecondChoice(oracle, want, len(PROMPT)), mx.array(PROMPT), policy,
+                                         SamplingParams(), 20))
+        assert [t for r in rounds for t in r.tokens] == want, width
+        assert sum(r.tree and r.accepted >= 1 for r in rounds) >= 4, width
+    assert "tree 4" in forced["calls"] and "tree 9" in forced["calls"]
+
+
+@pytest.mark.emulator
+def test_the_kernel_source_in_a_tree_verify(forced):
+    """The stand-in is the Metal source itself, run by the CPU emulator, inside a real tree forward of a batch of
+    two rows of their own lengths."""
+    from metal_emulator import run_kernel
+
+    def emulated(q, k, v, scale, keys, lengths=None, sees=None):
+        (k1, c1), (k2, c2) = attn.attention_calls(q, k, v, scale, keys, lengths, sees=sees)
+        first = run_kernel(k1, **c1)
+        return run_kernel(k2, **{**c2, "inputs": [*first.outputs, c2["inputs"][2]]}).outputs[0].reshape(q.shape)
+
+    forced["kernel"] = emulated
+    plain = Target(tiny_model("qwen3"), layer_ids=(0, 1))
+    target = Target(tiny_model("qwen3"), layer_ids=(0, 1))
+    target.install_attention_kernel("dflash")
+    assert mx.allclose(tree_logits(target, 2), tree_logits(plain, 2), atol=1e-4, rtol=1e-4)
+    assert forced["calls"] == ["tree 9", "tree 9"]
 
 
 @pytest.mark.metal

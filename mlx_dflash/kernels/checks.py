@@ -40,7 +40,8 @@ QMM_SHAPES = [(6, 4096, 4096, 64, 4, "float16"), (16, 4096, 4096, 64, 4, "float1
 ATTENTION_SHAPES = [(2, 8, 4, 128, 1024, "float16"), (9, 8, 4, 128, 4096, "bfloat16"),
                     (16, 8, 4, 128, 4096, "float16"), (16, 2, 8, 64, 600, "float32"),
                     (4, 8, 4, 128, 2048, "float16", (2048, 1500, 600)), (16, 8, 8, 128, 2048, "float32"),
-                    (4, 8, 4, 128, 1024, "float16", (1024, 1000, 900, 800, 700, 600, 500, 64))]
+                    (4, 8, 4, 128, 1024, "float16", (1024, 1000, 900, 800, 700, 600, 500, 64)),
+                    (8, 8, 4, 128, 1024, "float16", (1024, 700, 300), "tree")]  # each row a draft tree's nodes
 
 
 def qmm_inputs(rows, k, n, group_size, bits, dtype, seed: int = 0):
@@ -62,9 +63,29 @@ def qmm_label(rows, k, n, group_size, bits, dtype) -> str:
     return f"{dtype} {rows}x{k} @ {k}x{n} {bits}-bit gs{group_size}"
 
 
-def attention_label(rows, hkv, groups, d, keys, dtype, lengths=None) -> str:
+def tree_sees(batch: int, rows: int):
+    """`sees` of a draft tree in each batch row, for the checks: node i's parent is node (i - 1) // (b + 2) in
+    row b (a binary tree in the first row, wider ones after), each node seeing its ancestors and itself."""
+    words = []
+    for b in range(batch):
+        for i in range(rows):
+            word, j = 1 << i, i
+            while j:
+                j = (j - 1) // (b + 2)
+                word |= 1 << j
+            words.append(word)
+    return mx.array(words, dtype=mx.uint32).reshape(batch, rows)
+
+
+def attention_case(rows, hkv, groups, d, keys, dtype, lengths=None, tree=None) -> tuple:
+    """(q, k, v, lengths, sees) of one of ATTENTION_SHAPES (sees None: causal)."""
+    q, k, v = attention_inputs(rows, hkv, groups, d, keys, dtype, lengths)
+    return q, k, v, lengths, tree_sees(q.shape[0], rows) if tree else None
+
+
+def attention_label(rows, hkv, groups, d, keys, dtype, lengths=None, tree=None) -> str:
     batch = f", a batch of {len(lengths)} of {'/'.join(map(str, lengths))} keys" if lengths else ""
-    return f"{dtype} {rows} rows, {hkv * groups}/{hkv} heads, D{d}, {keys} keys{batch}"
+    return f"{dtype} {rows} rows, {hkv * groups}/{hkv} heads, D{d}, {keys} keys{batch}{', trees' if tree else ''}"
 
 
 def _identity(source: str) -> dict:
@@ -92,9 +113,8 @@ def attention_sources(shapes=None) -> list[dict]:
 
     out = []
     for shape in shapes or ATTENTION_SHAPES:
-        q, k, _ = attention_inputs(*shape)
-        lengths = shape[6] if len(shape) > 6 else None
-        (k1, c1), (k2, c2) = attn.attention_calls(q, k, k, q.shape[-1] ** -0.5, k.shape[2], lengths)
+        q, k, _, lengths, sees = attention_case(*shape)
+        (k1, c1), (k2, c2) = attn.attention_calls(q, k, k, q.shape[-1] ** -0.5, k.shape[2], lengths, sees=sees)
         partials = [mx.zeros(s, dtype=t) for s, t in zip(c1["output_shapes"], c1["output_dtypes"])]
         sources = [metal_source(k1, **c1), metal_source(k2, **{**c2, "inputs": [*partials, c2["inputs"][2]]})]
         out.append({"shape": attention_label(*shape), "sources": [_identity(src) for src in sources]})
@@ -147,15 +167,15 @@ def check_attention(gate: RaceGate, shapes=None) -> list[dict]:
     against MLX's SDPA in float32 (worst absolute error as a share of the tolerance)."""
 
     def run(*shape):
-        q, k, v = attention_inputs(*shape)
-        scale, keys, lengths = q.shape[-1] ** -0.5, k.shape[2], shape[6] if len(shape) > 6 else None
-        ours = lambda threads: attn.multi_row_attention(q, k, v, scale, keys, lengths, threads)  # noqa: E731
-        theirs = lambda: attn.reference_attention(q, k, v, scale, keys, lengths)  # noqa: E731
+        q, k, v, lengths, sees = attention_case(*shape)
+        scale, keys = q.shape[-1] ** -0.5, k.shape[2]
+        ours = lambda threads: attn.multi_row_attention(q, k, v, scale, keys, lengths, threads, sees)  # noqa: E731
+        theirs = lambda: attn.reference_attention(q, k, v, scale, keys, lengths, sees)  # noqa: E731
         f = mx.float32
-        ref = attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), scale, keys, lengths)
+        ref = attn.reference_attention(q.astype(f), k.astype(f), v.astype(f), scale, keys, lengths, sees)
         tolerance = ATTENTION_ATOL[q.dtype]
         share = lambda threads: mx.abs(ours(threads).astype(f) - ref).max().item() / tolerance  # noqa: E731
-        return _checked(attention_label(*shape), gate, attn.race_key(q, k, keys), ours, theirs, q.dtype,
-                        attn.thread_sizes(q, k), share)
+        return _checked(attention_label(*shape), gate, attn.race_key(q, k, keys, sees is not None), ours, theirs,
+                        q.dtype, attn.thread_sizes(q, k), share)
 
     return [run(*shape) for shape in shapes or ATTENTION_SHAPES]

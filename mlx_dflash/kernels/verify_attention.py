@@ -12,9 +12,10 @@ process, and this one outside the verify forward (prefill, mlx-lm's own generate
 ``routed_sdpa`` sends a call to ``attention_kernels.block_attention`` (whose race gate picks ours or MLX's
 per chip, shape, rows and cache-size bin, verdict cached on disk) only when the call is what the kernel
 computes: a causal mask (the plain ``"causal"``: query row i of L sees keys 0 .. S - L + i; or the array a
-batch cache built for rows of different lengths, each row then its own S, ``note_ragged_causal``), no
-attention sinks, an unquantized cache, and a shape ``check_supported`` accepts (2..16 rows, head dim 64/128,
-GQA, one dtype). Anything else - other array masks (sliding windows), sinks (gpt-oss), quantized KV
+batch cache built for rows of different lengths, each row then its own S, ``note_ragged_causal``) or a draft
+tree's (each node sees the context and its ancestors, the array a tree forward built without a window,
+``note_tree``), no attention sinks, an unquantized cache, and a shape ``check_supported`` accepts (2..16 rows,
+head dim 64/128, GQA, one dtype). Anything else - other array masks (sliding windows), sinks (gpt-oss), quantized KV
 caches, other head dims (e.g. 256) - goes to mlx-lm's own function, unchanged.
 
 Families whose attention calls that function from a decoder layer's direct child are routed (llama,
@@ -72,37 +73,46 @@ def attention_sites(layers) -> list[tuple[nn.Module, str]]:
             for name, child in layer.items() if isinstance(child, nn.Module) and _calls_base_sdpa(type(child))]
 
 
-# The last causal mask a batch cache built for rows of different lengths (models/batch_cache.py) and the keys
-# each row attends under it. Our kernel computes exactly that mask from the lengths, so a call given this very
-# array is routed: an identity test, nothing read back from the device.
-_ragged_causal: tuple = (None, ())
+# The last array mask our kernel computes, and what it computes it from: the causal mask a batch cache built for
+# rows of different lengths (models/batch_cache.py), or a tree forward's (models/tree_verify.py), with the keys
+# each row attends and, for a tree, the block keys each node sees. A call given this very array is routed: an
+# identity test, nothing read back from the device.
+_noted: tuple = (None, (), None)
 
 
 def note_ragged_causal(mask, lengths: list):
     """A batch cache built `mask`: batch row b's queries are the last of its lengths[b] keys, each seeing the
     row's keys up to itself (no window)."""
-    global _ragged_causal
-    _ragged_causal = (mask, tuple(lengths))
+    global _noted
+    _noted = (mask, tuple(lengths), None)
 
 
-def ragged_lengths(mask) -> list | None:
-    """Each batch row's keys when `mask` is the ragged causal mask a batch cache built; None otherwise."""
-    noted, lengths = _ragged_causal
-    return list(lengths) if mask is not None and mask is noted else None
+def note_tree(mask, lengths: list, sees):
+    """A tree forward built `mask`: batch row b's nodes are the last of its lengths[b] keys, each seeing the row's
+    context and the nodes whose bits are set in sees[b, i] (its ancestors and itself; no window)."""
+    global _noted
+    _noted = (mask, tuple(lengths), sees)
+
+
+def noted_mask(mask) -> tuple:
+    """(each batch row's keys, the nodes' `sees` or None for causal) when `mask` is the array noted last; else
+    (None, None)."""
+    noted, lengths, sees = _noted
+    return (list(lengths), sees) if mask is not None and mask is noted else (None, None)
 
 
 def routing_of(queries, keys, values, cache, mask, sinks) -> tuple:
     """(why this SDPA call stays with MLX, None when our kernel computes exactly it; each batch row's keys when
-    the mask is a batch cache's ragged causal one, else None), the mask looked up once."""
+    the mask is an array our kernel computes, else None; a tree's `sees`, else None), the mask looked up once."""
     if sinks is not None:
-        return "attention sinks", None
+        return "attention sinks", None, None
     if hasattr(cache, "bits"):
-        return "quantized KV cache", None
+        return "quantized KV cache", None, None
     plain = isinstance(mask, str) and mask == "causal"
-    lengths = None if plain else ragged_lengths(mask)
+    lengths, sees = (None, None) if plain else noted_mask(mask)
     if not plain and (lengths is None or max(lengths) != keys.shape[2]):  # not one of this call's keys: not ours
-        return "not a causal mask (plain, or a batch cache's rows of their own lengths)", None
-    return attn.check_supported(queries, keys, values, keys.shape[2], lengths), lengths
+        return "not a causal mask (plain, or a batch cache's rows of their own lengths) nor a draft tree's", None, None
+    return attn.check_supported(queries, keys, values, keys.shape[2], lengths, sees), lengths, sees
 
 
 def why_not_routed(queries, keys, values, cache, mask, sinks) -> str | None:
@@ -114,9 +124,9 @@ def routed_sdpa(route: str):
     """A drop-in for mlx-lm's ``scaled_dot_product_attention`` that sends fitting calls to ours."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        reason, lengths = routing_of(queries, keys, values, cache, mask, sinks)
+        reason, lengths, sees = routing_of(queries, keys, values, cache, mask, sinks)
         if reason is None:
-            return attn.block_attention(queries, keys, values, scale, route=route, lengths=lengths)
+            return attn.block_attention(queries, keys, values, scale, route=route, lengths=lengths, sees=sees)
         if queries.ndim == 4 and attn.MIN_ROWS <= queries.shape[2] <= attn.MAX_ROWS:  # a verify our kernel could take
             routes.record(attn.race_key(queries, keys, keys.shape[2]), MLX, reason, fallback=True)
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,

@@ -299,7 +299,9 @@ class Target:
         sites = self._recurrent if cache is not None else []
         if tree is not None and not self.trees:
             raise DFlashError("this target verifies chains only (its recurrent layers cannot read a tree)")
-        with taping(sites) as tapes, routing(*self._attention), self._tree(cache, tree) as view:
+        # the tree's RoPE wrappers go in before the attention modules are routed: routing puts a stand-in in
+        # each module's place, under which the tree would not find the module's RoPE
+        with taping(sites) as tapes, self._tree(cache, tree) as view, routing(*self._attention):
             logits, features = self._run(ids, view)
         self._pending = (cache, ids.shape[1], tapes) if tapes else None
         self._quantize_due(cache)

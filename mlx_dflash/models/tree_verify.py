@@ -25,6 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
+from ..kernels.attention import MAX_ROWS
+from ..kernels.verify_attention import note_tree
 from .batch_cache import RaggedKVCache
 
 
@@ -109,11 +111,17 @@ def tree_mask(lengths: mx.array, longest: int, depth: mx.array, ancestors: mx.ar
     return visible[:, None]
 
 
+def ancestor_bits(ancestors: mx.array) -> mx.array:
+    """[B, N] uint32: bit j of node i's word set when node j is node i or above it (N <= 32)."""
+    N = ancestors.shape[-1]
+    return (ancestors.astype(mx.uint32) << mx.arange(N, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+
+
 @contextmanager
 def tree_forward(layers, cache: list, depth: mx.array, ancestors: mx.array):
     """For one forward of B rows x N tree nodes on `cache`: yields the cache list to pass the model, its layers'
     RoPE modules and masks set to the trees' (depth [B, N]; ancestors [B, N, N], ancestor-or-self)."""
-    sizes = context_lengths(cache)
+    sizes, N = context_lengths(cache), depth.shape[1]
     lengths = mx.array(sizes, mx.int32)
     positions = lengths[:, None] + depth
     masks = {}
@@ -121,6 +129,8 @@ def tree_forward(layers, cache: list, depth: mx.array, ancestors: mx.array):
     def mask(window):
         if window not in masks:
             masks[window] = tree_mask(lengths, max(sizes), depth, ancestors, window)
+            if window is None and N <= MAX_ROWS:  # what our verify kernel computes it from (Metal)
+                note_tree(masks[window], [n + N for n in sizes], ancestor_bits(ancestors))
         return masks[window]
 
     sites = rope_sites(layers)
