@@ -7,8 +7,8 @@
 
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
 `mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one request
-at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto` (D-cut)
-(`--configs` picks some). `--base REV` adds the same servers of another revision (a git worktree of it, imported
+at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto` (D-cut), and
+with draft trees at width 8 and with D-cut (`8-tree`, `dcut-tree`: `--tree`) (`--configs` picks some). `--base REV` adds the same servers of another revision (a git worktree of it, imported
 alone), to measure a change against the commit before it in the same run. The servers start one after another, each
 once the one before answers (so that a start-up probe times a quiet machine, as it would on a user's). For each
 concurrency level c, every server is measured in an order that rotates from level to level and from repeat to
@@ -55,11 +55,13 @@ MLX_LM, SERIAL = "mlx_lm.server", "ours, one at a time (auto)"
 
 def configurations(max_batch: int, keys: str = "serial,4,8,16,dcut") -> dict:
     """name -> `mlx-dflash serve` flags (mlx_lm.server is added apart), for the keys asked: serial (one at a
-    time), a fixed width, dcut."""
+    time), a fixed width, dcut, and with trees (8-tree, dcut-tree)."""
     rows = {"serial": (SERIAL, ["--max-batch", "1", "--width", "auto"])}
     for width in (4, 8, 16):
         rows[str(width)] = (f"ours batched, width {width}", ["--max-batch", str(max_batch), "--width", str(width)])
     rows["dcut"] = ("ours batched, D-cut", ["--max-batch", str(max_batch), "--width", "auto"])
+    rows["8-tree"] = ("ours batched, width 8, trees", ["--max-batch", str(max_batch), "--width", "8", "--tree"])
+    rows["dcut-tree"] = ("ours batched, D-cut, trees", ["--max-batch", str(max_batch), "--width", "auto", "--tree"])
     wanted = [k.strip() for k in keys.split(",") if k.strip()]
     if unknown := [k for k in wanted if k not in rows]:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(rows)})")
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-clients", type=int, default=0, help="a mixed load: the last N clients send long prompts")
     ap.add_argument("--long-tokens", type=int, default=3000, help="tokens of each long prompt (with --long-clients)")
     ap.add_argument("--configs", default="serial,4,8,16,dcut",
-                    help="our servers: serial (one at a time), 4, 8, 16 (fixed widths), dcut")
+                    help="our servers: serial (one at a time), 4, 8, 16 (fixed widths), dcut, 8-tree, dcut-tree")
     ap.add_argument("--base", help="also run our servers at this revision (a git worktree), side by side")
     name_arg(ap, "batching-cpu")
     args = ap.parse_args(argv)
