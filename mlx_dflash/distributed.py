@@ -8,8 +8,10 @@ and these keep them in step:
 - `Ranks.agree` (before each verify): every rank verifies rank 0's drafts. The target forward is a
   collective, so the ranks must feed it the same tokens of the same length; rank 0's drafter and width
   policy decide, whatever the others computed (their timings differ, so `--width auto` could differ).
+- `Ranks.agree_trees` (before a verify that may take a tree, `--tree`): every rank verifies rank 0's draft
+  trees (decoding/tree.py), or the chain where rank 0 chose one.
 - `Ranks.settle` (after each verify, and the prefill): every rank keeps rank 0's acceptance and next token
-  (a sampled token depends on the rank's random state).
+  (a sampled token depends on the rank's random state); after a tree's verify, the node its walk ended at.
 - `Ranks.decide`: rank 0's choice where a server's scheduler chooses by the clock (read a prompt's chunk now,
   or decode); what requests join and leave travels apart (server/sharded.py).
 - `Ranks.whole_features`: every rank gets the drafter's context features whole. With tensor sharding
@@ -17,9 +19,10 @@ and these keep them in step:
   pipeline stage runs only some layers, so each rank fills the captured layers it ran and leaves zeros
   in the others, and the kept rows are summed over the group.
 
-All are `all_sum`s of rank 0's values with zeros from the others. Per round that is two messages of
-at most 3 + 2 * rows * block_size floats, plus, under pipeline sharding, one sum of (accepted + 1) rows of
-n_captured * hidden values (e.g. 5 x 4096 bf16 x 4 rows = 160 KB), issued once the accepted count is known.
+All are `all_sum`s of rank 0's values with zeros from the others. Per round that is two messages of at most
+3 + 2 * rows * block_size floats (with `--tree`, two more: 3 floats, then 6 * rows * nodes), plus, under
+pipeline sharding, one sum of (accepted + 1) rows of n_captured * hidden values (e.g. 5 x 4096 bf16 x 4 rows =
+160 KB), issued once the accepted count is known.
 
 A rank that dies closes its sockets, and the ring backend raises in the others; one that hangs stops
 the round heartbeat. Either way the survivors print one line and exit non-zero (`Ranks.watch`).
@@ -33,10 +36,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import Optional
+
 import mlx.core as mx
 import numpy as np
 
 from .decoding.decoder import SingleProcess
+from .decoding.tree import Trees
 from .errors import DFlashError
 from .models.target import Target
 
@@ -180,6 +186,10 @@ def lost_rank_errors(rank: int):
         raise error from None
 
 
+TREE_FIELDS = {"tokens": np.int64, "parents": np.int64, "depth": np.int64, "probs": np.float64, "alive": bool,
+               "copied": bool}  # a `Trees` as the ranks exchange it
+
+
 class Ranks(SingleProcess):
     """The ranks of one sharded run, kept in step at two points per round (see the module docstring)."""
 
@@ -236,6 +246,20 @@ class Ranks(SingleProcess):
         agreed = mx.array(np.array(got[3 : 3 + B * n], dtype=np.int32).reshape(B, n))
         confidences = got[3 + B * n : 3 + B * n + B * m]
         return agreed, [confidences[b * m : (b + 1) * m] for b in range(B)] if m else None
+
+    def agree_trees(self, trees: Optional[Trees]) -> Optional[Trees]:
+        """Rank 0's draft trees (None: it verifies a chain this round) on every rank, rank 0's own included, so
+        that every rank's policy learns from the same numbers."""
+        shape = trees.tokens.shape if trees is not None else (0, 0)
+        head = self._from_rank0([float(trees is not None), *shape])
+        if not head[0]:
+            return None
+        B, M = int(head[1]), int(head[2])
+        mine = np.zeros((len(TREE_FIELDS), B, M), np.float32)
+        if self.rank == 0:  # token ids travel as float32: exact up to 2**24, far past any vocabulary
+            mine[:] = [getattr(trees, name) for name in TREE_FIELDS]
+        got = np.array(self.share(mx.array(mine)))
+        return Trees(**{name: got[i].astype(dtype) for i, (name, dtype) in enumerate(TREE_FIELDS.items())})
 
     def settle(self, accepted: list, tokens: list) -> tuple:
         """Rank 0's number of kept drafts and next token of each row (after the verify, or the prefill's

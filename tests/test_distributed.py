@@ -33,9 +33,13 @@ GREEDY_CASES = [
     dict(name="width 16", block_size=16),
     dict(name="width 16 p-min", block_size=16, p_min=2e-5),
     dict(name="width auto", auto=True),
+    dict(name="width 8, trees", block_size=8, tree=True),
 ]
 SAMPLED_CASES = [
     dict(name="sampled, seed 7", temp=1.0, seed=7),
+    dict(name="sampled trees, seed 7", temp=1.0, seed=7, block_size=8, tree=True),
+    dict(name="sampled trees, a different seed per rank", temp=1.0, seed=100, seed_per_rank=True, block_size=8,
+         tree=True),  # each rank's walk draws its own: the node rank 0's ended at is settled
     dict(name="sampled, a different seed per rank", temp=1.0, seed=100, seed_per_rank=True),
 ]
 
@@ -104,7 +108,7 @@ def single_process(target_dir, drafter_dir, cases):
     out = {}
     for case in cases:
         policy = build_policy(target, drafter, WidthOptions("auto" if case.get("auto") else case.get("block_size"),
-                                                            p_min=case.get("p_min", 0.0)))
+                                                            p_min=case.get("p_min", 0.0), tree=case.get("tree")))
         out[case["name"]] = generate(target, drafter, tokenizer, case["prompt"], max_tokens=case["max_tokens"],
                                      temp=case.get("temp", 0.0), policy=policy, seed=case.get("seed")).tokens
     return out
@@ -134,6 +138,7 @@ def test_two_ranks_decode_like_one_process(tmp_path, pairs, family, mode):
         assert rank0[name]["tokens"] == reference, f"{mode} {name}"
         assert rank1[name]["tokens"] == reference, f"{mode} {name}"
     assert max(map(int, rank0["width 16"]["widths"])) == 16  # the wide verify did run sharded
+    assert rank0["width 8, trees"]["tree_rounds"] > 0 and rank0["sampled trees, seed 7"]["tree_rounds"] > 0
     for case in SAMPLED_CASES:
         name = case["name"]
         assert rank0[name]["tokens"] == rank1[name]["tokens"], f"{mode} {name}: the ranks diverged"
@@ -157,6 +162,7 @@ def test_two_ranks_without_a_drafter_decode_like_one_process(tmp_path, pairs, mo
         name = case["name"]
         assert rank0[name]["tokens"] == rank1[name]["tokens"] == want[name] == want["width 1"], f"{mode} {name}"
     assert max(map(int, rank0["width 16"]["widths"])) > 1  # copies were verified sharded
+    assert rank0["width 8, trees"]["tree_rounds"] > 0  # trees of the copies, too
 
 
 @pytest.mark.slow

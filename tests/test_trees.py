@@ -167,6 +167,28 @@ def test_a_tree_keeps_the_true_token_the_drafter_ranked_second_where_a_chain_kee
     assert got == want and len(full) >= 6 and all(r.accepted == 1 and r.tree for r in full)
 
 
+def test_ranks_in_lockstep_verify_rank0s_trees():
+    """A sharded run's round (`Ranks`: in lockstep, every agreement a real all_sum, here over a group of this one
+    process): each round's trees come from rank 0 and its walk's end is settled, and decoding keeps the target's
+    greedy output with nodes kept off the tree's first path. Two ranks: tests/test_distributed.py (slow tier)."""
+    from conftest import mlx_lm_greedy
+    from oracles import OracleDrafter
+    from mlx_dflash.decoding.batch_decoder import Request, Scheduler
+    from mlx_dflash.distributed import Ranks
+    from mlx_dflash.policies.width import DraftControls, make_policy
+
+    model = tiny_model("llama")
+    target, real = bound_pair(model)
+    want = mlx_lm_greedy(model, PROMPT, 20)
+    drafter = SecondChoice(OracleDrafter(real.config, len(PROMPT), want, set(range(40))).bind(target), want,
+                           len(PROMPT))
+    policy = make_policy(real.block_size, 4, controls=DraftControls(tree=True, prompt_lookup=False))
+    ranks = Ranks(mx.distributed.init(), policy.block_size, False)
+    rounds = list(Scheduler(target, drafter, policy, 1, ranks=ranks).alone(Request(0, PROMPT, 20)))
+    assert [t for r in rounds for t in r.tokens] == want
+    assert sum(r.tree and r.accepted == 1 for r in rounds) >= 6 and ranks.exchanges >= 4 * len(rounds[1:])
+
+
 @pytest.fixture(scope="module")
 def chat_pairs(tiny_chat_pair):
     from test_batch import bound

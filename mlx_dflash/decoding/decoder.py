@@ -46,8 +46,13 @@ class SingleProcess:
         """The rows' drafts [B, n] and the confidence read of them (None: none), as rank 0 made them."""
         return drafts, confidence
 
+    def agree_trees(self, trees):
+        """The rows' draft trees (decoding/tree.py `Trees`; None: a chain this round), as rank 0 made them."""
+        return trees
+
     def settle(self, accepted: list, tokens: list) -> tuple:
-        """Each row's kept drafts and next token, as rank 0 judged them."""
+        """Each row's kept drafts (or, after a tree's verify, the node its walk ended at) and next token, as rank 0
+        judged them."""
         return accepted, tokens
 
     def whole_features(self, rows: mx.array) -> mx.array:
@@ -164,8 +169,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     proposals = [r.history.propose(min(width, n) - 1) if lookup else [] for r, n in zip(rows, most)]
     runs = [r.history.run for r in rows]  # how long each row's copy has run: lookup's acceptance is kept by it
     depths = [min(width - 1, n - 1) for n in most]
-    # (ranks in lockstep, a sharded target's, verify chains: they agree on drafts, not on trees)
-    may_tree, trees = bool(policy.controls.tree) and not ranks.lockstep and target.trees, None
+    may_tree, trees = bool(policy.controls.tree) and target.trees, None
     if isinstance(drafter, NoDrafter):  # no drafter: lookup's copies are the only drafts, and no more is verified
         if may_tree and width > 1:  # the copies of every earlier occurrence, as one tree
             trees = copy_trees([r.history.copies(d) for r, d in zip(rows, depths)], width, depths)
@@ -210,6 +214,8 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
             drafts = drafts[:, : width - 1]
     drafts, confidence = ranks.agree(drafts, confidence)
     width = drafts.shape[1] + 1  # rank 0's, under a sharded target
+    if may_tree:
+        trees = ranks.agree_trees(trees)
     draft_seconds = time.perf_counter() - tic
 
     # Verify: the target scores every row's [anchor, drafts] in one forward (a tree's nodes, each at its depth
@@ -218,7 +224,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     # a sampled row's own stream (a seeded request): its first token's key, then the next of its stream
     keys = [None if r.sampling.greedy else r.first_key if r.first else r.next_key() for r in rows]
     if trees is not None and width > 1:
-        v = verify_trees(target, cache, rows, trees, width, most, keys)
+        v = verify_trees(target, cache, rows, trees, width, most, keys, ranks)
     else:
         v = verify_chains(target, cache, rows, drafts, proposal, limits, keys, looked_up, ranks)
     logits, features, accepted, bonus, looked_up = v.logits, v.features, v.accepted, v.bonus, v.looked_up
@@ -267,13 +273,14 @@ def verify_chains(target: Target, cache: list, rows: list, drafts: mx.array, pro
     return Verified(logits, features, drafts, accepted, bonus, looked_up)
 
 
-def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list) -> Verified:
+def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, most: list, keys: list,
+                 ranks: SingleProcess) -> Verified:
     """The target's forward over each row's tree of `nodes` nodes (decoding/tree.py), then the walk along it. The
     kept path's cache entries move to follow the context; the other nodes' go with the round's rollback."""
     block = trees.first(nodes, [r.anchor for r in rows], [min(nodes, n) for n in most])
     logits, features = target.forward(mx.array(block.tokens, mx.int32), cache,
                                       (mx.array(block.depth, mx.int32), mx.array(block.ancestors)))
-    last, bonus = to_host(*accept_trees(block, logits, [r.sampling for r in rows], keys))
+    last, bonus = ranks.settle(*to_host(*accept_trees(block, logits, [r.sampling for r in rows], keys)))
     paths = [block.path(b, n) for b, n in enumerate(last)]
     target.keep_paths(cache, paths, nodes)
     drafts = [block.tokens[b, p[1:]].tolist() for b, p in enumerate(paths)]
