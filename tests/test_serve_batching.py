@@ -122,7 +122,8 @@ def test_short_requests_during_a_long_read_are_read_in_turn_and_queued_counts_th
     assert second - first > CHUNK_SECONDS * 0.75  # the second waited for the first's first chunk
 
 
-@pytest.mark.parametrize("seeded", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # seconds of a long read; test_batch.py checks the rule at the scheduler in the default tier
+@pytest.mark.parametrize("seeded", [False, True])
 def test_one_at_a_time_a_short_request_is_read_and_answered_during_a_long_read(pair, monkeypatch, seeded):
     """`--max-batch 1`: a short request sent during a long prompt's read is read in turn with it and answered,
     with the text it gets alone, before that read ends; the long request's answer is its own too, a seeded
