@@ -6,11 +6,13 @@ test_agents_real.py (slow tier)."""
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 
 import pytest
+from click.testing import CliRunner
+
+from mlx_dflash.cli import main
 
 from serving import MODEL, free_port, port_of, running
 
@@ -31,7 +33,8 @@ def served(tiny_chat_pair):
 
 
 def launch(name, port, *args, tmp_path, clients=True):
-    """(exit status, stderr, what the stand-in recorded) of `mlx-dflash NAME --port PORT -- ARGS`."""
+    """(exit status, stderr, what the stand-in recorded) of `mlx-dflash NAME --port PORT -- ARGS`, the command run
+    in this process (it starts the client as the real command does: a process of its own)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if clients:
@@ -41,9 +44,8 @@ def launch(name, port, *args, tmp_path, clients=True):
     record = tmp_path / "record.json"
     env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "HOME": str(tmp_path), "MLX_DFLASH_CACHE": str(tmp_path),
            "RECORD": str(record)}
-    r = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", name, "--port", str(port), "--", *args], env=env,
-                       capture_output=True, text=True, timeout=120)
-    return r.returncode, r.stderr, json.loads(record.read_text()) if record.exists() else None
+    r = CliRunner().invoke(main, [name, "--port", str(port), "--", *args], env=env)
+    return r.exit_code, r.stderr, json.loads(record.read_text()) if record.exists() else None
 
 
 def test_claude_gets_the_server_the_model_and_the_timeouts(served, tmp_path):
