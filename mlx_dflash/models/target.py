@@ -21,7 +21,7 @@ from .config import DFlashConfig
 from ..errors import DFlashError
 from ..machine import prefill_step
 from .rollback import find_recurrent, taping
-from .tree_verify import keep_paths, tree_forward
+from .tree_verify import keep_paths, rope_sites, tree_forward
 from ..kernels.verify_attention import install_sites, routing
 
 
@@ -66,6 +66,7 @@ class Target:
         self.layer_ids = tuple(layer_ids)
         self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
         self._attention = ([], "mlx")  # (sites, route) of the verify forward's attention (verify_attention.py)
+        self._rope_sites = None  # the RoPE modules a tree forward wraps (tree_verify.py), found at the first
         self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
         self.kv_quantization = None  # (bits, group_size, start): see quantize_kv
         self.source = None  # the model directory, when loaded from one
@@ -318,7 +319,9 @@ class Target:
         if tree is None:
             yield cache
             return
-        with tree_forward(self._inner.layers, cache, *tree) as view:
+        if self._rope_sites is None:  # found once: a walk over every module costs milliseconds a round
+            self._rope_sites = rope_sites(self._inner.layers)
+        with tree_forward(self._rope_sites, cache, *tree) as view:
             yield view
 
     def keep_paths(self, cache: list, paths: list, nodes: int):

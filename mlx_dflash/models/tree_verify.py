@@ -118,9 +118,10 @@ def ancestor_bits(ancestors: mx.array) -> mx.array:
 
 
 @contextmanager
-def tree_forward(layers, cache: list, depth: mx.array, ancestors: mx.array):
-    """For one forward of B rows x N tree nodes on `cache`: yields the cache list to pass the model, its layers'
-    RoPE modules and masks set to the trees' (depth [B, N]; ancestors [B, N, N], ancestor-or-self)."""
+def tree_forward(sites: list, cache: list, depth: mx.array, ancestors: mx.array):
+    """For one forward of B rows x N tree nodes on `cache`: yields the cache list to pass the model, the RoPE
+    modules at `sites` (`rope_sites`) and the layers' masks set to the trees' (depth [B, N]; ancestors [B, N, N],
+    ancestor-or-self)."""
     sizes, N = context_lengths(cache), depth.shape[1]
     lengths = mx.array(sizes, mx.int32)
     positions = lengths[:, None] + depth
@@ -133,7 +134,6 @@ def tree_forward(layers, cache: list, depth: mx.array, ancestors: mx.array):
                 note_tree(masks[window], [n + N for n in sizes], ancestor_bits(ancestors))
         return masks[window]
 
-    sites = rope_sites(layers)
     originals = [(module, key, module[key]) for module, key in sites]
     try:
         for module, key, rope in originals:
