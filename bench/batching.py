@@ -8,8 +8,9 @@
 Servers on loopback, side by side, all on the same target weights (the default pair unless --model/--drafter):
 `mlx_lm.server` (its continuous batching, no drafter), `mlx-dflash serve --max-batch 1 --width auto` (one request
 at a time), and `mlx-dflash serve --max-batch N` with fixed widths 4, 8, 16 and with `--width auto` (D-cut), and
-with draft trees at width 8 and with D-cut (`8-tree`, `dcut-tree`: `--tree`) (`--configs` picks some). `--base REV` adds the same servers of another revision (a git worktree of it, imported
-alone), to measure a change against the commit before it in the same run. The servers start one after another, each
+with draft trees at width 8 and with D-cut (`8-tree`, `dcut-tree`: `--tree`) (`--configs` picks some). `--base
+REV` adds the same servers of another revision (a git worktree of it, imported alone), to measure a change against
+the commit before it in the same run. The servers start one after another, each
 once the one before answers (so that a start-up probe times a quiet machine, as it would on a user's). For each
 concurrency level c, every server is measured in an order that rotates from level to level and from repeat to
 repeat (drift on a shared machine spreads over all): c client threads, each sending --requests-per-client streamed

@@ -66,7 +66,7 @@ class Target:
         self.layer_ids = tuple(layer_ids)
         self.wide_kernels = False  # our 6..16-row quantized matmul is installed (Metal only)
         self._attention = ([], "mlx")  # (sites, route) of the verify forward's attention (verify_attention.py)
-        self._rope_sites = None  # the RoPE modules a tree forward wraps (tree_verify.py), found at the first
+        self._rope_sites = None  # the RoPE modules a tree forward wraps (tree_verify.py), found at the first one
         self._pending = None  # (cache, rows, tapes) of the last forward, until its trim
         self.kv_quantization = None  # (bits, group_size, start): see quantize_kv
         self.source = None  # the model directory, when loaded from one
