@@ -86,10 +86,17 @@ class DraftControls:
     tree: Optional[bool] = None
 
     def __post_init__(self):
-        if not 0 <= self.p_min < 1:
-            raise DFlashError(f"p_min must be in [0, 1), got {self.p_min}")
-        if self.n_min < 0:
-            raise DFlashError(f"n_min must be at least 0 (drafted tokens), got {self.n_min}")
+        if problem := controls_problem(self.p_min, self.n_min):
+            raise DFlashError(problem)
+
+
+def controls_problem(p_min: float, n_min: int, names=("p_min", "n_min")) -> Optional[str]:
+    """What is wrong with these draft controls, in one line naming each as `names` do (None if nothing)."""
+    if not 0 <= p_min < 1:
+        return f"{names[0]} must be in [0, 1), got {p_min}"
+    if n_min < 0:
+        return f"{names[1]} must be at least 0 (drafted tokens), got {n_min}"
+    return None
 
 
 @dataclass
@@ -319,10 +326,8 @@ class WidthOptions:
 
     def __post_init__(self):
         width, n_max = self.width, self.n_max
-        if not 0 <= self.p_min < 1:
-            raise DFlashError(f"--p-min must be in [0, 1), got {self.p_min}")
-        if self.n_min < 0:
-            raise DFlashError(f"--n-min must be at least 0 (drafted tokens), got {self.n_min}")
+        if problem := controls_problem(self.p_min, self.n_min, ("--p-min", "--n-min")):
+            raise DFlashError(problem)
         if n_max is not None and width not in (None, "auto") and width != n_max + 1:
             raise DFlashError(f"--n-max {n_max} and --width {width} disagree (width = n_max + 1); give one of them")
         if self.cost_table and width not in (None, "auto"):
