@@ -93,22 +93,31 @@ def measure(target, cache, base, ids, keep) -> tuple:
     return verify, rollback
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_args(ap: argparse.ArgumentParser):
+    """The random-weight target's sizes, its context and the repeats (--quick: a smaller model, 2 repeats)."""
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=6144)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--context", type=int, default=64, help="prompt tokens prefilled before the rounds")
-    ap.add_argument("--bits", type=int, default=0, help="quantize the target to these bits (0: float32)")
-    ap.add_argument("--max-width", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 5, quick 2)")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+
+
+def model_sizes(args: argparse.Namespace):
     if args.quick:
         args.hidden, args.layers, args.intermediate, args.vocab = 1024, 4, 2048, 8000
     args.repeats = args.repeats or (2 if args.quick else 5)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_args(ap)
+    ap.add_argument("--bits", type=int, default=0, help="quantize the target to these bits (0: float32)")
+    ap.add_argument("--max-width", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    model_sizes(args)
     device = device_tag()
 
     config = hybrid_config(args.hidden, args.layers, args.intermediate, args.vocab)

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from test_families import assert_arrays_close, cache_arrays
-from tiny_families import FAMILIES, HYBRIDS, PROMPT, bound_pair, tiny_model
+from tiny_families import FAMILIES, PROMPT, bound_pair, tiny_model
 from mlx_dflash.decoding.tree import TreeBlock, grow
 from mlx_dflash.policies.width import RoundSeen
 
-TREE_FAMILIES = [f for f in FAMILIES if f not in HYBRIDS]
+TREE_FAMILIES = list(FAMILIES)
 # parents of a 9-node tree, every parent before its children: branches at the root and deeper
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
 
@@ -30,7 +30,8 @@ def device_tree(block: TreeBlock) -> tuple:
 
 @pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_every_node_scores_as_a_plain_forward_of_its_path_and_the_kept_path_is_plain_decoding(family):
-    """Past the sliding windows (8) of the families that have them: the context is 12 + 9 tokens."""
+    """Past the sliding windows (8) of the families that have them: the context is 12 + 9 tokens. A hybrid's
+    recurrent layers run each node from its parent's state."""
     model = tiny_model(family)
     target, _ = bound_pair(model)
     mx.random.seed(3)
@@ -38,24 +39,26 @@ def test_every_node_scores_as_a_plain_forward_of_its_path_and_the_kept_path_is_p
     tokens = mx.random.randint(0, target.vocab_size, (len(PARENTS),)).tolist()
     block = block_of(PARENTS, tokens)
 
-    cache = target.make_cache()
-    target.prefill(mx.array(context), cache)
-    logits, features = target.forward(mx.array(block.tokens), cache, device_tree(block))
+    wants = []  # each node's path through a plain forward, before the tree's (a hybrid rolls back the last one)
     for i in range(len(PARENTS)):
         path = block.path(0, i)
         plain = target.make_cache()
         target.prefill(mx.array(context), plain)
         want_logits, want_features = target.forward(mx.array([[tokens[j] for j in path]]), plain)
-        assert_arrays_close([logits[0, i], features[0, i]], [want_logits[0, -1], want_features[0, -1]],
-                            f"{family} node {i} (path {path})")
-
-    kept = block.path(0, 8)  # 0 -> 2 -> 6 -> 8
-    target.keep_paths(cache, [kept], len(PARENTS))
-    target.trim(cache, len(PARENTS) - len(kept))
-    plain = target.make_cache()
-    target.prefill(mx.array(context + [tokens[j] for j in kept] + [0]), plain)
-    target.trim(plain, 1)
-    assert_arrays_close(cache_arrays(cache), cache_arrays(plain), f"{family} cache after the kept path")
+        wants.append((path, [want_logits[0, -1], want_features[0, -1]]))
+    for end in (8, 5, 3):  # the deepest leaf (the whole of its path), a shallower leaf, a node inside the tree
+        cache = target.make_cache()
+        target.prefill(mx.array(context), cache)
+        logits, features = target.forward(mx.array(block.tokens), cache, device_tree(block))
+        if end == 8:
+            for i, (path, want) in enumerate(wants):
+                assert_arrays_close([logits[0, i], features[0, i]], want, f"{family} node {i} (path {path})")
+        kept = block.path(0, end)
+        target.keep_paths(cache, [kept], len(PARENTS))
+        target.trim(cache, len(PARENTS) - len(kept))
+        plain = target.make_cache()
+        target.prefill(mx.array(context + [tokens[j] for j in kept]), plain)
+        assert_arrays_close(cache_arrays(cache), cache_arrays(plain), f"{family} cache after the path {kept}")
 
 
 def brute_force_best(probs: np.ndarray, m: int) -> list:
@@ -198,13 +201,15 @@ def chat_pairs(tiny_chat_pair):
     kv8 = tiny_chat_target("llama", llama.vocab_size, seed=5, num_hidden_layers=4, hidden_size=128,
                            tie_word_embeddings=True)
     kv8.quantize_kv(8, group_size=32, start=16)
-    return {"dense": (llama, drafter, tokenizer), "kv8": (kv8, bound(kv8), tokenizer)}
+    hybrid = tiny_chat_target("qwen3_5", llama.vocab_size, seed=3)  # each row's recurrent state rewound to its path
+    return {"dense": (llama, drafter, tokenizer), "kv8": (kv8, bound(kv8), tokenizer),
+            "hybrid": (hybrid, bound(hybrid), tokenizer)}
 
 
 LIMITS = [20, 7, 15, 3, 12]
 
 
-@pytest.mark.parametrize("name", ["dense", pytest.param("kv8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["dense", "hybrid", pytest.param("kv8", marks=pytest.mark.slow)])
 def test_batched_trees_give_each_request_its_single_output(chat_pairs, name):
     """Each row its own tree in one padded forward, rows of their own lengths, rows leaving: every request's
     greedy tokens are those of a chain alone (the target's own), trees forced at widths 3 and 8, and D-cut's."""
@@ -225,14 +230,15 @@ def test_batched_trees_give_each_request_its_single_output(chat_pairs, name):
     assert [a.tokens for a in alone] == want and all(a.stats.tree_rounds > 0 for a in alone)
 
 
-def test_a_prefix_cache_state_left_by_tree_rounds_continues_exactly(chat_pairs):
-    """A second turn starts from the state the first turn's tree rounds left (its kept paths' keys and the
-    drafter's context): its tokens are those of a fresh run."""
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_a_prefix_cache_state_left_by_tree_rounds_continues_exactly(chat_pairs, name):
+    """A second turn starts from the state the first turn's tree rounds left (its kept paths' keys, a hybrid's
+    recurrent states, the drafter's context): its tokens are those of a fresh run."""
     from conftest import chat_ids
     from mlx_dflash.decoding.prompt_cache import PromptCache
     from mlx_dflash.generate import generate
 
-    target, drafter, tokenizer = chat_pairs["dense"]
+    target, drafter, tokenizer = chat_pairs[name]
     first = chat_ids(tokenizer, "Tell me a short story about a lighthouse keeper.")
     cache = PromptCache("tiny", target.trimmable)
     turn = generate(target, drafter, tokenizer, first, max_tokens=16, width=8, tree=True, prompt_cache=cache)
@@ -244,7 +250,9 @@ def test_a_prefix_cache_state_left_by_tree_rounds_continues_exactly(chat_pairs):
 
 def test_a_sampled_walk_emits_each_token_as_the_target_draws_it():
     """Sample then match, at a fixed tree and fixed logits: the first token emitted is distributed as the root's
-    distribution, and the token after a kept child as that child's (chi-square)."""
+    distribution, and the token after a kept child as that child's (chi-square). Every draw that lands on a
+    child's token moves to that child: the walk goes on with the target's probability of the children, the
+    most an exact scheme can (docs/architecture.md, Sampling)."""
     from conftest import assert_distributed_as
     from mlx_dflash.decoding.sampling import SamplingParams, target_probs
     from mlx_dflash.decoding.tree import accept_trees
@@ -259,13 +267,15 @@ def test_a_sampled_walk_emits_each_token_as_the_target_draws_it():
         path = block.path(0, last.item())
         emitted = [int(block.tokens[0, i]) for i in path[1:]] + [bonus.item()]
         firsts.append(emitted[0])
+        assert (len(path) > 1) == (emitted[0] in (1, 2)), (trial, path, emitted)
         if emitted[0] == 1 and len(emitted) > 1:
             after_one.append(emitted[1])
     assert_distributed_as(firsts, target_probs(logits[0, 0], params))
     assert_distributed_as(after_one, target_probs(logits[0, 1], params))
 
 
-def test_a_seeded_row_with_trees_samples_the_same_alone_and_batched(chat_pairs):
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_a_seeded_row_with_trees_samples_the_same_alone_and_batched(chat_pairs, name):
     from conftest import chat_ids
     from test_batch import scheduled
     from mlx_dflash.decoding.batch_decoder import Request
@@ -273,7 +283,7 @@ def test_a_seeded_row_with_trees_samples_the_same_alone_and_batched(chat_pairs):
     from mlx_dflash.policies.dcut import build_policy
     from mlx_dflash.policies.width import WidthOptions
 
-    target, drafter, tokenizer = chat_pairs["dense"]
+    target, drafter, tokenizer = chat_pairs[name]
     ids = [chat_ids(tokenizer, p) for p in ("Write a haiku about autumn rain.", "List five fruits that are red.")]
     policy = build_policy(target, drafter, WidthOptions(4, tree=True), 2)
 

@@ -169,7 +169,7 @@ def speculative_round(target: Target, drafter: DraftModel, cache: list, draft_ca
     proposals = [r.history.propose(min(width, n) - 1) if lookup else [] for r, n in zip(rows, most)]
     runs = [r.history.run for r in rows]  # how long each row's copy has run: lookup's acceptance is kept by it
     depths = [min(width - 1, n - 1) for n in most]
-    may_tree, trees = bool(policy.controls.tree) and target.trees, None
+    may_tree, trees = bool(policy.controls.tree), None
     if isinstance(drafter, NoDrafter):  # no drafter: lookup's copies are the only drafts, and no more is verified
         if may_tree and width > 1:  # the copies of every earlier occurrence, as one tree
             trees = copy_trees([r.history.copies(d) for r, d in zip(rows, depths)], width, depths)

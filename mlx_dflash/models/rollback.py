@@ -25,6 +25,11 @@ Design: record during the verify, recompute the accepted prefix's state in close
   keep w - 1, is the dearest).
 - Full acceptance needs nothing (the records are dropped); dropping a whole forward (keep 0, as the
   width probe does) restores the snapshot.
+- A draft tree (models/tree_verify.py): a recurrent layer reads one sequence in order, so the tape runs the
+  module over every path from the anchor to a leaf, each path a batch row of its own from the row's state
+  (`LeafPaths`; a node on several paths runs once for each), and gives each node the output of a path holding
+  it. Once the walk has ended, `keep_path` keeps the records of a path through the node it ended at, and the
+  rewind reads them as a chain's.
 - Nothing is patched: only attributes of this model instance are swapped, and put back at once.
   What this module knows of mlx-lm's layer: the conv output splits into q, k, v as [key_dim,
   key_dim, value_dim]; k is normalised by `normalize_qk`; the gates come from the a/b projections
@@ -45,6 +50,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import normalize_qk
 
 from ..errors import DFlashError
@@ -126,6 +132,8 @@ class RecurrentTape:
         self.module = module
         self.cache = self.snapshot = self.mask = None
         self.records = {}
+        self.paths = None  # a tree forward's paths (tree_verify.py `LeafPaths`), until `keep_path`
+        self.path_cache = None  # the cache the module left after running them, a path a batch row
 
     def __call__(self, x, mask=None, cache=None):
         if cache is not None:
@@ -135,16 +143,45 @@ class RecurrentTape:
         try:
             for name, child in children.items():
                 self.module[name] = _ChildRecorder(child, self.records, name)
-            return self.module(x, mask, cache)
+            return self.module(x, mask, cache) if self.paths is None else self._tree(x, mask, cache)
         finally:
             for name, child in children.items():
                 self.module[name] = child
+
+    def _tree(self, x, mask, cache):
+        """x [B, N, C]: tree nodes. The module runs each row's paths to its leaves from the row's state; returns
+        each node's output. The cache is left as row b's first path left it (right where a row's tree is one path,
+        the only tree a round keeps whole) until `keep_path` says which path each row kept."""
+        if mask is not None or cache is None or cache.lengths is not None:
+            raise DFlashError("a padded batch of a hybrid target cannot verify draft trees; verify chains (--no-tree)")
+        (B, _, C), (_, P, T) = x.shape, self.paths.nodes.shape
+        flat = mx.array(self.paths.nodes.reshape(B, P * T))
+        rows = mx.take_along_axis(x, flat[..., None], axis=1).reshape(B * P, T, C)
+        self.path_cache = ArraysCache(len(cache.cache))
+        self.path_cache.cache = [None if c is None else mx.repeat(c, P, axis=0) for c in cache.cache]
+        out = self.module(rows, None, self.path_cache)
+        cache.cache = [None if c is None else c[::P] for c in self.path_cache.cache]
+        at = mx.array(self.paths.leaf * T + self.paths.depth)
+        return mx.take_along_axis(out.reshape(B, P * T, -1), at[..., None], axis=1)
+
+    def keep_path(self, ends: list):
+        """After a tree forward: row b keeps the path from its anchor to node ends[b]. The records and the cache
+        become those of a path through it, which the rewind then reads as a chain's."""
+        if self.paths is None:
+            return
+        P = self.paths.nodes.shape[1]
+        rows = mx.array([b * P + int(self.paths.leaf[b, n]) for b, n in enumerate(ends)])
+        self.records = {name: (x[rows], out[rows]) for name, (x, out) in self.records.items()}
+        self.cache.cache = [None if c is None else c[rows] for c in self.path_cache.cache]
+        self.paths = self.path_cache = None
 
     def rewind(self, keep) -> list:
         """Leave the cache as plain decoding of the first `keep` rows would: one count for the whole batch,
         or a list of counts, one per batch row (rows of a batch keep different numbers of tokens; steps
         past a row's count then pass through with no decay and no update). Returns the new arrays."""
         cache, module = self.cache, self.module
+        if self.paths is not None:
+            raise DFlashError("a tree forward's kept paths must be given (keep_paths) before it is rolled back")
         if self.mask is not None or self.snapshot[2] is not None:
             raise DFlashError("rolling back a padded batch of a hybrid target is not supported (batch size 1 only)")
         after = cache.cache[1]  # the forward's own state: rows that keep every step keep it, bit for bit
@@ -180,7 +217,7 @@ class RecurrentTape:
         return cache.cache
 
     def release(self):
-        self.cache = self.snapshot = self.mask = None
+        self.cache = self.snapshot = self.mask = self.paths = self.path_cache = None
         self.records = {}
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache, shorten_rows
@@ -21,7 +22,7 @@ from .config import DFlashConfig
 from ..errors import DFlashError
 from ..machine import prefill_step
 from .rollback import find_recurrent, taping
-from .tree_verify import keep_paths, rope_sites, tree_forward
+from .tree_verify import keep_paths, leaf_paths, rope_sites, tree_forward
 from ..kernels.verify_attention import install_sites, routing
 
 
@@ -295,38 +296,37 @@ class Target:
         `trim` / `trim_rows` can rewind it; after `install_attention_kernel`, its attention runs through our
         multi-row kernel where that is faster.
         tree: (depth [B, L], ancestors [B, L, L]) when ids are draft trees' nodes (tree_verify.py): each at its
-        own position, seeing its ancestors only. Afterwards `keep_paths` says which nodes stay.
+        own position, seeing its ancestors only (through a recurrent layer: from its parent's state). Afterwards
+        `keep_paths` says which nodes stay.
         """
         sites = self._recurrent if cache is not None else []
-        if tree is not None and not self.trees:
-            raise DFlashError("this target verifies chains only (its recurrent layers cannot read a tree)")
         # the tree's RoPE wrappers go in before the attention modules are routed: routing puts a stand-in in
         # each module's place, under which the tree would not find the module's RoPE
-        with taping(sites) as tapes, self._tree(cache, tree) as view, routing(*self._attention):
+        with taping(sites) as tapes, self._tree(cache, tree, tapes) as view, routing(*self._attention):
             logits, features = self._run(ids, view)
         self._pending = (cache, ids.shape[1], tapes) if tapes else None
         self._quantize_due(cache)
         return logits, features
 
-    @property
-    def trees(self) -> bool:
-        """Whether the target can verify draft trees: attention layers only (a recurrent layer reads its inputs
-        in order, one path)."""
-        return self.trimmable
-
     @contextmanager
-    def _tree(self, cache: list, tree: Optional[tuple]):
+    def _tree(self, cache: list, tree: Optional[tuple], tapes: list):
         if tree is None:
             yield cache
             return
         if self._rope_sites is None:  # found once: a walk over every module costs milliseconds a round
             self._rope_sites = rope_sites(self._inner.layers)
+        if tapes:  # a hybrid target's recurrent layers run the trees' paths (rollback.py)
+            paths = leaf_paths(np.array(tree[0]), np.array(tree[1]))
+            for tape in tapes:
+                tape.paths = paths
         with tree_forward(self._rope_sites, cache, *tree) as view:
             yield view
 
     def keep_paths(self, cache: list, paths: list, nodes: int):
         """After a tree forward of `nodes` nodes a row: row b's path of nodes paths[b] moves to follow its
         context (tree_verify.py); trim_rows then drops the rest."""
+        for tape in self._pending[2] if self._pending is not None else ():
+            tape.keep_path([p[-1] for p in paths])
         keep_paths(cache, paths, nodes)
 
     def _run(self, ids: mx.array, cache: list):

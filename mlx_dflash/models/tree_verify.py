@@ -13,17 +13,22 @@ own code, on this model instance only, for the length of one call (`tree_forward
   any) and its own ancestors, nothing of its siblings, and nothing of another row's padding.
 
 The cache itself is written as for a chain (every node's keys after the row's context); which nodes are kept is
-the caller's to say afterwards (`keep_paths`), before the rejected ones are trimmed. mlx-lm's classes are never
-modified: the wrappers are put in the instance's module tree and taken out again, as target.py's recorders are.
+the caller's to say afterwards (`keep_paths`), before the rejected ones are trimmed. A hybrid target's recurrent
+layers read one sequence in order, so each runs every path from the anchor to a leaf as a batch row of its own,
+from the row's state (`leaf_paths`; models/rollback.py), and keeps the records of the path its walk took.
+mlx-lm's classes are never modified: the wrappers are put in the instance's module tree and taken out again, as
+target.py's recorders are.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache
 
 from ..kernels.attention import MAX_ROWS
 from ..kernels.verify_attention import note_tree
@@ -111,6 +116,32 @@ def tree_mask(lengths: mx.array, longest: int, depth: mx.array, ancestors: mx.ar
     return visible[:, None]
 
 
+@dataclass
+class LeafPaths:
+    """B rows' trees as their paths from the anchor to each leaf, for layers that read one sequence in order: row
+    b's path p is nodes[b, p] (one node a depth, then its leaf repeated up to the deepest leaf's length; a row with
+    fewer leaves repeats its first path), and node i of row b is step depth[b, i] of path leaf[b, i] (the first
+    path holding it)."""
+
+    nodes: np.ndarray  # [B, P, T]
+    leaf: np.ndarray  # [B, N]
+    depth: np.ndarray  # [B, N]
+
+
+def leaf_paths(depth: np.ndarray, ancestors: np.ndarray) -> LeafPaths:
+    """The `LeafPaths` of trees given as depth [B, N] and ancestors [B, N, N] (ancestor-or-self)."""
+    B, N = depth.shape
+    below = ancestors & ~np.eye(N, dtype=bool)[None]  # below[b, i, j]: j is above i
+    is_leaf = ~below.any(axis=1)
+    count, P, T = is_leaf.sum(axis=1), int(is_leaf.sum(axis=1).max()), int(depth.max()) + 1
+    leaves = np.argsort(~is_leaf, axis=1, kind="stable")[:, :P]
+    leaves = np.where(np.arange(P)[None] < count[:, None], leaves, leaves[:, :1])
+    holds = np.take_along_axis(ancestors, leaves[:, :, None], axis=1)  # [B, P, N]: path p holds node i
+    at = holds[:, :, None, :] & (depth[:, None, None, :] == np.arange(T)[None, None, :, None])  # [B, P, T, N]
+    nodes = np.where(at.any(axis=3), at.argmax(axis=3), leaves[:, :, None])
+    return LeafPaths(nodes, holds.argmax(axis=1), depth)
+
+
 def ancestor_bits(ancestors: mx.array) -> mx.array:
     """[B, N] uint32: bit j of node i's word set when node j is node i or above it (N <= 32)."""
     N = ancestors.shape[-1]
@@ -138,7 +169,8 @@ def tree_forward(sites: list, cache: list, depth: mx.array, ancestors: mx.array)
     try:
         for module, key, rope in originals:
             module[key] = TreeRope(rope, positions)
-        yield [TreeView(c, mask) for c in cache]
+        # a recurrent layer's cache keeps its own (no) mask: its layer runs the tree's paths (models/rollback.py)
+        yield [c if isinstance(c, ArraysCache) else TreeView(c, mask) for c in cache]
     finally:
         for module, key, rope in originals:
             module[key] = rope
@@ -153,7 +185,8 @@ def keep_paths(cache: list, paths: list, nodes: int):
     lengths = [n - nodes for n in context_lengths(cache)]
     for c in cache:
         for layer in (c.caches if isinstance(c, CacheList) else [c]):
-            _move(layer, lengths, paths)
+            if not isinstance(layer, ArraysCache):  # a recurrent state: its tape keeps the path's (rollback.py)
+                _move(layer, lengths, paths)
 
 
 def _move(layer, lengths: list, paths: list):
