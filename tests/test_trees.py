@@ -318,7 +318,8 @@ def test_dcut_costs_a_tree_by_its_nodes_reach_and_learns_from_every_node_judged(
     policy.observe(RoundSeen([list(probs[0, :, 0])], [3], [1], 4, 0.001, 0.028, [0], verdict))
     assert policy.calibration.trials.sum() == before + 3 and policy.calibration.hits.sum() == 1
     # the tree took twice the 4-row cell's 0.014 s: the ratio moves from 1 towards 2, and the cell keeps a chain's time
-    assert policy.tree_cost == pytest.approx(0.8 + 0.2 * 2) and policy.costs[1][4] == pytest.approx(0.028 / 1.2)
+    assert policy.tree_cost(4) == pytest.approx(0.8 + 0.2 * 2) and policy.costs[1][4] == pytest.approx(0.028 / 1.2)
+    assert policy.tree_cost(8) == policy.tree_cost(4) and policy.tree_cost(3) == 1.0  # untimed: from fewer nodes
 
 
 def test_dcut_verifies_a_chain_where_trees_cost_more_than_they_gain():
@@ -328,8 +329,21 @@ def test_dcut_verifies_a_chain_where_trees_cost_more_than_they_gain():
     probs = np.array([[[0.55, 0.4, 0.03, 0.02]] * 7])  # a second choice nearly as likely: trees gain
     trees = grow(np.arange(28).reshape(1, 7, 4), probs, 8, [7])
     assert policy.cut_tree(8, trees, [[0.55] * 7], [0], [50])[1]
-    policy.tree_cost = 2.0  # trees' verifies have cost twice a chain's
+    policy.tree_costs = {2: 2.0}  # trees' verifies have cost twice a chain's
     assert not policy.cut_tree(8, trees, [[0.55] * 7], [0], [50])[1]
+
+
+def test_dcut_keeps_trees_to_the_sizes_whose_verifies_it_timed_cheap():
+    """A hybrid target's trees cost more the more nodes they have (its recurrent layers run their paths): D-cut
+    times each size on its own, so a dear 8-node tree does not make a 4-node one look dear, nor the reverse."""
+    from mlx_dflash.policies.dcut import DCutPolicy
+
+    policy = DCutPolicy(8, 8, {1: {w: 0.01 + 0.001 * w for w in range(1, 9)}})
+    probs = np.array([[[0.55, 0.4, 0.03, 0.02]] * 7])
+    trees = grow(np.arange(28).reshape(1, 7, 4), probs, 8, [7])
+    policy.tree_costs = {4: 1.0, 5: 3.0}  # cheap up to 4 nodes, three times a chain's from 5
+    width, tree = policy.cut_tree(8, trees, [[0.55] * 7], [0], [50])
+    assert tree and width <= 4
 
 
 def test_generate_tree_flags_say_how_many_rounds_verified_a_tree(tiny_pair_dirs):

@@ -77,7 +77,7 @@ class DCutPolicy(WidthPolicy):
         self.context_costs = context_costs  # None: costs do not change with the context
         self.growth = {w: 1.0 for w in self.guessed[1]}
         self.tree_expected = {}  # the last tree round's expected tokens by its nodes
-        self.tree_cost = 1.0  # a tree verify's time over a chain's of as many rows, as timed
+        self.tree_costs = {}  # {nodes: a tree verify's time over a chain's of as many rows}, as timed
 
     @property
     def uses_confidence(self) -> bool:
@@ -156,8 +156,8 @@ class DCutPolicy(WidthPolicy):
     def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list, runs=None) -> tuple:
         """As `cut`, choosing between a chain and a tree of each size: a tree of n nodes expects 1 + the sum of
         its n - 1 best nodes' chances of being reached (each the product of its path's calibrated acceptances,
-        policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times the running ratio of
-        tree verifies' times to chains' (its mask and per-node positions). Returns (rows, tree or not)."""
+        policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times `tree_cost(n)`.
+        Returns (rows, tree or not)."""
         width = WidthPolicy.cut(self, width, confidence, looked_up, remaining)
         accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied, runs) * trees.alive
         reach = np.zeros_like(accept)
@@ -169,11 +169,18 @@ class DCutPolicy(WidthPolicy):
         batch = len(confidence)
         self.tree_expected = {w: batch + totals[w - 1] for w in range(1, width + 1)}
         rates = {(w, False): self.rate(confidence, looked_up, remaining, w, runs) for w in range(1, width + 1)}
-        rates.update({(w, True): self.tree_expected[w] / (self.draft_seconds + self.cost(batch, w) * self.tree_cost)
+        rates.update({(w, True): self.tree_expected[w] / (self.draft_seconds + self.cost(batch, w) * self.tree_cost(w))
                       for w in range(2, width + 1)})
         best = max(rates, key=rates.get)
         chosen = self.choose({w: rates[w, tree] for w, tree in rates if tree == best[1]}, batch)
         return chosen, best[1] and chosen > 1
+
+    def tree_cost(self, nodes: int) -> float:
+        """A tree verify's time over a chain's of as many rows: the running ratio timed at this many nodes, else at
+        the most nodes fewer than it (a tree's extra work grows with its nodes: a hybrid target's recurrent layers
+        run its paths, models/rollback.py), else 1 (untimed trees are tried)."""
+        timed = [n for n in self.tree_costs if n <= nodes]
+        return self.tree_costs[max(timed)] if timed else 1.0
 
     def choose(self, rates: dict, batch: int) -> int:
         """The width of the best rate, or now and then a near-best one timed least so far."""
@@ -191,10 +198,11 @@ class DCutPolicy(WidthPolicy):
         if seen.confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
             plain = batch / self.cost(batch, 1)
             if seen.tree is not None:
-                rate = self.tree_expected[width] / (self.draft_seconds + self.cost(batch, width) * self.tree_cost)
+                cost = self.cost(batch, width) * self.tree_cost(width)
+                rate = self.tree_expected[width] / (self.draft_seconds + cost)
                 self.calibration.record_nodes(seen.tree, runs)
-                self.tree_cost = running(self.tree_cost, verify_seconds / self.cost(batch, width), a)
-                verify_seconds /= self.tree_cost  # its cell keeps a chain's time
+                self.tree_costs[width] = running(self.tree_cost(width), verify_seconds / self.cost(batch, width), a)
+                verify_seconds /= self.tree_costs[width]  # its cell keeps a chain's time
             else:
                 rate = self.rate(seen.confidence, seen.looked_up, [n + 1 for n in seen.limits], width, runs)
                 for conf, n, kept, lookup, run in zip(seen.confidence, seen.limits, seen.accepted, seen.looked_up,
