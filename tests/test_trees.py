@@ -429,3 +429,26 @@ def test_the_principal_path_comes_first_so_keeping_a_prefix_of_it_moves_nothing(
     assert list(block.parents[0, :4]) == [-1, 0, 1, 2]  # anchor, then the best child of each in turn
     assert list(block.tokens[0, 1:4]) == [0, 2, 4]
     assert (block.parents[0, 1:] < np.arange(1, 7)).all()
+
+
+def test_a_tree_that_is_one_path_verifies_as_a_chain():
+    """A tree of 2 nodes is always one path (the anchor and the top-1 draft): its round runs the chain's forward,
+    without per-node positions or a tree mask, and emits what a tree forward would."""
+    from conftest import mlx_lm_greedy
+
+    model = tiny_model("llama")
+    target, drafter = bound_pair(model, block_size=16)
+    trees_seen = []
+    forward = target.forward
+
+    def spy(ids, cache, tree=None):
+        trees_seen.append(tree is not None)
+        return forward(ids, cache, tree)
+
+    target.forward = spy
+    got, rounds = tree_emitted(target, drafter, PROMPT, 2, 16)
+    assert got == mlx_lm_greedy(model, PROMPT, 16)
+    assert any(r.tree for r in rounds) and not any(trees_seen)
+    trees_seen.clear()
+    tree_emitted(target, drafter, PROMPT, 8, 16)
+    assert any(trees_seen)  # wider trees branch
