@@ -3,11 +3,12 @@
 A hybrid target's recurrent layers run a tree as its paths from the anchor to each leaf, a path a batch row
 (models/rollback.py), so a tree of n nodes costs those layers the tokens of all its paths, where attention layers
 pay for n rows and a mask. This measures what that costs: bench/rollback.py's random-weight qwen3_5 (the published
-hybrids' linear-attention sizes), and the same model with every layer full attention (`full_attention_interval`
-1), each verifying n rows as a chain and as a tree of n nodes, then keeping a path of 3 (the anchor and two
+hybrids' linear-attention sizes), and a qwen3 of the same width, depth, attention heads and MLP (every layer full
+attention), each verifying n rows as a chain and as a tree of n nodes, then keeping a path of 3 (the anchor and two
 drafts: off the tree's principal path where it has such a node), rollback included. The trees are what
-decoding/tree.py `grow` ranks from candidates of probabilities --profile at every position, the shipped drafter's
-usual spread; the table gives their paths (leaves) and depth. Timed side by side in a shuffled order from the same
+decoding/tree.py `grow` ranks from candidates of probabilities --profile at every position; the table gives their
+paths (leaves) and depth, on which a hybrid's cost depends (a tree that is one path runs here as a tree, where
+decoding verifies it as a chain). Timed side by side in a shuffled order from the same
 context; process-CPU medians (steadier on a shared machine) and wall-clock medians.
 
     python bench/hybrid_trees.py                 # -> bench/results/hybrid-trees-<device>/
@@ -48,8 +49,7 @@ def verify(target, cache, base, ids, block, kept):
         if block is None:
             mx.eval(target.forward(ids, cache), cache_arrays(cache))
         else:
-            tree = (mx.array(block.depth, mx.int32), mx.array(block.ancestors))
-            mx.eval(target.forward(ids, cache, tree), cache_arrays(cache))
+            mx.eval(target.forward(ids, cache, block), cache_arrays(cache))
             target.keep_paths(cache, [kept], ids.shape[1])
         target.trim(cache, ids.shape[1] - len(kept))
         mx.eval(cache_arrays(cache))
@@ -106,7 +106,8 @@ def main(argv=None):
     rows = []
     for m in models:
         for n in sizes:
-            paths = leaf_paths(trees[n][0].depth, trees[n][0].ancestors).nodes.shape
+            block = trees[n][0]
+            paths = leaf_paths(block.depth, block.ancestors, block.alive).nodes.shape
             row = dict(model=m, nodes=n, leaves=paths[1], depth=paths[2] - 1)
             for clock, tag in ((0, "wall"), (1, "cpu")):
                 row[f"chain_{tag}_ms"], row[f"tree_{tag}_ms"] = ms((m, n, "chain"), clock), ms((m, n, "tree"), clock)

@@ -344,16 +344,17 @@ def test_the_kernel_source_in_the_verify_forward(forced):
 TREE_PARENTS = [[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 0, 3, 2, 2, 4, 0]]
 
 
-def tree_of(parents: list) -> tuple:
-    """(depth [B, N], ancestors [B, N, N] ancestor-or-self) of the trees given by each row's parents."""
-    n = len(parents[0])
-    depth, ancestors = np.zeros((len(parents), n), np.int32), np.zeros((len(parents), n, n), bool)
-    for b, row in enumerate(parents):
-        for i, p in enumerate(row):
-            depth[b, i] = 0 if p < 0 else depth[b, p] + 1
-            ancestors[b, i] = ancestors[b, p] if p >= 0 else False
-            ancestors[b, i, i] = True
-    return mx.array(depth), mx.array(ancestors)
+def tree_of(parents: list):
+    """The decoding/tree.py `TreeBlock` of the trees given by each row's parents (tokens left to the caller)."""
+    from mlx_dflash.decoding.tree import TreeBlock
+
+    parents = np.array(parents)
+    depth = np.zeros(parents.shape, np.int32)
+    for i in range(1, parents.shape[1]):  # parents come first
+        depth[:, i] = depth[np.arange(len(parents)), parents[:, i]] + 1
+    shape = parents.shape
+    return TreeBlock(np.zeros(shape, np.int64), parents, depth, np.ones(shape, bool), np.ones(shape),
+                     np.zeros(shape, bool))
 
 
 def tree_logits(target, rows: int, kernel_route=None) -> mx.array:

@@ -24,10 +24,6 @@ def block_of(parents: list, tokens: list) -> TreeBlock:
                      np.zeros((1, n), bool))
 
 
-def device_tree(block: TreeBlock) -> tuple:
-    return mx.array(block.depth, mx.int32), mx.array(block.ancestors)
-
-
 @pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_every_node_scores_as_a_plain_forward_of_its_path_and_the_kept_path_is_plain_decoding(family):
     """Past the sliding windows (8) of the families that have them: the context is 12 + 9 tokens. A hybrid's
@@ -49,7 +45,7 @@ def test_every_node_scores_as_a_plain_forward_of_its_path_and_the_kept_path_is_p
     for end in (8, 5, 3):  # the deepest leaf (the whole of its path), a shallower leaf, a node inside the tree
         cache = target.make_cache()
         target.prefill(mx.array(context), cache)
-        logits, features = target.forward(mx.array(block.tokens), cache, device_tree(block))
+        logits, features = target.forward(mx.array(block.tokens), cache, block)
         if end == 8:
             for i, (path, want) in enumerate(wants):
                 assert_arrays_close([logits[0, i], features[0, i]], want, f"{family} node {i} (path {path})")
@@ -452,3 +448,45 @@ def test_a_tree_that_is_one_path_verifies_as_a_chain():
     trees_seen.clear()
     tree_emitted(target, drafter, PROMPT, 8, 16)
     assert any(trees_seen)  # wider trees branch
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_hybrids_paths_are_the_alive_leaves_and_each_node_reads_a_path_through_it(seed):
+    """tree_verify.leaf_paths, which a hybrid's recurrent layers run: one path per alive leaf (a dead node never
+    adds one), and each alive node's output comes from a path whose steps up to it are the node's own path."""
+    from mlx_dflash.models.tree_verify import leaf_paths
+
+    rng = np.random.default_rng(seed)
+    B, n = 3, 6
+    probs = -np.sort(-rng.dirichlet(np.ones(4), size=(B, n)), axis=2)
+    trees = grow(np.arange(B * n * 4).reshape(B, n, 4), probs, 12, [n] * B)
+    block = trees.first(12, [0] * B, [12, int(rng.integers(1, 6)), int(rng.integers(6, 12))])
+    paths = leaf_paths(block.depth, block.ancestors, block.alive)
+    leaves = [[i for i in range(12) if block.alive[b, i]
+               and not any(block.alive[b, j] and block.ancestors[b, j, i] for j in range(12) if j != i)]
+              for b in range(B)]
+    assert paths.nodes.shape[1] == max(map(len, leaves))
+    for b in range(B):
+        assert {int(paths.nodes[b, p, block.depth[b, leaf]]) for p, leaf in enumerate(leaves[b])} == set(leaves[b])
+        for i in np.flatnonzero(block.alive[b]):
+            along = paths.nodes[b, paths.path[b, i], : paths.step[b, i] + 1].tolist()
+            assert along == block.path(b, int(i)), (b, i)
+
+
+def test_a_one_path_tree_round_teaches_dcut_a_chains_cost():
+    """A round whose tree was one path ran as a chain (decoder.verify_trees): D-cut leaves the trees' cost ratio
+    alone and keeps the round's time in the chain's cell as it was timed."""
+    from mlx_dflash.decoding.tree import TreeVerdict
+    from mlx_dflash.policies.dcut import DCutPolicy
+
+    policy = DCutPolicy(8, 8, {1: {w: 0.01 + 0.001 * w for w in range(1, 9)}})
+    probs = np.array([[[0.95, 0.02, 0.02, 0.01]] * 3])  # the best 3 nodes are the top-1 path
+    trees = grow(np.arange(12).reshape(1, 3, 4), probs, 4, [3])
+    policy.cut_tree(4, trees, [[0.95] * 3], [0], [50])
+    policy.tree_costs = {2: 5.0}  # branched trees were dear
+    block = trees.first(4, [0], [4])
+    assert block.one_path
+    verdict = TreeVerdict(block.probs, block.depth, block.copied, np.array([[False, True, True, True]]),
+                          np.array([[True, True, True, True]]), branched=False)
+    policy.observe(RoundSeen([[0.95] * 3], [3], [3], 4, 0.001, 0.014, [0], verdict))
+    assert policy.tree_costs == {2: 5.0} and policy.costs[1][4] == pytest.approx(0.014)

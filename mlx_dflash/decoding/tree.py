@@ -105,6 +105,11 @@ class TreeBlock:
                 out[:, i] |= out[rows, self.parents[:, i]]
         return out
 
+    @property
+    def one_path(self) -> bool:
+        """Every row's nodes are one path in order (a tree of 2 always is): its verify is a chain's."""
+        return bool((self.parents == np.arange(-1, self.parents.shape[1] - 1)[None]).all())
+
     def path(self, b: int, last: int) -> list:
         """Node indices from the anchor to `last` in row b."""
         nodes = [last]
@@ -123,6 +128,7 @@ class TreeVerdict:
     copied: np.ndarray  # [B, N]
     judged: np.ndarray  # [B, N]
     reached: np.ndarray  # [B, N]
+    branched: bool = True  # its forward ran as a tree's (False: every row's tree was one path, verified as a chain)
 
 
 def tree_verdict(block: TreeBlock, paths: list) -> TreeVerdict:
@@ -132,7 +138,7 @@ def tree_verdict(block: TreeBlock, paths: list) -> TreeVerdict:
         reached[b, path] = True
     parent_reached = np.take_along_axis(reached, np.maximum(block.parents, 0), axis=1)
     judged = parent_reached & block.alive & (np.arange(N) > 0)[None]
-    return TreeVerdict(block.probs, block.depth, block.copied, judged, reached)
+    return TreeVerdict(block.probs, block.depth, block.copied, judged, reached, not block.one_path)
 
 
 def copy_trie(copies: list, n: int) -> tuple:

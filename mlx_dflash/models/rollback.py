@@ -37,7 +37,8 @@ Design: record during the verify, recompute the accepted prefix's state in close
   log g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b). tests/test_families.py checks every
   array against plain decoding, so a change upstream fails loudly rather than silently.
 - Memory: the records hold one round's arrays (L rows per child, one state per layer) and are freed
-  by the trim (or the next forward). They never grow with the context.
+  by the trim (or the next forward). They never grow with the context. A tree round holds, until
+  `keep_path`, rows x paths x (depth + 1) steps per child and one state per path.
 
 The designs not taken: re-running the whole target on the accepted prefix (a second forward); re-running
 each layer's recurrence with `gated_delta_update` from the snapshot (z-lab's dflash/model_mlx.py in
@@ -150,9 +151,10 @@ class RecurrentTape:
 
     def _tree(self, x, mask, cache):
         """x [B, N, C]: tree nodes. The module runs each row's paths to its leaves from the row's state; returns
-        each node's output. The cache is left as row b's first path left it (right where a row's tree is one path,
-        the only tree a round keeps whole) until `keep_path` says which path each row kept."""
-        if mask is not None or cache is None or cache.lengths is not None:
+        each node's output. The cache is left as row b's first path left it until `keep_path` says which path each
+        row kept (right already where every row's tree is one path of all its nodes, the only tree a round keeps
+        whole)."""
+        if mask is not None or cache.lengths is not None:
             raise DFlashError("a padded batch of a hybrid target cannot verify draft trees; verify chains (--no-tree)")
         (B, _, C), (_, P, T) = x.shape, self.paths.nodes.shape
         flat = mx.array(self.paths.nodes.reshape(B, P * T))
@@ -161,7 +163,7 @@ class RecurrentTape:
         self.path_cache.cache = [None if c is None else mx.repeat(c, P, axis=0) for c in cache.cache]
         out = self.module(rows, None, self.path_cache)
         cache.cache = [None if c is None else c[::P] for c in self.path_cache.cache]
-        at = mx.array(self.paths.leaf * T + self.paths.depth)
+        at = mx.array(self.paths.path * T + self.paths.step)
         return mx.take_along_axis(out.reshape(B, P * T, -1), at[..., None], axis=1)
 
     def keep_path(self, ends: list):
@@ -170,7 +172,7 @@ class RecurrentTape:
         if self.paths is None:
             return
         P = self.paths.nodes.shape[1]
-        rows = mx.array([b * P + int(self.paths.leaf[b, n]) for b, n in enumerate(ends)])
+        rows = mx.array([b * P + int(self.paths.path[b, n]) for b, n in enumerate(ends)])
         self.records = {name: (x[rows], out[rows]) for name, (x, out) in self.records.items()}
         self.cache.cache = [None if c is None else c[rows] for c in self.path_cache.cache]
         self.paths = self.path_cache = None

@@ -14,7 +14,6 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .batch_cache import RaggedKVCache, RaggedQuantizedKVCache, shorten_rows
@@ -288,16 +287,16 @@ class Target:
             for i, layer in originals.items():
                 layers[i] = layer
 
-    def forward(self, ids: mx.array, cache: list, tree: Optional[tuple] = None):
+    def forward(self, ids: mx.array, cache: list, tree=None):
         """Run ids [B, L] through the model. Returns (logits [B, L, V], features [B, L, n*H]).
 
         Features are the captured layer outputs concatenated in `layer_ids` order, the order the
         drafter's `fc` expects (n = 0 where none is captured). On a hybrid target the call is taped, so that
         `trim` / `trim_rows` can rewind it; after `install_attention_kernel`, its attention runs through our
         multi-row kernel where that is faster.
-        tree: (depth [B, L], ancestors [B, L, L]) when ids are draft trees' nodes (tree_verify.py): each at its
-        own position, seeing its ancestors only (through a recurrent layer: from its parent's state). Afterwards
-        `keep_paths` says which nodes stay.
+        tree: when ids are draft trees' nodes, their shape (decoding/tree.py `TreeBlock`: depth [B, L], ancestors
+        [B, L, L], alive [B, L], on the host): each node at its own position, seeing its ancestors only (through a
+        recurrent layer: from its parent's state; tree_verify.py). Afterwards `keep_paths` says which nodes stay.
         """
         sites = self._recurrent if cache is not None else []
         # the tree's RoPE wrappers go in before the attention modules are routed: routing puts a stand-in in
@@ -309,17 +308,17 @@ class Target:
         return logits, features
 
     @contextmanager
-    def _tree(self, cache: list, tree: Optional[tuple], tapes: list):
+    def _tree(self, cache: list, tree, tapes: list):
         if tree is None:
             yield cache
             return
         if self._rope_sites is None:  # found once: a walk over every module costs milliseconds a round
             self._rope_sites = rope_sites(self._inner.layers)
         if tapes:  # a hybrid target's recurrent layers run the trees' paths (rollback.py)
-            paths = leaf_paths(np.array(tree[0]), np.array(tree[1]))
+            paths = leaf_paths(tree.depth, tree.ancestors, tree.alive)
             for tape in tapes:
                 tape.paths = paths
-        with tree_forward(self._rope_sites, cache, *tree) as view:
+        with tree_forward(self._rope_sites, cache, mx.array(tree.depth, mx.int32), mx.array(tree.ancestors)) as view:
             yield view
 
     def keep_paths(self, cache: list, paths: list, nodes: int):

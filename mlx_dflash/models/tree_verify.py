@@ -120,26 +120,28 @@ def tree_mask(lengths: mx.array, longest: int, depth: mx.array, ancestors: mx.ar
 class LeafPaths:
     """B rows' trees as their paths from the anchor to each leaf, for layers that read one sequence in order: row
     b's path p is nodes[b, p] (one node a depth, then its leaf repeated up to the deepest leaf's length; a row with
-    fewer leaves repeats its first path), and node i of row b is step depth[b, i] of path leaf[b, i] (the first
-    path holding it)."""
+    fewer leaves repeats its first path), and node i of row b takes its output from step step[b, i] of path
+    path[b, i] (the first path holding it; a dead node, whose output nobody reads, the anchor's)."""
 
     nodes: np.ndarray  # [B, P, T]
-    leaf: np.ndarray  # [B, N]
-    depth: np.ndarray  # [B, N]
+    path: np.ndarray  # [B, N]
+    step: np.ndarray  # [B, N]
 
 
-def leaf_paths(depth: np.ndarray, ancestors: np.ndarray) -> LeafPaths:
-    """The `LeafPaths` of trees given as depth [B, N] and ancestors [B, N, N] (ancestor-or-self)."""
+def leaf_paths(depth: np.ndarray, ancestors: np.ndarray, alive: np.ndarray) -> LeafPaths:
+    """The `LeafPaths` of trees given as depth [B, N], ancestors [B, N, N] (ancestor-or-self) and alive [B, N]:
+    the leaves are the alive nodes with no alive node below them (a dead node never gets a path of its own)."""
     B, N = depth.shape
-    below = ancestors & ~np.eye(N, dtype=bool)[None]  # below[b, i, j]: j is above i
-    is_leaf = ~below.any(axis=1)
-    count, P, T = is_leaf.sum(axis=1), int(is_leaf.sum(axis=1).max()), int(depth.max()) + 1
+    above = ancestors & ~np.eye(N, dtype=bool)[None]  # above[b, i, j]: j is a strict ancestor of i
+    is_leaf = alive & ~(above & alive[:, :, None]).any(axis=1)
+    count, T = is_leaf.sum(axis=1), int(np.where(alive, depth, 0).max()) + 1
+    P = int(count.max())
     leaves = np.argsort(~is_leaf, axis=1, kind="stable")[:, :P]
     leaves = np.where(np.arange(P)[None] < count[:, None], leaves, leaves[:, :1])
     holds = np.take_along_axis(ancestors, leaves[:, :, None], axis=1)  # [B, P, N]: path p holds node i
     at = holds[:, :, None, :] & (depth[:, None, None, :] == np.arange(T)[None, None, :, None])  # [B, P, T, N]
     nodes = np.where(at.any(axis=3), at.argmax(axis=3), leaves[:, :, None])
-    return LeafPaths(nodes, holds.argmax(axis=1), depth)
+    return LeafPaths(nodes, np.where(alive, holds.argmax(axis=1), 0), np.where(alive, depth, 0))
 
 
 def ancestor_bits(ancestors: mx.array) -> mx.array:

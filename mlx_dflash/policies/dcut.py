@@ -156,8 +156,8 @@ class DCutPolicy(WidthPolicy):
     def cut_tree(self, width: int, trees, confidence: list, looked_up: list, remaining: list, runs=None) -> tuple:
         """As `cut`, choosing between a chain and a tree of each size: a tree of n nodes expects 1 + the sum of
         its n - 1 best nodes' chances of being reached (each the product of its path's calibrated acceptances,
-        policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times `tree_cost(n)`.
-        Returns (rows, tree or not)."""
+        policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times `tree_cost(n)` (a tree
+        that is one path ties with its chain, which is chosen). Returns (rows, tree or not)."""
         width = WidthPolicy.cut(self, width, confidence, looked_up, remaining)
         accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied, runs) * trees.alive
         reach = np.zeros_like(accept)
@@ -198,11 +198,12 @@ class DCutPolicy(WidthPolicy):
         if seen.confidence is not None:  # a drafting round: its expected rate against plain rounds', before costs move
             plain = batch / self.cost(batch, 1)
             if seen.tree is not None:
-                cost = self.cost(batch, width) * self.tree_cost(width)
-                rate = self.tree_expected[width] / (self.draft_seconds + cost)
+                ratio = self.tree_cost(width) if seen.tree.branched else 1.0  # one path: verified as a chain
+                rate = self.tree_expected[width] / (self.draft_seconds + self.cost(batch, width) * ratio)
                 self.calibration.record_nodes(seen.tree, runs)
-                self.tree_costs[width] = running(self.tree_cost(width), verify_seconds / self.cost(batch, width), a)
-                verify_seconds /= self.tree_costs[width]  # its cell keeps a chain's time
+                if seen.tree.branched:
+                    self.tree_costs[width] = running(ratio, verify_seconds / self.cost(batch, width), a)
+                    verify_seconds /= self.tree_costs[width]  # its cell keeps a chain's time
             else:
                 rate = self.rate(seen.confidence, seen.looked_up, [n + 1 for n in seen.limits], width, runs)
                 for conf, n, kept, lookup, run in zip(seen.confidence, seen.limits, seen.accepted, seen.looked_up,
