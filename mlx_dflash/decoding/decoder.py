@@ -279,8 +279,7 @@ def verify_trees(target: Target, cache: list, rows: list, trees, nodes: int, mos
     kept path's cache entries move to follow the context; the other nodes' go with the round's rollback."""
     block = trees.first(nodes, [r.anchor for r in rows], [min(nodes, n) for n in most])
     # every row's tree one path in order (a tree of 2 always is): a chain's forward, without per-node positions
-    one_path = block.one_path
-    logits, features = target.forward(mx.array(block.tokens, mx.int32), cache, None if one_path else block)
+    logits, features = target.forward(mx.array(block.tokens, mx.int32), cache, None if block.one_path else block)
     last, bonus = ranks.settle(*to_host(*accept_trees(block, logits, [r.sampling for r in rows], keys)))
     paths = [block.path(b, n) for b, n in enumerate(last)]
     target.keep_paths(cache, paths, nodes)

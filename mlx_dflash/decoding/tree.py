@@ -105,7 +105,7 @@ class TreeBlock:
                 out[:, i] |= out[rows, self.parents[:, i]]
         return out
 
-    @property
+    @cached_property
     def one_path(self) -> bool:
         """Every row's nodes are one path in order (a tree of 2 always is): its verify is a chain's."""
         return bool((self.parents == np.arange(-1, self.parents.shape[1] - 1)[None]).all())

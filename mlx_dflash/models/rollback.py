@@ -151,9 +151,8 @@ class RecurrentTape:
 
     def _tree(self, x, mask, cache):
         """x [B, N, C]: tree nodes. The module runs each row's paths to its leaves from the row's state; returns
-        each node's output. The cache is left as row b's first path left it until `keep_path` says which path each
-        row kept (right already where every row's tree is one path of all its nodes, the only tree a round keeps
-        whole)."""
+        each node's output. The cache takes the state of the path each row kept at `keep_path` (which a rewind
+        requires)."""
         if mask is not None or cache.lengths is not None:
             raise DFlashError("a padded batch of a hybrid target cannot verify draft trees; verify chains (--no-tree)")
         (B, _, C), (_, P, T) = x.shape, self.paths.nodes.shape
@@ -162,7 +161,6 @@ class RecurrentTape:
         self.path_cache = ArraysCache(len(cache.cache))
         self.path_cache.cache = [None if c is None else mx.repeat(c, P, axis=0) for c in cache.cache]
         out = self.module(rows, None, self.path_cache)
-        cache.cache = [None if c is None else c[::P] for c in self.path_cache.cache]
         at = mx.array(self.paths.path * T + self.paths.step)
         return mx.take_along_axis(out.reshape(B, P * T, -1), at[..., None], axis=1)
 

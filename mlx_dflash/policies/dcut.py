@@ -157,7 +157,7 @@ class DCutPolicy(WidthPolicy):
         """As `cut`, choosing between a chain and a tree of each size: a tree of n nodes expects 1 + the sum of
         its n - 1 best nodes' chances of being reached (each the product of its path's calibrated acceptances,
         policies/width.py `Calibration.node_acceptance`) and costs a verify of n rows times `tree_cost(n)` (a tree
-        that is one path ties with its chain, which is chosen). Returns (rows, tree or not)."""
+        that is one path is then verified as its chain: decoder.verify_trees). Returns (rows, tree or not)."""
         width = WidthPolicy.cut(self, width, confidence, looked_up, remaining)
         accept = self.calibration.node_acceptance(trees.probs, trees.depth, trees.copied, runs) * trees.alive
         reach = np.zeros_like(accept)
